@@ -1,9 +1,24 @@
 """Pure-jnp ragged paged attention: the oracle for the Pallas kernels and the CPU fast path.
 
-Each query row gathers only the KV blocks of its own sequence, a chunk of blocks at a
-time, inside a while loop whose trip count is the batch's longest context (a traced
-value): nothing past what the batch needs is read, and one compiled function serves
-every context length. Softmax is online (flash style) in float32.
+The batch is cut into query tiles (`plan.py`): a tile is up to `block_q` rows of one
+sequence. A tile's keys are a range of whole KV blocks, read through its block table in
+*chunks* of `chunk_blocks` blocks. Every (tile, chunk) pair that some row needs is one *work
+item*; the items of the whole batch are numbered 0..W-1 (W is a traced value), and a while
+loop consumes them `items_per_step` at a time. So:
+
+- nothing past a sequence's last needed block is read (the bound comes from `kv_lens` and
+  the sliding window, never from the table's width), and a short sequence does not wait
+  for the batch's longest one: the work is the sum of the contexts, not their maximum
+  times the batch;
+- one compiled function serves every context length and every mix of prefill and decode;
+- prefill rows of one sequence share the gathered keys of their tile.
+
+Each item produces a partial flash-attention state (running max, sum, unnormalised output)
+for its tile; states are merged into the tile's by a scatter-max and a scatter-add (online
+softmax across items). Softmax statistics and accumulation are float32.
+
+`ragged_paged_attention_dense` is the naive version kept for the benchmark: it gathers every
+block of every table (up to `max_blocks`) and masks.
 """
 
 from __future__ import annotations
@@ -12,19 +27,25 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.ragged_paged_attention.plan import cache_dims, make_tile_plan
+
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def token_metadata(cu_q_lens: Int[Array, "S1"], kv_lens: Int[Array, "S"], num_seqs: Int[Array, "1"], num_tokens: int):
-    """Per query row: its sequence, absolute position and context length (0 for padding rows)."""
-    rows = jnp.arange(num_tokens, dtype=jnp.int32)
-    max_seqs = kv_lens.shape[0]
-    seq_id = jnp.searchsorted(cu_q_lens[1:], rows, side="right").astype(jnp.int32)
-    real = (rows < cu_q_lens[num_seqs[0]]) & (seq_id < max_seqs)
-    seq_id = jnp.where(real, seq_id, 0)
-    kv_len = jnp.where(real, kv_lens[seq_id], 0)
-    position = kv_len - (cu_q_lens[seq_id + 1] - rows)
-    return seq_id, position, kv_len
+def default_block_q(num_tokens: int, max_seqs: int) -> int:
+    """Query rows per tile: 1 for decode-like buckets, more when the bucket has prefill room."""
+    ratio = max(1, num_tokens // max(1, max_seqs))
+    block_q = 1
+    while block_q * 2 <= min(ratio, 16):
+        block_q *= 2
+    return block_q
+
+
+def _gather_blocks(cache, layer, blocks):
+    """cache[(layer,) blocks] without slicing the layer out of a stacked cache first."""
+    if cache.ndim == 5:
+        return cache[layer, blocks]
+    return cache[blocks]
 
 
 def ragged_paged_attention_reference(
@@ -40,52 +61,133 @@ def ragged_paged_attention_reference(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     layer: Int[Array, ""] | int | None = None,
-    chunk_blocks: int = 8,
+    chunk_tokens: int = 128,
+    block_q: int | None = None,
+    items_per_step: int | None = None,
 ) -> Float[Array, "T Hq D"]:
     num_tokens, num_q_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[-3], k_cache.shape[-2]
+    _, block_size, num_kv_heads, _ = cache_dims(k_cache, layer)
     group = num_q_heads // num_kv_heads
-    max_blocks = block_tables.shape[1]
-    chunk_blocks = min(chunk_blocks, max_blocks)
-    chunk_tokens = chunk_blocks * block_size
+    max_seqs, max_blocks = block_tables.shape
+    if block_q is None:
+        block_q = default_block_q(num_tokens, max_seqs)
+    chunk_blocks = max(1, min(max_blocks, chunk_tokens // block_size))
+    chunk = chunk_blocks * block_size  # keys per work item
 
-    seq_id, position, kv_len = token_metadata(cu_q_lens, kv_lens, num_seqs, num_tokens)
-    first_key = jnp.zeros_like(position) if sliding_window is None else position - sliding_window + 1
-    tables = block_tables[seq_id]  # [T, M]
-    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim) * sm_scale
+    plan = make_tile_plan(cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens,
+                          block_q=block_q, sliding_window=sliding_window)
+    num_tiles = plan.seq.shape[0]
+    per_step = items_per_step or num_tiles
 
-    def gather(cache, blocks):
-        if layer is None:
-            return cache[blocks]
-        return cache[layer, blocks]
+    # Work items: (tile, chunk) pairs, numbered in tile order.
+    first_block = plan.key_lo // block_size
+    span = plan.key_hi - first_block * block_size
+    n_items = jnp.where(plan.key_hi > plan.key_lo, (span + chunk - 1) // chunk, 0)
+    item_end = jnp.cumsum(n_items, dtype=jnp.int32)
+    total_items = item_end[-1]
+
+    # Query tiles [NT, BQ, Hkv, G, D], pre-scaled; rows past a tile's end are masked below.
+    slot = jnp.arange(block_q, dtype=jnp.int32)
+    rows = jnp.minimum(plan.row0[:, None] + slot, num_tokens - 1)
+    q_tiles = (q[rows].astype(jnp.float32) * sm_scale).reshape(
+        num_tiles, block_q, num_kv_heads, group, head_dim)
+    row_pos = plan.pos0[:, None] + slot  # [NT, BQ]
+    row_ok = slot[None, :] < plan.nrows[:, None]
+    tables = block_tables.astype(jnp.int32)
 
     def body(carry):
-        chunk, m, l, acc = carry
-        block_idx = chunk * chunk_blocks + jnp.arange(chunk_blocks)
-        blocks = tables[:, jnp.minimum(block_idx, max_blocks - 1)]  # [T, C]
-        key_pos = chunk * chunk_tokens + jnp.arange(chunk_tokens)
-        mask = (key_pos[None] <= position[:, None]) & (key_pos[None] >= first_key[:, None])
-        mask &= key_pos[None] < kv_len[:, None]  # [T, K]
-        shape = (num_tokens, chunk_tokens, num_kv_heads, head_dim)
-        k = gather(k_cache, blocks).reshape(shape).astype(jnp.float32)
-        v = gather(v_cache, blocks).reshape(shape).astype(jnp.float32)
-        k = jnp.where(mask[..., None, None], k, 0.0)  # unused blocks may hold NaN
-        v = jnp.where(mask[..., None, None], v, 0.0)
-        s = jnp.einsum("thgd,tkhd->thgk", qg, k)
+        step, m, l, acc = carry
+        w = step * per_step + jnp.arange(per_step, dtype=jnp.int32)
+        ok = w < total_items
+        tile = jnp.minimum(jnp.searchsorted(item_end, w, side="right").astype(jnp.int32), num_tiles - 1)
+        tile = jnp.where(ok, tile, 0)
+        c = w - (item_end[tile] - n_items[tile])
+        block_idx = (first_block[tile] + c * chunk_blocks)[:, None] + jnp.arange(chunk_blocks, dtype=jnp.int32)
+        blocks = tables[plan.seq[tile][:, None], jnp.minimum(block_idx, max_blocks - 1)]  # [P, C]
+        key = (block_idx * block_size)[:, :, None] + jnp.arange(block_size, dtype=jnp.int32)
+        key = key.reshape(per_step, chunk)  # [P, K]
+        key_ok = ok[:, None] & (key >= plan.key_lo[tile][:, None]) & (key < plan.key_hi[tile][:, None])
+
+        kv_shape = (per_step, chunk, num_kv_heads, head_dim)
+        k = _gather_blocks(k_cache, layer, blocks).reshape(kv_shape)
+        v = _gather_blocks(v_cache, layer, blocks).reshape(kv_shape)
+        # Blocks no row needs (and past the table) may hold NaN: never let them reach a dot.
+        k = jnp.where(key_ok[:, :, None, None], k, 0).astype(jnp.float32)
+        v = jnp.where(key_ok[:, :, None, None], v, 0).astype(jnp.float32)
+
+        pos = row_pos[tile][:, :, None]  # [P, BQ, 1]
+        mask = key_ok[:, None, :] & row_ok[tile][:, :, None] & (key[:, None, :] <= pos)
+        if sliding_window is not None:
+            mask &= key[:, None, :] > pos - sliding_window
+        mask = mask[:, :, None, None, :]  # [P, BQ, 1, 1, K]
+
+        s = jnp.einsum("pqhgd,pkhd->pqhgk", q_tiles[tile], k)
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
-        mask4 = mask[:, None, None, :]
-        s = jnp.where(mask4, s, MASK_VALUE)
-        m_new = jnp.maximum(m, s.max(-1))
-        p = jnp.where(mask4, jnp.exp(s - m_new[..., None]), 0.0)
-        alpha = jnp.exp(m - m_new)
-        l = l * alpha + p.sum(-1)
-        acc = acc * alpha[..., None] + jnp.einsum("thgk,tkhd->thgd", p, v)
-        return chunk + 1, m_new, l, acc
+        s = jnp.where(mask, s, MASK_VALUE)
+        m_item = s.max(-1)
+        p = jnp.where(mask, jnp.exp(s - m_item[..., None]), 0.0)
+        l_item = p.sum(-1)
+        acc_item = jnp.einsum("pqhgk,pkhd->pqhgd", p, v)
 
-    num_chunks = (jnp.max(kv_len) + chunk_tokens - 1) // chunk_tokens
-    stats = jnp.full((num_tokens, num_kv_heads, group), MASK_VALUE, jnp.float32)
-    init = (jnp.int32(0), stats, jnp.zeros_like(stats), jnp.zeros_like(qg))
-    _, _, l, acc = jax.lax.while_loop(lambda c: c[0] < num_chunks, body, init)
-    out = acc / jnp.where(l > 0, l, 1.0)[..., None]
+        dst = jnp.where(ok, tile, num_tiles)  # idle items merge into a sink row
+        m_new = m.at[dst].max(m_item)
+        alpha = jnp.exp(m - m_new)
+        beta = jnp.exp(m_item - m_new[dst])
+        l = (l * alpha).at[dst].add(l_item * beta)
+        acc = (acc * alpha[..., None]).at[dst].add(acc_item * beta[..., None])
+        return step + 1, m_new, l, acc
+
+    stats = jnp.full((num_tiles + 1, block_q, num_kv_heads, group), MASK_VALUE, jnp.float32)
+    init = (jnp.int32(0), stats, jnp.zeros_like(stats),
+            jnp.zeros((*stats.shape, head_dim), jnp.float32))
+    _, _, l, acc = jax.lax.while_loop(lambda c: c[0] * per_step < total_items, body, init)
+
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [NT+1, BQ, Hkv, G, D]
+    out = out[plan.row_tile, plan.row_slot].reshape(num_tokens, num_q_heads, head_dim)
+    out = jnp.where(plan.row_real[:, None, None], out, 0.0)
+    return out.astype(q.dtype)
+
+
+def ragged_paged_attention_dense(
+    q: Float[Array, "T Hq D"],
+    k_cache: Float[Array, "*L N B Hkv D"],
+    v_cache: Float[Array, "*L N B Hkv D"],
+    kv_lens: Int[Array, "S"],
+    block_tables: Int[Array, "S M"],
+    cu_q_lens: Int[Array, "S1"],
+    num_seqs: Int[Array, "1"],
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    layer: Int[Array, ""] | int | None = None,
+) -> Float[Array, "T Hq D"]:
+    """Naive version: every row gathers all `max_blocks` blocks of its table and masks."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = cache_dims(k_cache, layer)
+    group = num_q_heads // num_kv_heads
+    max_blocks = block_tables.shape[1]
+    plan = make_tile_plan(cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens, block_q=1,
+                          sliding_window=sliding_window)
+    seq = plan.seq[plan.row_tile]
+    pos = plan.pos0[plan.row_tile]
+    kv_len = jnp.where(plan.row_real, plan.kv_len[plan.row_tile], 0)
+    shape = (num_tokens, max_blocks * block_size, num_kv_heads, head_dim)
+    k = _gather_blocks(k_cache, layer, block_tables[seq]).reshape(shape).astype(jnp.float32)
+    v = _gather_blocks(v_cache, layer, block_tables[seq]).reshape(shape).astype(jnp.float32)
+    key = jnp.arange(max_blocks * block_size)
+    mask = (key[None] <= pos[:, None]) & (key[None] < kv_len[:, None])
+    if sliding_window is not None:
+        mask &= key[None] > pos[:, None] - sliding_window
+    k = jnp.where(mask[..., None, None], k, 0.0)
+    v = jnp.where(mask[..., None, None], v, 0.0)
+    qg = q.astype(jnp.float32).reshape(num_tokens, num_kv_heads, group, head_dim) * sm_scale
+    s = jnp.einsum("thgd,tkhd->thgk", qg, k)
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    s = jnp.where(mask[:, None, None, :], s, MASK_VALUE)
+    p = jnp.where(mask[:, None, None, :], jnp.exp(s - s.max(-1, keepdims=True)), 0.0)
+    out = jnp.einsum("thgk,tkhd->thgd", p, v) / jnp.maximum(p.sum(-1), 1e-30)[..., None]
+    out = jnp.where(plan.row_real[:, None, None, None], out, 0.0)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)
