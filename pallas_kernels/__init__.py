@@ -1,8 +1,16 @@
 """Attention kernels for jaxllm's paged KV cache.
 
 `ragged_paged_attention` is the one entry point the model calls; `backend` picks the
-implementation ("auto": the Pallas kernel on GPU/TPU, the pure-jnp reference on CPU).
+implementation ("auto": the Pallas kernel on GPU, the pure-jnp reference elsewhere).
 `write_kv` scatters a step's new keys and values into the cache by slot.
+
+Backends: "reference" (pure jnp, `ragged_paged_attention/reference.py`: the oracle and the
+CPU path), "pallas" (the Pallas Triton kernel, `ragged_paged_attention/triton_gpu.py`,
+compiled on NVIDIA GPUs and run in interpret mode elsewhere) and "auto" (the Pallas
+kernel on GPU, the reference on CPU and TPU, which has no kernel of ours yet). Both share
+the host-side tile plan (`ragged_paged_attention/plan.py`). Head layouts the Triton kernel
+cannot tile (a head_dim or block_size that is not a power of two) fall back to the
+reference under "auto" and raise under "pallas".
 
 The cache may be one layer `[num_blocks, block_size, Hkv, D]` or all layers stacked
 `[L, num_blocks, block_size, Hkv, D]` with `layer` selecting one: the model scans over
@@ -14,6 +22,7 @@ from __future__ import annotations
 import jax
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.ragged_paged_attention.plan import check_inputs
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 
 BACKENDS = ("auto", "reference", "pallas")
@@ -41,14 +50,30 @@ def ragged_paged_attention(
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_inputs(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, layer)
+    platform = jax.default_backend()
     if backend == "auto":
-        backend = "reference" if jax.default_backend() == "cpu" else "pallas"
+        backend = "pallas" if platform == "gpu" and _triton_supports(q, k_cache, layer) else "reference"
     if backend == "pallas":
-        raise NotImplementedError("the Pallas backend is not built yet")
+        if platform == "tpu":
+            raise NotImplementedError("no Pallas TPU kernel yet: use backend='reference' on TPU")
+        from pallas_kernels.ragged_paged_attention.triton_gpu import ragged_paged_attention_triton
+
+        return ragged_paged_attention_triton(
+            q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
+            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, layer=layer,
+            interpret=platform != "gpu",
+        )
     return ragged_paged_attention_reference(
         q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, layer=layer,
     )
+
+
+def _triton_supports(q, k_cache, layer) -> bool:
+    from pallas_kernels.ragged_paged_attention.triton_gpu import supports
+
+    return supports(q, k_cache, layer)
 
 
 def write_kv(

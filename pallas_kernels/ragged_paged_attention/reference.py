@@ -65,6 +65,8 @@ def ragged_paged_attention_reference(
     block_q: int | None = None,
     items_per_step: int | None = None,
 ) -> Float[Array, "T Hq D"]:
+    q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs = map(
+        jnp.asarray, (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs))
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = cache_dims(k_cache, layer)
     group = num_q_heads // num_kv_heads
@@ -164,6 +166,8 @@ def ragged_paged_attention_dense(
     layer: Int[Array, ""] | int | None = None,
 ) -> Float[Array, "T Hq D"]:
     """Naive version: every row gathers all `max_blocks` blocks of its table and masks."""
+    q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs = map(
+        jnp.asarray, (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs))
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = cache_dims(k_cache, layer)
     group = num_q_heads // num_kv_heads
