@@ -1,0 +1,114 @@
+"""Engine configuration: frozen, validated dataclasses, named as vLLM names them.
+
+Each config checks itself on construction and raises a `ValueError` that names the field
+and the limit, so bad settings fail before any weight is read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+
+DTYPES = {
+    "float32": jnp.float32, "float": jnp.float32, "fp32": jnp.float32,
+    "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
+    "float16": jnp.float16, "half": jnp.float16, "fp16": jnp.float16,
+}
+LOAD_FORMATS = ("auto", "hf", "safetensors", "gguf", "orbax", "dummy")
+
+
+def resolve_dtype(dtype) -> jnp.dtype:
+    """"auto" is float32 on CPU (fastest there) and bfloat16 on accelerators."""
+    if dtype == "auto" or dtype is None:
+        return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
+    if isinstance(dtype, str):
+        if dtype.lower() not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} is not supported; use one of auto, {', '.join(DTYPES)}")
+        return jnp.dtype(DTYPES[dtype.lower()])
+    try:
+        resolved = jnp.dtype(dtype)
+    except TypeError:
+        raise ValueError(f"dtype {dtype!r} is not a dtype") from None
+    if resolved not in {jnp.dtype(d) for d in DTYPES.values()}:
+        raise ValueError(f"dtype {dtype!r} is not supported; use float32, bfloat16 or float16")
+    return resolved
+
+
+def _positive(name: str, value, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = None  # None: the embedded default model
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    load_format: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None  # None: the model's own limit
+    attention_backend: str = "auto"
+
+    def __post_init__(self):
+        resolve_dtype(self.dtype)
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format {self.load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        _positive("max_model_len", self.max_model_len, allow_none=True)
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory_bytes: int | None = None  # explicit budget; else a share of device memory
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self):
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128, got {self.block_size!r}")
+        _positive("kv_cache_memory_bytes", self.kv_cache_memory_bytes, allow_none=True)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int = 2048
+    policy: str = "fcfs"
+
+    def __post_init__(self):
+        _positive("max_num_seqs", self.max_num_seqs)
+        _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive("max_model_len", self.max_model_len)
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "
+                f"max_num_seqs ({self.max_num_seqs}): every running sequence needs a token per step"
+            )
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+
+    def __post_init__(self):
+        _positive("tensor_parallel_size", self.tensor_parallel_size)
+        _positive("data_parallel_size", self.data_parallel_size)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    compilation_cache_dir: str | None = None  # None: jaxllm's cache folder; "" turns it off

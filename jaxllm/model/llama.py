@@ -1,0 +1,116 @@
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+A pure function of (params, KV cache, step inputs): `CausalLM.apply` writes the step's
+keys and values into the cache by slot and attends through
+`pallas_kernels.ragged_paged_attention`. The layers are stacked and run with `nn.scan`,
+so compile time does not grow with depth; the whole `[L, ...]` cache is the scan's loop
+state and each layer reads and writes its slice in place, never copying it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import flax.linen as nn
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+import pallas_kernels
+from jaxllm.model.layers import Dtype, Embed, GatedMLP, RMSNorm, apply_rotary, linear, rotary_cos_sin
+from jaxllm.model.registry import ModelArch
+
+
+class StepInputs(NamedTuple):
+    """The flattened ragged batch of one engine step (DESIGN.md, "One engine step")."""
+
+    token_ids: Int[Array, "T"]
+    positions: Int[Array, "T"]
+    slot_mapping: Int[Array, "T"]  # cache slot of each token's K/V; padding → a scratch slot
+    cu_q_lens: Int[Array, "S1"]  # sequence i owns rows cu_q_lens[i]:cu_q_lens[i+1]
+    kv_lens: Int[Array, "S"]  # context length of each sequence after this step
+    block_tables: Int[Array, "S M"]
+    num_seqs: Int[Array, "1"]
+    logits_indices: Int[Array, "R"]  # rows whose logits are wanted
+
+
+class KVCache(NamedTuple):
+    k: Float[Array, "L N B Hkv D"]
+    v: Float[Array, "L N B Hkv D"]
+
+
+class Attention(nn.Module):
+    arch: ModelArch
+    dtype: Dtype
+    attention_backend: str
+
+    @nn.compact
+    def __call__(self, x, cache: KVCache, layer, batch: StepInputs, cos, sin):
+        a = self.arch
+        num_tokens = x.shape[0]
+        q = linear(a.num_heads * a.head_dim, name="q_proj", dtype=self.dtype, bias=a.qkv_bias, shard="column")(x)
+        k = linear(a.num_kv_heads * a.head_dim, name="k_proj", dtype=self.dtype, bias=a.qkv_bias, shard="column")(x)
+        v = linear(a.num_kv_heads * a.head_dim, name="v_proj", dtype=self.dtype, bias=a.qkv_bias, shard="column")(x)
+        q = q.reshape(num_tokens, a.num_heads, a.head_dim)
+        k = k.reshape(num_tokens, a.num_kv_heads, a.head_dim)
+        v = v.reshape(num_tokens, a.num_kv_heads, a.head_dim)
+        if a.qk_norm:
+            q = RMSNorm(a.rms_norm_eps, self.dtype, name="q_norm")(q)
+            k = RMSNorm(a.rms_norm_eps, self.dtype, name="k_norm")(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        cache = KVCache(*pallas_kernels.write_kv(cache.k, cache.v, k, v, batch.slot_mapping, layer=layer))
+        out = pallas_kernels.ragged_paged_attention(
+            q, cache.k, cache.v, batch.kv_lens, batch.block_tables, batch.cu_q_lens, batch.num_seqs,
+            sm_scale=a.head_dim**-0.5, sliding_window=a.sliding_window, layer=layer, backend=self.attention_backend,
+        )
+        out = out.reshape(num_tokens, a.num_heads * a.head_dim)
+        return linear(a.hidden_size, name="o_proj", dtype=self.dtype, bias=a.o_bias, shard="row")(out), cache
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm block; the scan's body. Carry: (hidden, cache, layer index)."""
+
+    arch: ModelArch
+    dtype: Dtype
+    attention_backend: str
+
+    @nn.compact
+    def __call__(self, carry, batch: StepInputs, cos, sin):
+        hidden, cache, layer = carry
+        eps = self.arch.rms_norm_eps
+        attn_out, cache = Attention(self.arch, self.dtype, self.attention_backend, name="self_attn")(
+            RMSNorm(eps, self.dtype, name="input_layernorm")(hidden), cache, layer, batch, cos, sin
+        )
+        hidden = hidden + attn_out
+        mlp_in = RMSNorm(eps, self.dtype, name="post_attention_layernorm")(hidden)
+        hidden = hidden + GatedMLP(self.arch, self.dtype, name="mlp")(mlp_in)
+        return (hidden, cache, layer + 1), None
+
+
+class CausalLM(nn.Module):
+    """`apply({"params": p}, cache, batch) -> (logits float32 [R, V], updated cache)`."""
+
+    arch: ModelArch
+    dtype: Dtype = jnp.float32
+    attention_backend: str = "auto"
+
+    @nn.compact
+    def __call__(self, cache: KVCache, batch: StepInputs) -> tuple[Float[Array, "R V"], KVCache]:
+        a = self.arch
+        embed = Embed(a.vocab_size, a.hidden_size, self.dtype, name="embed_tokens")
+        hidden = embed(batch.token_ids)
+        cos, sin = rotary_cos_sin(a, batch.positions, self.dtype)
+        layers = nn.scan(
+            DecoderLayer,
+            variable_axes={"params": 0},
+            split_rngs={"params": True},
+            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+            length=a.num_layers,
+            metadata_params={nn.PARTITION_NAME: None},
+        )(a, self.dtype, self.attention_backend, name="layers")
+        (hidden, cache, _), _ = layers((hidden, cache, jnp.int32(0)), batch, cos, sin)
+        hidden = RMSNorm(a.rms_norm_eps, self.dtype, name="norm")(hidden[batch.logits_indices])
+        if a.tie_word_embeddings:
+            logits = embed.attend(hidden)
+        else:
+            logits = linear(a.vocab_size, name="lm_head", dtype=self.dtype, bias=False, shard="column")(hidden)
+        return logits.astype(jnp.float32), cache

@@ -1,0 +1,219 @@
+"""HF architecture name → jaxllm model, and the `ModelArch` read from an HF config.
+
+`ModelArch` is everything the compiled forward needs to know about a model, as a
+frozen (hashable) dataclass so it can be a static attribute of the Flax module.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+# architecture → what differs from plain Llama
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rotary_dim: int
+    rope_type: str = "default"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+    def inv_freq_and_scale(self, max_position_embeddings: int) -> tuple[np.ndarray, float]:
+        """Inverse frequencies (float32, [rotary_dim/2]) and the cos/sin scale, as transformers computes them."""
+        dim = self.rotary_dim
+        exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim
+        inv_freq = (1.0 / (self.theta**exponents)).astype(np.float32)
+        if self.rope_type == "default":
+            return inv_freq, 1.0
+        if self.rope_type == "linear":
+            return (inv_freq / self.factor).astype(np.float32), 1.0
+        if self.rope_type == "llama3":
+            return _llama3_inv_freq(inv_freq, self), 1.0
+        if self.rope_type == "yarn":
+            return _yarn_inv_freq_and_scale(self, max_position_embeddings)
+        raise NotImplementedError(f"rope type {self.rope_type!r} is not supported (default, linear, llama3, yarn are)")
+
+
+def _llama3_inv_freq(inv_freq: np.ndarray, rope: RopeConfig) -> np.ndarray:
+    old_len = rope.original_max_position_embeddings
+    low_wavelen = old_len / rope.low_freq_factor
+    high_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def _yarn_inv_freq_and_scale(rope: RopeConfig, max_position_embeddings: int) -> tuple[np.ndarray, float]:
+    dim, base = rope.rotary_dim, rope.theta
+    original = rope.original_max_position_embeddings or max_position_embeddings
+    factor = rope.factor
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    scale = rope.attention_factor
+    if scale is None:
+        if rope.mscale and rope.mscale_all_dim:
+            scale = float(mscale(factor, rope.mscale) / mscale(factor, rope.mscale_all_dim))
+        else:
+            scale = mscale(factor)
+
+    def correction_dim(rotations):
+        return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (np.arange(0, dim, 2).astype(np.float32) / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp
+    return (interpolation * (1 - keep) + extrapolation * keep).astype(np.float32), float(scale)
+
+
+@dataclass(frozen=True)
+class ModelArch:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """K and V, all layers, per element byte (multiply by the dtype's itemsize)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim
+
+
+def _get(config: Any, name: str, default: Any = None) -> Any:
+    if isinstance(config, dict):
+        return config.get(name, default)
+    return getattr(config, name, default)
+
+
+def _rope_parameters(config: Any) -> dict:
+    """transformers 5 keeps rope settings in `rope_parameters`; 4.x in `rope_theta` + `rope_scaling`."""
+    params = dict(_get(config, "rope_parameters") or {})
+    scaling = _get(config, "rope_scaling") or {}
+    for key, value in scaling.items():
+        params.setdefault(key, value)
+    if params.get("rope_theta") is None:
+        params["rope_theta"] = _get(config, "rope_theta") or 10000.0
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
+def _sliding_window(config: Any, architecture: str) -> int | None:
+    window = _get(config, "sliding_window")
+    layer_types = _get(config, "layer_types")
+    if layer_types:
+        kinds = set(layer_types)
+        if kinds == {"full_attention"}:
+            return None
+        if kinds == {"sliding_attention"}:
+            return window
+        raise NotImplementedError(
+            f"{architecture}: layers that mix full and sliding-window attention ({sorted(kinds)}) are not supported"
+        )
+    if architecture == "MistralForCausalLM":
+        return window
+    return None
+
+
+def arch_from_hf_config(config: Any) -> ModelArch:
+    """Read a `ModelArch` from a transformers config object or its dict."""
+    architectures = _get(config, "architectures") or []
+    architecture = architectures[0] if architectures else None
+    if architecture is None:
+        model_type = _get(config, "model_type")
+        architecture = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(model_type, str(model_type))
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported architecture {architecture!r}; jaxllm supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    hidden = _get(config, "hidden_size")
+    num_heads = _get(config, "num_attention_heads")
+    head_dim = _get(config, "head_dim") or hidden // num_heads
+    rope = _rope_parameters(config)
+    max_pos = _get(config, "max_position_embeddings") or 2048
+    rope_cfg = RopeConfig(
+        theta=float(rope["rope_theta"]),
+        rotary_dim=int(head_dim * rope.get("partial_rotary_factor", 1.0)),
+        rope_type=rope["rope_type"],
+        factor=float(rope.get("factor") or 1.0),
+        low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=rope.get("original_max_position_embeddings"),
+        beta_fast=float(rope.get("beta_fast") or 32.0),
+        beta_slow=float(rope.get("beta_slow") or 1.0),
+        mscale=rope.get("mscale"),
+        mscale_all_dim=rope.get("mscale_all_dim"),
+        attention_factor=rope.get("attention_factor"),
+        truncate=bool(rope.get("truncate", True)),
+    )
+    if rope_cfg.rotary_dim != head_dim:
+        raise NotImplementedError(f"{architecture}: partial rotary embeddings are not supported")
+    if rope_cfg.rope_type == "llama3" and rope_cfg.original_max_position_embeddings is None:
+        raise ValueError(f"{architecture}: llama3 rope scaling needs original_max_position_embeddings")
+    rope_cfg.inv_freq_and_scale(max_pos)  # fail now on an unsupported rope type
+    if (act := _get(config, "hidden_act", "silu")) != "silu":
+        raise NotImplementedError(f"{architecture}: activation {act!r} is not supported (silu is)")
+
+    attention_bias = bool(_get(config, "attention_bias", False))
+    eos = _get(config, "eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
+    return ModelArch(
+        architecture=architecture,
+        vocab_size=_get(config, "vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=_get(config, "intermediate_size"),
+        num_layers=_get(config, "num_hidden_layers"),
+        num_heads=num_heads,
+        num_kv_heads=_get(config, "num_key_value_heads") or num_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(_get(config, "rms_norm_eps", 1e-6)),
+        rope=rope_cfg,
+        max_position_embeddings=max_pos,
+        tie_word_embeddings=bool(_get(config, "tie_word_embeddings", False)),
+        qkv_bias=attention_bias or architecture == "Qwen2ForCausalLM",
+        o_bias=attention_bias and architecture != "Qwen2ForCausalLM",
+        mlp_bias=bool(_get(config, "mlp_bias", False)),
+        qk_norm=architecture == "Qwen3ForCausalLM",
+        sliding_window=_sliding_window(config, architecture),
+        eos_token_ids=eos_ids,
+    )

@@ -1,0 +1,134 @@
+"""Weight loading: one entry point, `load_model`, for every format jaxllm reads.
+
+| what `model` names | format |
+|---|---|
+| None | the embedded default model (SmolLM2-135M-Instruct GGUF) |
+| a `.gguf` file | GGUF, dequantized on load |
+| a folder with `jaxllm.json` | an Orbax checkpoint written by `jaxllm convert` |
+| a folder with `config.json` | an HF model (safetensors) |
+| `org/name` not on disk | an HF Hub repository, downloaded with `huggingface_hub` |
+
+`load_format="dummy"` reads only the config (any of the above, or a `config.json` file)
+and makes random weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from jax.sharding import Mesh
+
+from jaxllm.config import LOAD_FORMATS, resolve_dtype
+from jaxllm.model.registry import ModelArch, arch_from_hf_config
+from jaxllm.weights import hf, orbax
+from jaxllm.weights.default import DEFAULT_MODEL_NAME, default_model_path
+from jaxllm.weights.params import abstract_params, param_shardings, params_from_hf_tensors
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    arch: ModelArch
+    hf_config: dict
+    params: Any
+    tokenizer: Any  # a transformers tokenizer, or None when the source has none
+    dtype: Any
+
+
+def _resolve_source(model: str | None) -> Path:
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if path.exists():
+        return path
+    if model.count("/") == 1 and not model.startswith((".", "/")):
+        from huggingface_hub import snapshot_download
+
+        try:
+            return Path(snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.txt"]))
+        except Exception as e:
+            raise FileNotFoundError(f"model {model!r}: not a local path, and the Hub download failed ({e})") from None
+    raise FileNotFoundError(f"model {model!r}: no such file or directory")
+
+
+def _detect_format(path: Path) -> str:
+    if path.is_file() and path.suffix == ".gguf":
+        return "gguf"
+    if orbax.is_checkpoint(path):
+        return "orbax"
+    if hf.is_hf_dir(path):
+        return "hf"
+    raise ValueError(f"{path}: not a model jaxllm can read (a .gguf file, an HF directory, or a jaxllm checkpoint)")
+
+
+def _load_tokenizer(source: str | Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(source))
+    except Exception as e:
+        logger.warning("no tokenizer loaded from %s (%s); only token-id prompts will work", source, e)
+        return None
+
+
+def load_model(
+    model: str | None = None,
+    *,
+    mesh: Mesh,
+    load_format: str = "auto",
+    dtype: str = "auto",
+    tokenizer: str | None = None,
+    seed: int = 0,
+) -> LoadedModel:
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
+    jdtype = resolve_dtype(dtype)
+    path = _resolve_source(model)
+    name = DEFAULT_MODEL_NAME if model is None else str(model)
+    dummy = load_format == "dummy"
+    if path.is_file() and path.suffix == ".json":
+        if not dummy:
+            raise ValueError(f"{path}: a bare config file needs load_format='dummy'")
+        fmt = "config"
+    else:
+        fmt = _detect_format(path)
+        wanted = {"safetensors": "hf"}.get(load_format, load_format)
+        if wanted not in ("auto", "dummy") and wanted != fmt:
+            raise ValueError(f"{path}: load_format={load_format!r}, but this is a {fmt} model")
+
+    gguf_file = None
+    if fmt == "gguf":
+        from jaxllm.weights.gguf import GGUFFile
+
+        gguf_file = GGUFFile(path)
+        hf_config = gguf_file.hf_config()
+    else:
+        hf_config = hf.read_config(path)
+    arch = arch_from_hf_config(hf_config)
+
+    if dummy:
+        from jaxllm.weights.dummy import dummy_params
+
+        params = dummy_params(arch, jdtype, mesh, seed)
+    elif fmt == "gguf":
+        params = params_from_hf_tensors(arch, jdtype, gguf_file.tensor, mesh, str(path))
+    elif fmt == "orbax":
+        shapes, specs = abstract_params(arch, jdtype)
+        params = orbax.restore_params(path, shapes, param_shardings(specs, mesh))
+    else:
+        params = params_from_hf_tensors(arch, jdtype, hf.SafetensorsReader(path), mesh, str(path))
+
+    if tokenizer is not None:
+        tok = _load_tokenizer(tokenizer)
+    elif gguf_file is not None:
+        tok = gguf_file.tokenizer()
+    elif fmt == "config":
+        tok = None
+    else:
+        tok = _load_tokenizer(path)
+    return LoadedModel(name=name, arch=arch, hf_config=hf_config, params=params, tokenizer=tok, dtype=jdtype)

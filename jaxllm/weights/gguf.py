@@ -1,0 +1,158 @@
+"""GGUF files (llama.cpp's format): metadata → HF config, tensors dequantized on load, tokenizer.
+
+Tensors are read with the `gguf` package and handed out under their transformers names,
+so the model sees the same parameters as `transformers` loading the same file. llama.cpp
+stores the Q and K projections of Llama models with rows permuted for its interleaved
+rotary convention; they are permuted back to the rotate-half layout here.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+
+import numpy as np
+
+# GGUF architecture → transformers architecture (Mistral GGUFs say "llama")
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+PERMUTED_QK = {"llama"}
+
+_LAYER_TENSORS = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def hf_name_to_gguf(name: str) -> str:
+    prefix, kind = name.rsplit(".", 1)
+    for gguf_name, hf in _GLOBAL_TENSORS.items():
+        if prefix == hf:
+            return f"{gguf_name}.{kind}"
+    parts = prefix.split(".")
+    layer, module = parts[2], ".".join(parts[3:])
+    inverse = {hf: g for g, hf in _LAYER_TENSORS.items()}
+    return f"blk.{layer}.{inverse[module]}.{kind}"
+
+
+def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's per-head interleaving of rotary rows (`[out, ...]` layout)."""
+    head_dim = weight.shape[0] // num_heads
+    return weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+class GGUFFile:
+    """One GGUF file: metadata, an HF-style config, the tokenizer, and tensors by transformers name."""
+
+    def __init__(self, path: str | Path):
+        import gguf
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"{self.path}: no such GGUF file")
+        try:
+            self._reader = gguf.GGUFReader(str(self.path))
+        except Exception as e:  # the reader raises ValueError, struct.error, IndexError… on bad bytes
+            raise ValueError(f"{self.path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+        self._tensors = {t.name: t for t in self._reader.tensors}
+
+    @cached_property
+    def metadata(self) -> dict:
+        return {key: field.contents() for key, field in self._reader.fields.items() if not key.startswith("GGUF.")}
+
+    @property
+    def gguf_architecture(self) -> str:
+        return self.metadata.get("general.architecture", "")
+
+    def hf_config(self) -> dict:
+        md, arch = self.metadata, self.gguf_architecture
+        if arch not in GGUF_ARCHITECTURES:
+            raise ValueError(
+                f"{self.path}: unsupported GGUF architecture {arch!r}; jaxllm reads {', '.join(GGUF_ARCHITECTURES)}"
+            )
+        if "rope_freqs.weight" in self._tensors:
+            raise NotImplementedError(f"{self.path}: GGUF rope frequency tensors (llama3 scaling) are not supported")
+
+        def key(name, default=None):
+            return md.get(f"{arch}.{name}", default)
+
+        hidden, heads = key("embedding_length"), key("attention.head_count")
+        config = {
+            "architectures": [GGUF_ARCHITECTURES[arch]],
+            "model_type": arch,
+            "vocab_size": key("vocab_size") or len(md["tokenizer.ggml.tokens"]),
+            "hidden_size": hidden,
+            "intermediate_size": key("feed_forward_length"),
+            "num_hidden_layers": key("block_count"),
+            "num_attention_heads": heads,
+            "num_key_value_heads": key("attention.head_count_kv", heads),
+            "head_dim": key("attention.key_length", hidden // heads),
+            "rms_norm_eps": key("attention.layer_norm_rms_epsilon", 1e-6),
+            "max_position_embeddings": key("context_length", 2048),
+            "rope_theta": key("rope.freq_base", 10000.0),
+            "tie_word_embeddings": "output.weight" not in self._tensors,
+            "attention_bias": "blk.0.attn_q.bias" in self._tensors,
+            "hidden_act": "silu",
+            "bos_token_id": md.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": md.get("tokenizer.ggml.eos_token_id"),
+        }
+        scaling = key("rope.scaling.type")
+        if scaling and scaling != "none":
+            config["rope_scaling"] = {
+                "rope_type": scaling,
+                "factor": key("rope.scaling.factor", 1.0),
+                "original_max_position_embeddings": key("rope.scaling.original_context_length"),
+            }
+        if (window := key("attention.sliding_window")) is not None:
+            config["sliding_window"] = window
+        return config
+
+    def tensor(self, hf_name: str) -> np.ndarray:
+        """Dequantized float32 tensor in transformers' `[out, in]` layout."""
+        import gguf
+
+        name = hf_name_to_gguf(hf_name)
+        if name not in self._tensors:
+            raise KeyError(f"{self.path}: tensor {name!r} (for {hf_name}) is missing")
+        t = self._tensors[name]
+        data = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        if self.gguf_architecture in PERMUTED_QK and name.split(".")[-2] in ("attn_q", "attn_k"):
+            heads_key = "attention.head_count" if name.split(".")[-2] == "attn_q" else "attention.head_count_kv"
+            data = unpermute_rows(data, self.metadata[f"{self.gguf_architecture}.{heads_key}"])
+        return data
+
+    def tokenizer(self):
+        """The tokenizer and chat template stored in the file, built without torch.
+
+        transformers' own GGUF reader imports torch; its tokenizer converter does not, so the
+        metadata is read here and handed to that converter.
+        """
+        from transformers import PreTrainedTokenizerFast
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            GGUF_TOKENIZER_MAPPING,
+            convert_gguf_tokenizer,
+        )
+
+        md = self.metadata
+        grouped = {
+            group: {new: md[f"tokenizer.{old}"] for old, new in names.items() if f"tokenizer.{old}" in md}
+            for group, names in GGUF_TOKENIZER_MAPPING.items()
+        }
+        tokens, config = grouped["tokenizer"], grouped["tokenizer_config"]
+        if tokens.get("tokenizer_type") == "llama":
+            config.setdefault("add_bos_token", True)
+        for special, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
+                             ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+            token_id = md.get(f"tokenizer.ggml.{key}")
+            config[special] = tokens["tokens"][token_id] if token_id is not None else None
+        backend, extra = convert_gguf_tokenizer(self.gguf_architecture, tokens)
+        return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)

@@ -1,0 +1,55 @@
+"""HF model directories: `config.json`, `*.safetensors` (single or sharded with an index), tokenizer files."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from safetensors import SafetensorError, safe_open
+
+
+def is_hf_dir(path: Path) -> bool:
+    return path.is_dir() and (path / "config.json").is_file()
+
+
+def read_config(path: Path) -> dict:
+    config_file = path / "config.json" if path.is_dir() else path
+    try:
+        return json.loads(config_file.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{config_file}: no such file (an HF model directory needs config.json)") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{config_file}: not valid JSON ({e})") from None
+
+
+class SafetensorsReader:
+    """Tensors of an HF directory by name, opened lazily across shards."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._handles: dict[Path, object] = {}
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{path}: no *.safetensors files (jaxllm reads safetensors, not .bin)")
+        index_file = path / "model.safetensors.index.json"
+        if index_file.is_file():
+            weight_map = json.loads(index_file.read_text())["weight_map"]
+            self._file_of = {name: path / fname for name, fname in weight_map.items()}
+        else:
+            self._file_of = {name: f for f in files for name in self._open(f).keys()}
+
+    def _open(self, file: Path):
+        if file not in self._handles:
+            try:
+                self._handles[file] = safe_open(str(file), framework="flax")
+            except (SafetensorError, OSError) as e:
+                raise ValueError(f"{file}: cannot read safetensors file ({e})") from None
+        return self._handles[file]
+
+    def __call__(self, name: str):
+        if name not in self._file_of:
+            raise KeyError(f"{self.path}: tensor {name!r} is missing from the safetensors files")
+        try:
+            return self._open(self._file_of[name]).get_tensor(name)
+        except SafetensorError as e:
+            raise ValueError(f"{self._file_of[name]}: cannot read tensor {name!r} ({e})") from None
