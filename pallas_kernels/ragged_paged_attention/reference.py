@@ -130,7 +130,7 @@ def ragged_paged_attention_reference(
         m_item = s.max(-1)
         p = jnp.where(mask, jnp.exp(s - m_item[..., None]), 0.0)
         l_item = p.sum(-1)
-        acc_item = jnp.einsum("pqhgk,pkhd->pqhgd", p, v)
+        acc_item = jnp.einsum("pkhd,pqhgk->pqhgd", v, p)  # V as lhs: ~1.5x faster on XLA CPU
 
         dst = jnp.where(ok, tile, num_tiles)  # idle items merge into a sink row
         m_new = m.at[dst].max(m_item)
