@@ -61,7 +61,7 @@ def ragged_paged_attention_reference(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     layer: Int[Array, ""] | int | None = None,
-    chunk_tokens: int = 128,
+    chunk_tokens: int = 64,
     block_q: int | None = None,
     items_per_step: int | None = None,
 ) -> Float[Array, "T Hq D"]:

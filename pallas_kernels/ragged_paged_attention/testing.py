@@ -59,13 +59,18 @@ def make_batch(
     num_tokens: int | None = None,
     max_blocks: int | None = None,
     spare_blocks: int = 4,
+    num_blocks: int | None = None,
     num_layers: int | None = None,
     layer: int | None = None,
     sliding_window: int | None = None,
     q_scale: float = 2.0,
     hostile: bool = True,
 ) -> Batch:
-    """A ragged batch; sequence i has q_lens[i] new rows and kv_lens[i] keys (incl. the new ones)."""
+    """A ragged batch; sequence i has q_lens[i] new rows and kv_lens[i] keys (incl. the new ones).
+
+    Fixing `max_seqs`, `num_tokens`, `max_blocks` and `num_blocks` gives batches of different
+    composition the same shapes, so one compiled function serves them all (as in serving).
+    """
     dtype = np.dtype(dtype)
     n = len(q_lens)
     assert len(kv_lens) == n and all(0 < ql <= kl for ql, kl in zip(q_lens, kv_lens))
@@ -78,7 +83,9 @@ def make_batch(
     max_blocks = max_blocks or max(need_hi) + 2
     assert max_blocks >= max(need_hi)
     used = sum(hi - lo for lo, hi in zip(need_lo, need_hi))
-    num_blocks = used + spare_blocks
+    if num_blocks is None:
+        num_blocks = used + spare_blocks
+    assert num_blocks > used, f"num_blocks={num_blocks} leaves no spare block for {used} used ones"
     perm = rng.permutation(num_blocks)
     real_blocks, nan_blocks = perm[:used], perm[used:]
 
