@@ -1,0 +1,90 @@
+"""A request inside the engine, and its status machine.
+
+WAITING → RUNNING ⇄ PREEMPTED (back in the waiting queue, recomputed later) → FINISHED_*.
+Tokens are split in two: `prompt_token_ids` and `output_token_ids`; `num_computed_tokens`
+counts how many of all of them have K/V in the cache.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from jaxllm.outputs import Logprob, RequestMetrics
+from jaxllm.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH_CAPPED = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"
+
+    @property
+    def finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.value if self.finished else None
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    prompt: str | None = None
+    priority: int = 0  # lower is served first (vLLM's convention)
+    arrival_time: float = field(default_factory=time.monotonic)
+    sample_seed: int = 0  # seeds this request's sampling stream
+    index: int = 0  # which of a parent's n samples this is
+    parent_id: str | None = None  # the user's request id, for n > 1
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied
+    num_preemptions: int = 0
+    cumulative_logprob: float = 0.0
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    stop_reason: int | str | None = None
+    error: str | None = None
+    metrics: RequestMetrics = field(init=False)
+
+    def __post_init__(self):
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, position: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def output_key(self) -> str:
+        """The id the user sees (children of an n > 1 request share their parent's)."""
+        return self.parent_id or self.request_id

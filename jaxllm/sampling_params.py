@@ -1,0 +1,90 @@
+"""SamplingParams: how to sample one request, validated when constructed (vLLM's fields and meanings)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields, replace
+
+MAX_LOGPROBS = 20  # top logprobs per token the engine computes at most (vLLM's default max_logprobs)
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0
+    logprobs: int | None = None  # top-k logprobs per sampled token (the sampled one is always included)
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    detokenize: bool = True
+    stop_strings: list[str] = field(init=False, repr=False)
+
+    def __post_init__(self):
+        def fail(name, requirement):
+            raise ValueError(f"SamplingParams.{name} must be {requirement}, got {getattr(self, name)!r}")
+
+        def is_int(v):
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_num(v):
+            return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+        if not is_int(self.n) or self.n < 1:
+            fail("n", "an integer >= 1")
+        if not is_num(self.temperature) or self.temperature < 0:
+            fail("temperature", "a number >= 0")
+        if not is_num(self.top_p) or not 0 < self.top_p <= 1:
+            fail("top_p", "in (0, 1]")
+        if not is_int(self.top_k) or self.top_k < -1:
+            fail("top_k", "an integer >= -1 (0 or -1 disable it)")
+        if not is_num(self.min_p) or not 0 <= self.min_p <= 1:
+            fail("min_p", "in [0, 1]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not is_num(getattr(self, name)) or not -2 <= getattr(self, name) <= 2:
+                fail(name, "in [-2, 2]")
+        if not is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
+            fail("repetition_penalty", "a number > 0")
+        if self.seed is not None and not is_int(self.seed):
+            fail("seed", "an integer or None")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
+            fail("max_tokens", "an integer >= 1 or None")
+        if not is_int(self.min_tokens) or self.min_tokens < 0:
+            fail("min_tokens", "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            fail("min_tokens", f"<= max_tokens ({self.max_tokens})")
+        if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            fail("logprobs", f"an integer in [0, {MAX_LOGPROBS}] or None")
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if not all(isinstance(s, str) and s for s in stops):
+            fail("stop", "a non-empty string or a list of them")
+        self.stop_strings = stops
+        ids = self.stop_token_ids or []
+        if not isinstance(ids, (list, tuple)) or not all(is_int(i) and i >= 0 for i in ids):
+            fail("stop_token_ids", "a list of token ids >= 0")
+        self.stop_token_ids = list(ids)
+        if self.stop_strings and not self.detokenize:
+            fail("stop", "empty when detokenize=False (stop strings are matched on text)")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    def for_child(self, index: int) -> SamplingParams:
+        """The params of sample `index` of an n > 1 request: n=1, and distinct seeds (seed + index)."""
+        kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.init}
+        seed = None if self.seed is None else self.seed + index
+        return replace(SamplingParams(**kwargs), n=1, seed=seed)
