@@ -8,19 +8,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import jax
-import jax.numpy as jnp
-
 DTYPES = {
-    "float32": jnp.float32, "float": jnp.float32, "fp32": jnp.float32,
-    "bfloat16": jnp.bfloat16, "bf16": jnp.bfloat16,
-    "float16": jnp.float16, "half": jnp.float16, "fp16": jnp.float16,
+    "float32": "float32", "float": "float32", "fp32": "float32",
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "half": "float16", "fp16": "float16",
 }
 LOAD_FORMATS = ("auto", "hf", "safetensors", "gguf", "orbax", "dummy")
 
 
-def resolve_dtype(dtype) -> jnp.dtype:
-    """"auto" is float32 on CPU (fastest there) and bfloat16 on accelerators."""
+def resolve_dtype(dtype):
+    """"auto" is float32 on CPU (fastest there) and bfloat16 on accelerators. Returns a jnp dtype."""
+    import jax  # lazily: the scheduler imports this module and must stay free of JAX
+    import jax.numpy as jnp
+
     if dtype == "auto" or dtype is None:
         return jnp.dtype(jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16)
     if isinstance(dtype, str):
@@ -31,7 +31,7 @@ def resolve_dtype(dtype) -> jnp.dtype:
         resolved = jnp.dtype(dtype)
     except TypeError:
         raise ValueError(f"dtype {dtype!r} is not a dtype") from None
-    if resolved not in {jnp.dtype(d) for d in DTYPES.values()}:
+    if resolved.name not in DTYPES.values():
         raise ValueError(f"dtype {dtype!r} is not supported; use float32, bfloat16 or float16")
     return resolved
 
@@ -54,7 +54,8 @@ class ModelConfig:
     attention_backend: str = "auto"
 
     def __post_init__(self):
-        resolve_dtype(self.dtype)
+        if isinstance(self.dtype, str) and self.dtype != "auto" and self.dtype.lower() not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not supported; use one of auto, {', '.join(DTYPES)}")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format {self.load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
         if not isinstance(self.seed, int):

@@ -1,0 +1,199 @@
+"""The scheduler: continuous batching with chunked prefill and preemption by recompute. Pure Python.
+
+`schedule()` decides one step: running requests first — decodes before unfinished
+prefills, so a long prompt never starves them — then waiting requests in policy order,
+all within `max_num_batched_tokens` and `max_num_seqs`. When the KV pool runs dry, the
+policy's victim is preempted: its blocks are freed and it returns to the waiting queue to
+be recomputed. `update()` applies the sampled tokens and the token-level stop rules.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from jaxllm.config import SchedulerConfig
+from jaxllm.engine.kv_cache_manager import KVCacheManager
+from jaxllm.engine.policy import make_waiting_queue
+from jaxllm.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # tokens computed this step, from `start`
+    start: int  # num_computed_tokens when scheduled: the position of the first new token
+    block_ids: list[int]  # the request's block table (the manager's list)
+
+    @property
+    def samples(self) -> bool:
+        """Whether this step reaches the request's last known token, so its logits give a new token."""
+        return self.start + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    step: int
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)  # request ids preempted in this step
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+        self.config = config
+        self.kv = kv
+        self.waiting = make_waiting_queue(config.policy)
+        self.running: list[Request] = []
+        self.held: dict[str, list[Request]] = {}  # n > 1: siblings waiting for the first sample's prompt
+        self.num_steps = 0
+        self.num_preemptions = 0
+
+    # ---- requests in and out -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.add(request)
+
+    def hold_siblings(self, first: Request, siblings: list[Request]) -> None:
+        """Siblings start once `first` has computed the shared prompt, then share its blocks."""
+        self.held[first.request_id] = siblings
+
+    def finish_request(self, request: Request, status: RequestStatus, *, uncache: bool = False) -> None:
+        """Finish a request in any state (stop, length, abort, error) and return its blocks."""
+        if request.is_finished:
+            return
+        if request in self.running:
+            self.running.remove(request)
+        elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        request.metrics.finished_time = time.monotonic()
+        self.kv.free(request, uncache=uncache)
+        for sibling in self.held.pop(request.request_id, []):  # never started: finish them alike
+            self.finish_request(sibling, status)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running) + sum(len(s) for s in self.held.values())
+
+    # ---- one step ----------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(step=self.num_steps)
+        self.num_steps += 1
+        budget = self.config.max_num_batched_tokens
+        now = time.monotonic()
+
+        # running: decodes first, then unfinished prefills
+        order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        for request in order:
+            if budget == 0:
+                break
+            if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(request, num_new):
+                candidates = [r for r in self.running if r is request or not self._is_scheduled(out, r)]
+                victim = self.waiting.select_victim(candidates)
+                self._preempt(victim)
+                out.preempted.append(victim.request_id)
+                if victim is request:
+                    break
+            if request.status is RequestStatus.RUNNING:
+                self._schedule(out, request, num_new, now)
+                budget -= num_new
+
+        # waiting, in policy order — not while preempting: the pool is full
+        while not out.preempted and budget > 0 and len(self.waiting) and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting.peek()
+            computed = [] if request.num_computed_tokens else self.kv.get_computed_blocks(request)
+            num_computed = request.num_computed_tokens + len(computed) * self.kv.block_size
+            num_new = min(request.num_tokens - num_computed, budget)
+            if not self.kv.allocate_slots(request, num_new, computed):
+                break
+            self.waiting.pop()
+            if request.num_computed_tokens == 0 and request.num_preemptions == 0:
+                request.num_cached_tokens = num_computed
+            request.num_computed_tokens = num_computed
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._schedule(out, request, num_new, now)
+            budget -= num_new
+        return out
+
+    @staticmethod
+    def _is_scheduled(out: SchedulerOutput, request: Request) -> bool:
+        return any(s.request is request for s in out.scheduled)
+
+    def _schedule(self, out: SchedulerOutput, request: Request, num_new: int, now: float) -> None:
+        if request.metrics.first_scheduled_time is None:
+            request.metrics.first_scheduled_time = now
+        out.scheduled.append(
+            ScheduledRequest(request, num_new, request.num_computed_tokens, self.kv.block_ids(request.request_id))
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(request)
+
+    # ---- after the step ----------------------------------------------------------------
+
+    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Request]:
+        """Advance each scheduled request; append the sampled token where one was due.
+
+        Returns the requests that received a token (finished ones included).
+        """
+        got_token = []
+        for row, scheduled in enumerate(out.scheduled):
+            request = scheduled.request
+            if request.is_finished:  # aborted while the step ran
+                continue
+            request.num_computed_tokens = scheduled.start + scheduled.num_new_tokens
+            if not scheduled.samples:
+                continue
+            token = int(sampled[row])
+            request.output_token_ids.append(token)
+            got_token.append(request)
+            self._release_siblings(request)
+            if (status := self._check_stop(request, token)) is not None:
+                self.finish_request(request, status)
+        return got_token
+
+    def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _release_siblings(self, first: Request) -> None:
+        """The first sample has its prompt's K/V: siblings share its full prompt blocks and join."""
+        siblings = self.held.pop(first.request_id, None)
+        if not siblings:
+            return
+        num_shared = (first.num_prompt_tokens - 1) // self.kv.block_size
+        for sibling in siblings:
+            self.kv.fork(first, sibling, num_shared)
+            sibling.num_computed_tokens = num_shared * self.kv.block_size
+            sibling.num_cached_tokens = sibling.num_computed_tokens
+            self.waiting.prepend(sibling)
