@@ -44,6 +44,12 @@ def max_tiles(num_tokens: int, max_seqs: int, block_q: int) -> int:
     return max(1, min(num_tokens, (num_tokens + n * (block_q - 1)) // block_q))
 
 
+def _searchsorted(sorted_arr, x):
+    """searchsorted(side="right") without a device while loop when sizes are small (GPU-friendly)."""
+    method = "compare_all" if sorted_arr.size * x.size <= 1 << 21 else "scan"
+    return jnp.searchsorted(sorted_arr, x, side="right", method=method).astype(jnp.int32)
+
+
 def make_tile_plan(
     cu_q_lens: Int[Array, "S1"],
     kv_lens: Int[Array, "S"],
@@ -68,7 +74,7 @@ def make_tile_plan(
 
     t = jnp.arange(num_tiles, dtype=jnp.int32)
     valid = t < tile_end[-1]
-    seq = jnp.searchsorted(tile_end, t, side="right").astype(jnp.int32)
+    seq = _searchsorted(tile_end, t)
     seq = jnp.where(valid, jnp.minimum(seq, max_seqs - 1), 0)
     local = t - tile_begin[seq]
     row0 = jnp.where(valid, q_start[seq] + local * block_q, 0)
@@ -83,7 +89,7 @@ def make_tile_plan(
     key_lo = jnp.minimum(key_lo, key_hi)
 
     rows = jnp.arange(num_tokens, dtype=jnp.int32)
-    row_seq = jnp.searchsorted(cu[1:], rows, side="right").astype(jnp.int32)
+    row_seq = _searchsorted(cu[1:], rows)
     row_real = (rows < cu[n_seqs]) & (row_seq < max_seqs)
     row_seq = jnp.where(row_real, row_seq, 0)
     local_row = rows - q_start[row_seq]

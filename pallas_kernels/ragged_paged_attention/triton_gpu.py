@@ -45,7 +45,9 @@ and its softmax statistics, merged by a few jnp ops afterwards.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +55,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jaxtyping import Array, Float, Int
 
-from pallas_kernels.ragged_paged_attention.plan import cache_dims, make_tile_plan
+from pallas_kernels.ragged_paged_attention.plan import TilePlan, cache_dims, make_tile_plan
 
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -167,6 +169,119 @@ def _kernel(meta_ref, layer_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *stat_r
         l_ref[...] = l
 
 
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Static tiling of one call: powers of two; `block_q * next_pow2(group) >= 16`."""
+
+    block_q: int
+    chunk_blocks: int
+    num_kv_splits: int
+    num_warps: int
+    num_stages: int
+
+
+def resolve_config(q_shape, cache_shape, tables_shape, **overrides) -> KernelConfig:
+    num_tokens, num_q_heads, head_dim = q_shape
+    block_size, num_kv_heads = cache_shape[-3], cache_shape[-2]
+    max_seqs, max_blocks = tables_shape
+    cfg = default_config(num_tokens, max_seqs, num_q_heads, num_kv_heads, block_size, max_blocks)
+    cfg.update({k: v for k, v in overrides.items() if v is not None})
+    cfg = KernelConfig(**cfg)
+    group_p = _next_pow2(num_q_heads // num_kv_heads)
+    for name, val in (("block_q", cfg.block_q), ("chunk_blocks", cfg.chunk_blocks),
+                      ("block_size", block_size), ("head_dim", head_dim)):
+        if val < 1 or val & (val - 1):
+            raise ValueError(f"{name}={val} must be a power of two for the Triton kernel")
+    if cfg.block_q * group_p < 16 or cfg.chunk_blocks * block_size < 16 or head_dim < 16:
+        raise ValueError(f"Triton dots need >= 16 rows, keys and head_dim; got block_q*group="
+                         f"{cfg.block_q * group_p}, chunk keys={cfg.chunk_blocks * block_size}, "
+                         f"head_dim={head_dim}")
+    return cfg
+
+
+class Prepared(NamedTuple):
+    """Kernel inputs built from the ragged batch (host-side contract, backend independent)."""
+
+    meta: Int[Array, "NT 8"]  # per tile: seq, nrows, pos0, key_lo, key_hi, 0, 0, 0
+    layer: Int[Array, "1"]
+    block_tables: Int[Array, "S M"]
+    q_tiles: Float[Array, "NT Hkv BM D"]  # BM = block_q * next_pow2(group)
+    plan: TilePlan
+
+
+def prepare(q, kv_lens, block_tables, cu_q_lens, num_seqs, *, num_kv_heads: int, cfg: KernelConfig,
+            sliding_window: int | None = None, layer=None) -> Prepared:
+    num_tokens, num_q_heads, head_dim = q.shape
+    group = num_q_heads // num_kv_heads
+    group_p = _next_pow2(group)
+    plan = make_tile_plan(cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens, block_q=cfg.block_q,
+                          sliding_window=sliding_window)
+    num_tiles = plan.seq.shape[0]
+    zero = jnp.zeros_like(plan.seq)
+    meta = jnp.stack([plan.seq, plan.nrows, plan.pos0, plan.key_lo, plan.key_hi, zero, zero, zero], axis=1)
+    # Query tiles [NT, Hkv, BQ * Gp, D]: rows of one sequence x the query heads of one KV head.
+    rows = jnp.minimum(plan.row0[:, None] + jnp.arange(cfg.block_q, dtype=jnp.int32), num_tokens - 1)
+    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
+    if group_p != group:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_p - group), (0, 0)))
+    q_tiles = qg[rows].transpose(0, 2, 1, 3, 4).reshape(num_tiles, num_kv_heads, cfg.block_q * group_p, head_dim)
+    layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
+    return Prepared(meta, layer_arr, block_tables.astype(jnp.int32), q_tiles, plan)
+
+
+def launch(prep: Prepared, k_cache, v_cache, *, cfg: KernelConfig, group: int, sm_scale: float,
+           sliding_window: int | None = None, soft_cap: float | None = None, interpret: bool = False):
+    """The pallas_call: grid (tile, kv_head, kv_split). Returns (acc,) or (acc, m, l) per split."""
+    num_tiles, num_kv_heads, block_m, head_dim = prep.q_tiles.shape
+    grid = (num_tiles, num_kv_heads, cfg.num_kv_splits)
+    full = lambda x: pl.BlockSpec(x.shape, lambda t, h, j, n=x.ndim: (0,) * n)  # noqa: E731
+    in_specs = [
+        pl.BlockSpec((None, 8), lambda t, h, j: (t, 0)),
+        full(prep.layer),
+        full(prep.block_tables),
+        pl.BlockSpec((None, None, block_m, head_dim), lambda t, h, j: (t, h, 0, 0)),
+        full(k_cache),
+        full(v_cache),
+    ]
+    split_out = cfg.num_kv_splits > 1
+    o_dtype = jnp.float32 if split_out else prep.q_tiles.dtype
+    out_shape = [jax.ShapeDtypeStruct((cfg.num_kv_splits, num_tiles, num_kv_heads, block_m, head_dim), o_dtype)]
+    out_specs = [pl.BlockSpec((None, None, None, block_m, head_dim), lambda t, h, j: (j, t, h, 0, 0))]
+    if split_out:
+        stat = jax.ShapeDtypeStruct((cfg.num_kv_splits, num_tiles, num_kv_heads, block_m), jnp.float32)
+        out_shape += [stat, stat]
+        out_specs += [pl.BlockSpec((None, None, None, block_m), lambda t, h, j: (j, t, h, 0))] * 2
+    kernel = functools.partial(
+        _kernel, sm_scale=float(sm_scale), sliding_window=sliding_window,
+        soft_cap=None if soft_cap is None else float(soft_cap), group=group, group_p=_next_pow2(group),
+        chunk_blocks=cfg.chunk_blocks, num_kv_splits=cfg.num_kv_splits)
+    params = {}
+    if _TritonParams is not None:
+        params["compiler_params"] = _TritonParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return pl.pallas_call(
+        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        interpret=interpret, name="ragged_paged_attention", **params,
+    )(prep.meta, prep.layer, prep.block_tables, prep.q_tiles, k_cache, v_cache)
+
+
+def finish(outs, plan: TilePlan, *, q_shape, group: int, block_q: int, dtype):
+    """Merge KV splits (flash decoding) and scatter tile rows back to [T, Hq, D]."""
+    num_tokens, num_q_heads, head_dim = q_shape
+    if len(outs) == 3:
+        acc, m, l = outs
+        m_all = m.max(axis=0)
+        w = jnp.exp(m - m_all[None])
+        l_all = (l * w).sum(axis=0)
+        out = (acc * w[..., None]).sum(axis=0) / jnp.where(l_all > 0, l_all, 1.0)[..., None]
+    else:
+        out = outs[0][0]
+    num_tiles, num_kv_heads = out.shape[:2]
+    group_p = _next_pow2(group)
+    out = out.reshape(num_tiles, num_kv_heads, block_q, group_p, head_dim).transpose(0, 2, 1, 3, 4)
+    out = out[plan.row_tile, plan.row_slot][:, :, :group].reshape(num_tokens, num_q_heads, head_dim)
+    return jnp.where(plan.row_real[:, None, None], out, 0).astype(dtype)
+
+
 def ragged_paged_attention_triton(
     q: Float[Array, "T Hq D"],
     k_cache: Float[Array, "*L N B Hkv D"],
@@ -187,83 +302,17 @@ def ragged_paged_attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> Float[Array, "T Hq D"]:
+    """The Pallas Triton kernel behind the public contract (see the module docstring)."""
     q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs = map(
         jnp.asarray, (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs))
-    num_tokens, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = cache_dims(k_cache, layer)
-    max_seqs, max_blocks = block_tables.shape
-    group = num_q_heads // num_kv_heads
-    group_p = _next_pow2(group)
-    cfg = default_config(num_tokens, max_seqs, num_q_heads, num_kv_heads, block_size, max_blocks)
-    block_q = block_q or cfg["block_q"]
-    chunk_blocks = chunk_blocks or cfg["chunk_blocks"]
-    num_kv_splits = num_kv_splits or cfg["num_kv_splits"]
-    num_warps = num_warps or cfg["num_warps"]
-    num_stages = num_stages or cfg["num_stages"]
-    block_m = block_q * group_p
-    for name, val in (("block_q", block_q), ("chunk_blocks", chunk_blocks),
-                      ("block_size", block_size), ("head_dim", head_dim)):
-        if val & (val - 1):
-            raise ValueError(f"{name}={val} must be a power of two for the Triton kernel")
-    if block_m < 16 or chunk_blocks * block_size < 16 or head_dim < 16:
-        raise ValueError(f"Triton dots need >= 16 rows, keys and head_dim; got block_q*group="
-                         f"{block_m}, chunk keys={chunk_blocks * block_size}, head_dim={head_dim}")
+    _, _, num_kv_heads, _ = cache_dims(k_cache, layer)
+    group = q.shape[1] // num_kv_heads
+    cfg = resolve_config(q.shape, k_cache.shape, block_tables.shape, block_q=block_q, chunk_blocks=chunk_blocks,
+                         num_kv_splits=num_kv_splits, num_warps=num_warps, num_stages=num_stages)
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-
-    plan = make_tile_plan(cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens, block_q=block_q,
-                          sliding_window=sliding_window)
-    num_tiles = plan.seq.shape[0]
-    zero = jnp.zeros_like(plan.seq)
-    meta = jnp.stack([plan.seq, plan.nrows, plan.pos0, plan.key_lo, plan.key_hi, zero, zero, zero], axis=1)
-
-    # Query tiles [NT, Hkv, BQ * Gp, D]: rows of one sequence x the query heads of one KV head.
-    rows = jnp.minimum(plan.row0[:, None] + jnp.arange(block_q, dtype=jnp.int32), num_tokens - 1)
-    qg = q.reshape(num_tokens, num_kv_heads, group, head_dim)
-    if group_p != group:
-        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, group_p - group), (0, 0)))
-    q_tiles = qg[rows].transpose(0, 2, 1, 3, 4).reshape(num_tiles, num_kv_heads, block_m, head_dim)
-
-    layer_arr = jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,))
-    grid = (num_tiles, num_kv_heads, num_kv_splits)
-    full = lambda x: pl.BlockSpec(x.shape, lambda t, h, j, n=x.ndim: (0,) * n)  # noqa: E731
-    in_specs = [
-        pl.BlockSpec((None, 8), lambda t, h, j: (t, 0)),
-        full(layer_arr),
-        full(block_tables),
-        pl.BlockSpec((None, None, block_m, head_dim), lambda t, h, j: (t, h, 0, 0)),
-        full(k_cache),
-        full(v_cache),
-    ]
-    split_out = num_kv_splits > 1
-    o_dtype = jnp.float32 if split_out else q.dtype
-    out_shape = [jax.ShapeDtypeStruct((num_kv_splits, num_tiles, num_kv_heads, block_m, head_dim), o_dtype)]
-    out_specs = [pl.BlockSpec((None, None, None, block_m, head_dim), lambda t, h, j: (j, t, h, 0, 0))]
-    if split_out:
-        stat = jax.ShapeDtypeStruct((num_kv_splits, num_tiles, num_kv_heads, block_m), jnp.float32)
-        out_shape += [stat, stat]
-        out_specs += [pl.BlockSpec((None, None, None, block_m), lambda t, h, j: (j, t, h, 0))] * 2
-
-    kernel = functools.partial(
-        _kernel, sm_scale=float(sm_scale), sliding_window=sliding_window,
-        soft_cap=None if soft_cap is None else float(soft_cap), group=group, group_p=group_p,
-        chunk_blocks=chunk_blocks, num_kv_splits=num_kv_splits)
-    params = {}
-    if _TritonParams is not None:
-        params["compiler_params"] = _TritonParams(num_warps=num_warps, num_stages=num_stages)
-    outs = pl.pallas_call(
-        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        interpret=interpret, name="ragged_paged_attention", **params,
-    )(meta, layer_arr, block_tables.astype(jnp.int32), q_tiles, k_cache, v_cache)
-
-    if split_out:
-        acc, m, l = outs
-        m_all = m.max(axis=0)
-        w = jnp.exp(m - m_all[None])
-        l_all = (l * w).sum(axis=0)
-        out = (acc * w[..., None]).sum(axis=0) / jnp.where(l_all > 0, l_all, 1.0)[..., None]
-    else:
-        out = outs[0][0]
-    out = out.reshape(num_tiles, num_kv_heads, block_q, group_p, head_dim).transpose(0, 2, 1, 3, 4)
-    out = out[plan.row_tile, plan.row_slot][:, :, :group].reshape(num_tokens, num_q_heads, head_dim)
-    return jnp.where(plan.row_real[:, None, None], out, 0).astype(q.dtype)
+    prep = prepare(q, kv_lens, block_tables, cu_q_lens, num_seqs, num_kv_heads=num_kv_heads, cfg=cfg,
+                   sliding_window=sliding_window, layer=layer)
+    outs = launch(prep, k_cache, v_cache, cfg=cfg, group=group, sm_scale=sm_scale,
+                  sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret)
+    return finish(outs, prep.plan, q_shape=q.shape, group=group, block_q=cfg.block_q, dtype=q.dtype)
