@@ -7,8 +7,14 @@ median / min wall time over repetitions, the bytes of K and V the batch actually
 implies, and its fraction of the machine's copy bandwidth measured in the same run
 (read + write bytes of a large on-device copy). Backends: "reference" (the jnp path the
 CPU model runs), "dense" (naive: every row gathers its whole table and masks) and
-"pallas" (the Pallas Triton kernel: compiled on a GPU; on CPU only with --interpret, which
-times the interpreter and is meaningless as a speed figure).
+"pallas" (the Pallas Triton kernel end to end, tile plan included: compiled on a GPU; on
+CPU only with --interpret, which times the interpreter and is meaningless as a speed
+figure) and "pallas_kernel" (the pallas_call alone, inputs prepared beforehand).
+
+--check first runs the correctness grid: the Pallas kernel (compiled natively on a GPU,
+interpreted on CPU) against the jnp reference and a float64 numpy oracle on hostile
+batches (NaN in unused blocks and padding rows, stale tails), and exits 1 on a failure.
+--tune times a few kernel configurations on two decode cases and reports the best.
 
 Examples:
   python benchmarks/kernel_bench.py --suite cpu --out benchmarks/results/kernel_bench_cpu.json
@@ -37,6 +43,8 @@ from pallas_kernels.ragged_paged_attention.reference import (  # noqa: E402
     ragged_paged_attention_dense,
     ragged_paged_attention_reference,
 )
+from pallas_kernels.ragged_paged_attention.testing import make_batch, reference_f64, relative_error  # noqa: E402
+from pallas_kernels.ragged_paged_attention import triton_gpu  # noqa: E402
 from pallas_kernels.ragged_paged_attention.triton_gpu import ragged_paged_attention_triton  # noqa: E402
 
 
@@ -53,6 +61,8 @@ class Case:
     num_tokens: int  # token bucket T
     max_seqs: int  # sequence bucket S
     max_blocks: int  # table width (max_model_len / block_size)
+
+    with_reference: bool = True
 
     @property
     def kind(self) -> str:
@@ -94,8 +104,20 @@ def build(case: Case, seed: int = 0):
             jnp.asarray([n], jnp.int32))
 
 
-def backend_fn(name: str, case: Case, interpret: bool, **kw):
+def backend_fn(name: str, case: Case, interpret: bool, args=None, **kw):
+    """A jitted callable and the arguments to time it on."""
     sm_scale = case.head_dim ** -0.5
+    if name == "pallas_kernel":  # the pallas_call alone, on inputs prepared outside the timing
+        q, k_cache, v_cache, kv_lens, tables, cu, num_seqs = args
+        hkv = case.num_kv_heads
+        cfg = triton_gpu.resolve_config(q.shape, k_cache.shape, tables.shape, **kw)
+        prep = jax.jit(lambda q, kv, t, c, n: triton_gpu.prepare(q, kv, t, c, n, num_kv_heads=hkv, cfg=cfg))(
+            q, kv_lens, tables, cu, num_seqs)
+        prep = jax.block_until_ready(prep)._replace(plan=None)
+        group = case.num_q_heads // hkv
+        f = jax.jit(lambda prep, k, v: triton_gpu.launch(prep, k, v, cfg=cfg, group=group, sm_scale=sm_scale,
+                                                         interpret=interpret))
+        return f, (prep, k_cache, v_cache)
     if name == "reference":
         f = lambda *a: ragged_paged_attention_reference(*a, sm_scale=sm_scale, **kw)  # noqa: E731
     elif name == "dense":
@@ -104,7 +126,7 @@ def backend_fn(name: str, case: Case, interpret: bool, **kw):
         f = lambda *a: ragged_paged_attention_triton(*a, sm_scale=sm_scale, interpret=interpret, **kw)  # noqa: E731
     else:
         raise ValueError(name)
-    return jax.jit(f)
+    return jax.jit(f), args
 
 
 def time_fn(fn, args, reps: int, min_reps: int = 3, budget_s: float = 20.0):
@@ -170,11 +192,11 @@ def gpu_cases() -> list[Case]:
     for s in (64, 128, 256):
         for ctx in (1024, 2048, 4096, 8192):
             cases.append(Case(f"decode_s{s}_ctx{ctx}_llama8b", [1] * s, [ctx] * s, **llama, num_tokens=s,
-                              max_seqs=s, max_blocks=8192 // 16))
+                              max_seqs=s, max_blocks=8192 // 16, with_reference=s * ctx <= 128 * 2048))
     rng = np.random.default_rng(1)
     kv = [int(x) for x in rng.integers(512, 8193, 128)]
     cases.append(Case("decode_s128_ctx512-8k_llama8b", [1] * 128, kv, **llama, num_tokens=128, max_seqs=128,
-                      max_blocks=512))
+                      max_blocks=512, with_reference=False))
     mixed_kv = [2048, 2048] + [int(x) for x in rng.integers(1024, 4097, 62)]
     cases.append(Case("mixed_t1024_s64_2x480prefill_62dec_llama8b", [480, 480] + [1] * 62, mixed_kv, **llama,
                       num_tokens=1024, max_seqs=64, max_blocks=512))
@@ -189,6 +211,96 @@ def smoke_cases() -> list[Case]:
     ]
 
 
+CHECKS = [  # (name, layout, batch, kernel overrides); sizes scale down with smoke
+    ("llama_decode_bf16", dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16"),
+     dict(kind="decode", n=16, ctx=3000), {}),
+    ("llama_mixed_bf16", dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16"),
+     dict(kind="mixed", n=12, ctx=2000), {}),
+    ("llama_decode_bf16_splits4", dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
+                                       dtype="bfloat16"), dict(kind="decode", n=8, ctx=3000), dict(num_kv_splits=4)),
+    ("gqa3_d64_b8_f32_prefill", dict(num_q_heads=12, num_kv_heads=4, head_dim=64, block_size=8, dtype="float32"),
+     dict(kind="prefill", n=4, ctx=600), {}),
+    ("mha_d128_b32_bf16_layer1of3", dict(num_q_heads=4, num_kv_heads=4, head_dim=128, block_size=32,
+                                         dtype="bfloat16"), dict(kind="mixed", n=6, ctx=900, layers=3), {}),
+    ("window_softcap_f32", dict(num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32"),
+     dict(kind="mixed", n=6, ctx=900, window=200, soft_cap=30.0), {}),
+]
+
+
+def _check_batch(rng, layout, spec, smoke: bool):
+    n, ctx = spec["n"], spec["ctx"]
+    if smoke:
+        n, ctx = min(n, 4), min(ctx, 80)
+    kind = spec["kind"]
+    kv_lens = [int(x) for x in rng.integers(max(2, ctx // 4), ctx + 1, n)]
+    if kind == "decode":
+        q_lens = [1] * n
+    elif kind == "prefill":
+        q_lens = [min(kv, 3 + i * 7) if i % 2 else kv for i, kv in enumerate(kv_lens)]
+        q_lens = [min(q, 48 if smoke else 300) for q in q_lens]
+    else:
+        q_lens = [1 if i % 2 else min(kv, 5 + 9 * i) for i, kv in enumerate(kv_lens)]
+    num_tokens = max(8, 1 << (sum(q_lens) - 1).bit_length())
+    return make_batch(rng, q_lens, kv_lens, **layout, max_seqs=n + 2, num_tokens=num_tokens,
+                      num_layers=spec.get("layers"), layer=1 if spec.get("layers") else None,
+                      sliding_window=spec.get("window"))
+
+
+def run_checks(smoke: bool, interpret: bool) -> list[dict]:
+    rng = np.random.default_rng(0)
+    rows = []
+    for name, layout, spec, overrides in CHECKS:
+        t0 = time.perf_counter()
+        batch = _check_batch(rng, dict(layout), spec, smoke)
+        sm_scale = layout["head_dim"] ** -0.5
+        kw = dict(sm_scale=sm_scale, sliding_window=spec.get("window"), soft_cap=spec.get("soft_cap"))
+        args = [jnp.asarray(a) for a in batch.args()]
+        lay = None if batch.layer is None else jnp.int32(batch.layer)
+        pallas = jax.jit(lambda *a, layer: ragged_paged_attention_triton(*a, layer=layer, interpret=interpret,
+                                                                          **kw, **overrides))
+        ref = jax.jit(lambda *a, layer: ragged_paged_attention_reference(*a, layer=layer, **kw))
+        out_p = np.asarray(pallas(*args, layer=lay).astype(jnp.float32))
+        out_r = np.asarray(ref(*args, layer=lay).astype(jnp.float32))
+        oracle = reference_f64(batch, sm_scale=sm_scale, sliding_window=kw["sliding_window"], soft_cap=kw["soft_cap"])
+        n = sum(batch.q_lens)
+        tol = 3e-2 if layout["dtype"] == "bfloat16" else 2e-4
+        row = {"what": "check", "name": name, "num_seqs": len(batch.q_lens), "num_tokens_real": n,
+               "max_kv_len": int(max(batch.kv_lens)), "dtype": layout["dtype"], **overrides,
+               "pallas_vs_f64": relative_error(out_p, oracle, batch.q_lens),
+               "reference_vs_f64": relative_error(out_r, oracle, batch.q_lens),
+               "pallas_vs_reference": relative_error(out_p, out_r.astype(np.float64), batch.q_lens),
+               "nan_in_real_rows": bool(np.isnan(out_p[:n]).any() or np.isnan(out_r[:n]).any()),
+               "tolerance": tol, "seconds": round(time.perf_counter() - t0, 2)}
+        row["ok"] = (not row["nan_in_real_rows"] and row["pallas_vs_f64"] <= tol and row["reference_vs_f64"] <= tol)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return rows
+
+
+TUNE = [dict(chunk_blocks=c, num_warps=w, num_stages=st) for c, w, st in
+        [(4, 4, 2), (4, 4, 3), (8, 4, 2), (8, 4, 3), (8, 8, 3), (16, 8, 3)]] + [dict(block_q=16), dict(num_kv_splits=2)]
+
+
+def run_tune(cases: list[Case], interpret: bool, reps: int, budget_s: float, ceiling_gb_s: float) -> list[dict]:
+    rows = []
+    for case in cases:
+        args = build(case)
+        for overrides in TUNE:
+            try:
+                fn, targs = backend_fn("pallas_kernel", case, interpret, args=args, **overrides)
+                med, best, n, compile_s = time_fn(fn, targs, reps, budget_s=budget_s)
+            except Exception as e:  # a config the compiler rejects is a result, not a crash
+                row = {"what": "tune", "case": case.name, **overrides, "error": f"{type(e).__name__}: {e}"[:300]}
+            else:
+                gb_s = case.needed_bytes() / med / 1e9
+                row = {"what": "tune", "case": case.name, **overrides, "median_ms": round(med * 1e3, 4),
+                       "gb_s": round(gb_s, 2), "fraction_of_ceiling": round(gb_s / ceiling_gb_s, 4)}
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        del args
+    return rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--suite", choices=("cpu", "gpu", "smoke"), default=None,
@@ -201,6 +313,10 @@ def main(argv=None):
     ap.add_argument("--dense-max-gib", type=float, default=1.0, help="skip dense where its gather is larger")
     ap.add_argument("--only", default=None, help="substring filter on case names")
     ap.add_argument("--out", default=None, help="write the JSON document here")
+    ap.add_argument("--check", action="store_true", help="run the correctness grid first; exit 1 on failure")
+    ap.add_argument("--check-only", action="store_true", help="only the correctness grid")
+    ap.add_argument("--tune", action="store_true", help="also time a few kernel configurations")
+    ap.add_argument("--tune-only", action="store_true", help="only the kernel configuration sweep")
     a = ap.parse_args(argv)
 
     on_gpu = jax.default_backend() == "gpu"
@@ -211,12 +327,22 @@ def main(argv=None):
     if a.backends:
         backends = a.backends.split(",")
     else:
-        backends = ["pallas", "reference"] if on_gpu else ["reference", "dense"]
+        backends = ["pallas", "pallas_kernel", "reference"] if on_gpu else ["reference", "dense"]
         if suite == "smoke":
-            backends = ["reference", "dense", "pallas"]
+            backends = ["reference", "dense", "pallas", "pallas_kernel"]
     interpret = not on_gpu
-    if "pallas" in backends and interpret and not (a.interpret or suite == "smoke"):
-        backends.remove("pallas")
+    if interpret and not (a.interpret or suite == "smoke"):
+        backends = [b for b in backends if not b.startswith("pallas")]
+
+    checks = []
+    if a.check or a.check_only:
+        checks = run_checks(smoke=suite == "smoke", interpret=interpret)
+        if a.check_only or not all(r["ok"] for r in checks):
+            _write(a.out, {"checks": checks, "command": _command(argv)})
+            if not all(r["ok"] for r in checks):
+                print("CHECK FAILED", file=sys.stderr)
+                sys.exit(1)
+            return {"checks": checks}
 
     ceiling = copy_bandwidth(a.copy_mib or (2048 if on_gpu else 512 if suite != "smoke" else 16))
     ceiling_gb_s = ceiling["device_copy_gb_s"]
@@ -229,7 +355,7 @@ def main(argv=None):
     }
     print(json.dumps(header), flush=True)
     results = []
-    for case in cases:
+    for case in ([] if a.tune_only else cases):
         args = build(case)
         nbytes = case.needed_bytes()
         for backend in backends:
@@ -238,31 +364,54 @@ def main(argv=None):
                    "S": case.max_seqs, "max_blocks": case.max_blocks, "heads": [case.num_q_heads, case.num_kv_heads],
                    "head_dim": case.head_dim, "block_size": case.block_size, "dtype": case.dtype,
                    "sum_kv_len": sum(case.kv_lens), "kv_bytes_needed": nbytes}
+            if backend == "reference" and not case.with_reference:
+                continue
             if backend == "dense" and case.dense_gather_bytes() > a.dense_max_gib * 2**30:
                 row["skipped"] = f"dense gather {case.dense_gather_bytes() / 2**30:.1f} GiB > --dense-max-gib"
                 print(json.dumps(row), flush=True)
                 results.append(row)
                 continue
-            fn = backend_fn(backend, case, interpret)
-            med, best, n, compile_s = time_fn(fn, args, a.reps, budget_s=a.budget_s)
+            fn, targs = backend_fn(backend, case, interpret, args=args)
+            med, best, n, compile_s = time_fn(fn, targs, a.reps, budget_s=a.budget_s)
             row.update({
                 "median_ms": round(med * 1e3, 4), "min_ms": round(best * 1e3, 4), "reps": n,
                 "first_call_s": round(compile_s, 2),
                 "gb_s": round(nbytes / med / 1e9, 3),
                 "fraction_of_ceiling": round(nbytes / med / 1e9 / ceiling_gb_s, 4),
             })
-            if backend == "pallas" and interpret:
+            if backend.startswith("pallas") and interpret:
                 row["note"] = "interpret mode: not a speed figure"
             print(json.dumps(row), flush=True)
             results.append(row)
         del args
-    doc = {"machine": header, "results": results,
-           "command": "python benchmarks/kernel_bench.py " + " ".join(sys.argv[1:] if argv is None else argv)}
-    if a.out:
-        os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-        with open(a.out, "w") as f:
-            json.dump(doc, f, indent=1)
+        _write(a.out, {"machine": header, "checks": checks, "results": results, "command": _command(argv)})
+    tune = []
+    if a.tune or a.tune_only:
+        if suite == "gpu":
+            tune_cases = [c for c in cases if c.name in ("decode_s128_ctx4096_llama8b", "decode_s64_ctx8192_llama8b")]
+        else:
+            tune_cases = [c for c in cases if c.kind == "decode"][:1]
+        tune = run_tune(tune_cases, interpret, a.reps, min(a.budget_s, 5.0), ceiling_gb_s)
+        best = {}
+        for r in tune:
+            if "gb_s" in r and r["gb_s"] > best.get(r["case"], {}).get("gb_s", -1):
+                best[r["case"]] = r
+        for r in best.values():
+            print(json.dumps({**r, "what": "tune_best"}), flush=True)
+    doc = {"machine": header, "checks": checks, "results": results, "tune": tune, "command": _command(argv)}
+    _write(a.out, doc)
     return doc
+
+
+def _command(argv) -> str:
+    return "python benchmarks/kernel_bench.py " + " ".join(sys.argv[1:] if argv is None else argv)
+
+
+def _write(path, doc) -> None:
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -83,6 +83,7 @@ def ragged_paged_attention_reference(
 
     # Work items: (tile, chunk) pairs, numbered in tile order.
     first_block = plan.key_lo // block_size
+    last_block = jnp.minimum(jnp.maximum(plan.key_hi - 1, 0) // block_size, max_blocks - 1)
     span = plan.key_hi - first_block * block_size
     n_items = jnp.where(plan.key_hi > plan.key_lo, (span + chunk - 1) // chunk, 0)
     item_end = jnp.cumsum(n_items, dtype=jnp.int32)
@@ -105,7 +106,8 @@ def ragged_paged_attention_reference(
         tile = jnp.where(ok, tile, 0)
         c = w - (item_end[tile] - n_items[tile])
         block_idx = (first_block[tile] + c * chunk_blocks)[:, None] + jnp.arange(chunk_blocks, dtype=jnp.int32)
-        blocks = tables[plan.seq[tile][:, None], jnp.minimum(block_idx, max_blocks - 1)]  # [P, C]
+        # past a tile's last needed block, re-read that block (masked): nothing else is touched
+        blocks = tables[plan.seq[tile][:, None], jnp.minimum(block_idx, last_block[tile][:, None])]  # [P, C]
         key = (block_idx * block_size)[:, :, None] + jnp.arange(block_size, dtype=jnp.int32)
         key = key.reshape(per_step, chunk)  # [P, K]
         key_ok = ok[:, None] & (key >= plan.key_lo[tile][:, None]) & (key < plan.key_hi[tile][:, None])

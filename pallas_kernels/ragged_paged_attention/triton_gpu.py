@@ -32,8 +32,8 @@ Grid `(tile, kv_head, kv_split)`. A tile is up to `block_q` query rows of one se
 rows times the GQA query heads of one KV head (padded to a power of two) form the `M` rows
 of the matmuls, so the heads that share a KV head are computed together and each KV block
 is read once per (tile, KV head). The program walks its share of the tile's key range in
-chunks of `chunk_blocks` blocks: block ids come from the block table (clamped to the
-table's width), K and V are gathered straight from the cache (`[N, B, Hkv, D]` or the
+chunks of `chunk_blocks` blocks: block ids come from the block table (indices clamped to
+the tile's last needed block, ids clamped into the cache), K and V are gathered straight from the cache (`[N, B, Hkv, D]` or the
 layer-stacked `[L, N, B, Hkv, D]`, layer read from a scalar input, so the model's scanned
 cache is never sliced), and an online (flash) softmax in float32 accumulates the output.
 Loop bounds come from the tile's key range (`kv_lens`, causality, sliding window), never
@@ -103,7 +103,7 @@ def _kernel(meta_ref, layer_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *stat_r
     head = pl.program_id(1)
     split = pl.program_id(2)
     block_m, head_dim = q_ref.shape
-    block_size = k_ref.shape[-3]
+    num_blocks, block_size = k_ref.shape[-4], k_ref.shape[-3]
     max_blocks = tables_ref.shape[1]
     chunk = chunk_blocks * block_size
 
@@ -113,6 +113,7 @@ def _kernel(meta_ref, layer_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *stat_r
     key_lo = meta_ref[3]
     key_hi = meta_ref[4]
     first_block = key_lo // block_size
+    last_block = jnp.minimum(jnp.maximum(key_hi - 1, 0) // block_size, max_blocks - 1)
     n_chunks = jnp.where(key_hi > key_lo, (key_hi - first_block * block_size + chunk - 1) // chunk, 0)
     per_split = (n_chunks + num_kv_splits - 1) // num_kv_splits
     c_lo = split * per_split
@@ -134,7 +135,10 @@ def _kernel(meta_ref, layer_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *stat_r
     def body(c, carry):
         acc, m, l = carry
         block_idx = first_block + c * chunk_blocks + jnp.arange(chunk_blocks, dtype=jnp.int32)
-        blocks = tables_ref[seq, jnp.minimum(block_idx, max_blocks - 1)]
+        # Past the tile's last needed block, re-read that block (masked below): no table entry
+        # or cache block beyond what the sequence needs is ever touched, whatever it holds.
+        blocks = tables_ref[seq, jnp.minimum(block_idx, last_block)]
+        blocks = jnp.minimum(jnp.maximum(blocks, 0), num_blocks - 1)
         key = (first_block + c * chunk_blocks) * block_size + jnp.arange(chunk, dtype=jnp.int32)
         key_ok = ((key >= key_lo) & (key < key_hi))[:, None]
         k = jnp.where(key_ok, load(k_ref, blocks), 0).astype(q.dtype)

@@ -113,6 +113,19 @@ def test_pallas(cfg):
     _run("pallas", KINDS, **cfg)
 
 
+@pytest.mark.parametrize("backend", ["reference", "pallas"])
+def test_table_entries_past_the_context_are_never_followed(backend):
+    """Entries past a sequence's last needed block may hold anything, even invalid ids."""
+    block_size, head_dim = 16, 64
+    batch = _batch("mixed", group=4, block_size=block_size, head_dim=head_dim, dtype="float32")
+    garbage = np.where(np.arange(batch.block_tables.shape[1]) % 2, -7, 10**6).astype(np.int32)
+    for i in range(batch.block_tables.shape[0]):
+        used = -(-int(batch.kv_lens[i]) // block_size) if i < len(batch.q_lens) else 0
+        batch.block_tables[i, used:] = garbage[used:]
+    out = _compiled(backend, head_dim ** -0.5)(*batch.args())
+    _check(batch, out, "float32", sm_scale=head_dim ** -0.5)
+
+
 # --- sliding window, soft cap, the layer-stacked cache ------------------------------------
 
 @pytest.mark.parametrize("backend", ["reference", "pallas"])
@@ -216,7 +229,8 @@ def test_one_compilation_serves_every_context_length():
     for seed, kind in enumerate(KINDS):
         batch = _batch(kind, group=3, block_size=16, head_dim=64, dtype="float32", seed=seed)
         _check(batch, fn(*batch.args()), "float32", sm_scale=0.125)
-    assert fn._cache_size() == 1
+    if hasattr(fn, "_cache_size"):  # private, but the only direct compile count
+        assert fn._cache_size() == 1
 
 
 # --- write_kv ------------------------------------------------------------------------------
