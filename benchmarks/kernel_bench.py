@@ -352,6 +352,7 @@ def main(argv=None):
         "what": "machine", "jax": jax.__version__, "backend": jax.default_backend(),
         "device": str(jax.devices()[0].device_kind), "cpu_count": os.cpu_count(), "python": platform.python_version(),
         **ceiling, "ceiling_gb_s": ceiling_gb_s,
+        "loadavg_1m_at_start": round(os.getloadavg()[0], 2),  # this machine may be shared
     }
     print(json.dumps(header), flush=True)
     results = []
@@ -398,6 +399,7 @@ def main(argv=None):
                 best[r["case"]] = r
         for r in best.values():
             print(json.dumps({**r, "what": "tune_best"}), flush=True)
+    header["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
     doc = {"machine": header, "checks": checks, "results": results, "tune": tune, "command": _command(argv)}
     _write(a.out, doc)
     return doc

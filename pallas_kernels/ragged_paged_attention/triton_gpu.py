@@ -238,7 +238,10 @@ def launch(prep: Prepared, k_cache, v_cache, *, cfg: KernelConfig, group: int, s
     """The pallas_call: grid (tile, kv_head, kv_split). Returns (acc,) or (acc, m, l) per split."""
     num_tiles, num_kv_heads, block_m, head_dim = prep.q_tiles.shape
     grid = (num_tiles, num_kv_heads, cfg.num_kv_splits)
-    full = lambda x: pl.BlockSpec(x.shape, lambda t, h, j, n=x.ndim: (0,) * n)  # noqa: E731
+    def full(x):  # the whole array: the kernel indexes it itself (caches, tables, layer)
+        zeros = (0,) * x.ndim
+        return pl.BlockSpec(x.shape, lambda t, h, j: zeros)
+
     in_specs = [
         pl.BlockSpec((None, 8), lambda t, h, j: (t, 0)),
         full(prep.layer),
