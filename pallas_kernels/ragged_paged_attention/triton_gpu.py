@@ -146,8 +146,8 @@ def _kernel(meta_ref, layer_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *stat_r
         s = s * sm_scale
         if soft_cap is not None:
             s = soft_cap * jnp.tanh(s / soft_cap)
-        mask = row_ok[:, None] & (key[None, :] <= row_pos[:, None]) & (key[None, :] < key_hi)
-        mask &= key[None, :] >= key_lo
+        # causality (and the window) bound every row inside [key_lo, key_hi)
+        mask = row_ok[:, None] & (key[None, :] <= row_pos[:, None])
         if sliding_window is not None:
             mask &= key[None, :] > row_pos[:, None] - sliding_window
         s = jnp.where(mask, s, MASK_VALUE)
