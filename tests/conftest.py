@@ -28,3 +28,22 @@ def hf_default_model():
     path = default_model_path()
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     return model.eval()
+
+
+# Engine settings shared by the end-to-end tests: small buckets (16, 32, 64 tokens) so compiling
+# is quick, and the same shapes everywhere so JAX's compilation cache serves every later engine.
+TEST_ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512, dtype="float32", progress=False)
+TEST_KV_BLOCKS = 256
+
+
+def kv_bytes(num_blocks: int) -> int:
+    """The KV budget for `num_blocks` blocks of the default model (float32, block size 16)."""
+    return num_blocks * 2 * 30 * 16 * 3 * 64 * 4
+
+
+@pytest.fixture(scope="session")
+def llm():
+    """The default model behind the whole engine, shared by the end-to-end tests."""
+    from jaxllm import LLM
+
+    return LLM(**TEST_ENGINE, kv_cache_memory_bytes=kv_bytes(TEST_KV_BLOCKS))

@@ -7,6 +7,7 @@ import torch
 
 from jaxllm.model import CausalLM, KVCache
 from jaxllm.weights.default import default_model_path
+from tests.hf_reference import hf_greedy
 from tests.paged_batch import make_step
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
@@ -67,14 +68,3 @@ def test_default_model_greedy_matches_transformers(default_model, hf_default_mod
         got = s[prompt_lens[i]:]
         assert got == expected, f"prompt {i}: {tok.decode(got)!r} != {tok.decode(expected)!r}"
 
-
-def hf_greedy(model, prompt, num_tokens):
-    """Greedy argmax with a KV cache, EOS included (generate() would stop or suppress it)."""
-    out, ids = None, torch.tensor([prompt])
-    generated = []
-    with torch.no_grad():
-        for _ in range(num_tokens):
-            out = model(ids, past_key_values=out.past_key_values if out else None, use_cache=True)
-            generated.append(int(out.logits[0, -1].argmax()))
-            ids = torch.tensor([[generated[-1]]])
-    return generated

@@ -1,0 +1,77 @@
+"""EngineArgs: every engine setting in one flat dataclass, shared by `LLM(...)` and the CLI flags.
+
+Field names are vLLM's; the CLI flag of a field is its name with dashes (`--max-num-seqs`).
+`create_engine_config` turns them into the validated, frozen `EngineConfig` once the
+model's own limits are known.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+
+from jaxllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+
+# defaults where vLLM's GPU-sized ones would make the CPU path compile too much
+CPU_DEFAULTS = {"max_num_seqs": 64, "max_num_batched_tokens": 512}
+ACCELERATOR_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 4096}
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    tokenizer: str | None = None
+    dtype: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
+    load_format: str = "auto"
+    scheduling_policy: str = "fcfs"
+    attention_backend: str = "auto"
+    compilation_cache_dir: str | None = None
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(self.model, self.tokenizer, self.dtype, self.load_format, self.seed, self.max_model_len,
+                           self.attention_backend)
+
+    def create_engine_config(self, model_max_len: int, platform: str) -> EngineConfig:
+        defaults = CPU_DEFAULTS if platform == "cpu" else ACCELERATOR_DEFAULTS
+        max_model_len = self.max_model_len or model_max_len
+        if max_model_len > model_max_len:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's limit of {model_max_len} tokens")
+        max_num_seqs = self.max_num_seqs or defaults["max_num_seqs"]
+        max_tokens = self.max_num_batched_tokens or max(defaults["max_num_batched_tokens"], max_num_seqs)
+        return EngineConfig(
+            model=self.model_config(),
+            cache=CacheConfig(self.block_size, self.enable_prefix_caching, self.kv_cache_memory_bytes,
+                              self.gpu_memory_utilization),
+            scheduler=SchedulerConfig(max_num_seqs, max_tokens, max_model_len, self.scheduling_policy),
+            parallel=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size),
+            compilation_cache_dir=self.compilation_cache_dir,
+        )
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        group = parser.add_argument_group("engine")
+        for f in dataclasses.fields(cls):
+            if f.name == "model":
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if f.type == "bool":
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            else:
+                kind = {"int": int, "int | None": int, "float": float}.get(f.type, str)
+                group.add_argument(flag, type=kind, default=f.default, metavar=f.name.upper())
+        parser.add_argument("--model", default=None, help="model path or HF repo (default: SmolLM2-135M-Instruct)")
+
+    @classmethod
+    def from_cli_args(cls, namespace: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)})

@@ -1,0 +1,254 @@
+"""EngineCore: the step loop that ties scheduler, model runner and detokenizer together.
+
+`add_request` validates at the boundary (a bad request raises `ValueError` and changes
+nothing); `step()` schedules, runs one compiled step, applies the sampled tokens and
+returns a `RequestOutput` for every request that progressed. A failure inside one
+request's post-processing finishes only that request (finish_reason "error"); a failed
+device step finishes only the requests it carried. Their blocks always return to the pool.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import jax
+
+from jaxllm.engine.args import EngineArgs
+from jaxllm.engine.detokenizer import IncrementalDetokenizer
+from jaxllm.engine.kv_cache_manager import KVCacheManager
+from jaxllm.engine.request import Request, RequestStatus
+from jaxllm.engine.scheduler import Scheduler
+from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxllm.parallel.mesh import make_mesh
+from jaxllm.runner.model_runner import ModelRunner, RunnerOutput
+from jaxllm.sampling_params import SamplingParams
+from jaxllm.weights import load_model
+from jaxllm.weights.default import cache_dir
+
+logger = logging.getLogger("jaxllm")
+
+
+def enable_compilation_cache(folder: str | None) -> str | None:
+    """JAX's persistent compilation cache, on by default in jaxllm's cache folder ("" turns it off)."""
+    if folder == "":
+        return None
+    folder = folder or os.path.join(cache_dir(), "xla")
+    jax.config.update("jax_compilation_cache_dir", folder)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    return folder
+
+
+class EngineCore:
+    def __init__(self, args: EngineArgs, *, progress: bool = True):
+        started = time.perf_counter()
+        args.model_config()  # validate the cheap settings before loading anything
+        cache_folder = enable_compilation_cache(args.compilation_cache_dir)
+        if args.data_parallel_size != 1:
+            raise ValueError("data_parallel_size > 1 is not supported yet")
+        mesh = make_mesh(args.tensor_parallel_size, args.data_parallel_size)
+        self.loaded = load_model(args.model, mesh=mesh, load_format=args.load_format, dtype=args.dtype,
+                                 tokenizer=args.tokenizer, seed=args.seed)
+        loaded_at = time.perf_counter()
+        arch = self.loaded.arch
+        self.config = args.create_engine_config(arch.max_position_embeddings, jax.default_backend())
+        self.tokenizer = self.loaded.tokenizer
+        eos = set(arch.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = tuple(sorted(eos))
+        self.seed = args.seed
+        self.runner = ModelRunner(self.loaded, self.config, mesh)
+        block_size = self.config.cache.block_size
+        self.kv = KVCacheManager(self.runner.num_blocks, block_size, self.config.cache.enable_prefix_caching)
+        capacity = self.kv.num_usable_blocks * block_size
+        if capacity < self.config.scheduler.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({self.kv.num_usable_blocks} blocks), fewer than "
+                f"max_model_len={self.config.scheduler.max_model_len}: raise kv_cache_memory_bytes or "
+                f"gpu_memory_utilization, or lower max_model_len"
+            )
+        self.scheduler = Scheduler(self.config.scheduler, self.kv)
+        self.runner.warm_up(progress=progress)
+        self._groups: dict[str, list[Request]] = {}  # user request id → its samples
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self._next_seed = 0
+        self.startup_seconds = time.perf_counter() - started
+        sched = self.config.scheduler
+        logger.info(
+            "model %s (%s, %s) loaded in %.1fs; KV cache %d blocks x %d = %d tokens; max_model_len %d, "
+            "max_num_seqs %d, max_num_batched_tokens %d; %d buckets compiled in %.1fs (cache: %s); ready in %.1fs",
+            self.loaded.name, arch.architecture, self.loaded.dtype.name, loaded_at - started,
+            self.kv.num_usable_blocks, block_size, capacity, sched.max_model_len, sched.max_num_seqs,
+            sched.max_num_batched_tokens, len(self.runner.buckets), self.runner.compile_seconds,
+            cache_folder or "off", self.startup_seconds,
+        )
+
+    # ---- requests --------------------------------------------------------------------
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        n, limit = len(prompt_token_ids), self.config.scheduler.max_model_len
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n > limit:
+            raise ValueError(f"the prompt has {n} tokens, more than max_model_len={limit}")
+        vocab = self.loaded.arch.vocab_size
+        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None, *,
+                    prompt: str | None = None, priority: int = 0, arrival_time: float | None = None) -> None:
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_token_ids = [int(t) if hasattr(t, "__index__") else t for t in prompt_token_ids]
+        self.validate_prompt(prompt_token_ids)
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer, and this model has none")
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        samples = []
+        for index in range(params.n):
+            child = params.for_child(index) if params.n > 1 else params
+            request = Request(
+                request_id if params.n == 1 else f"{index}_{request_id}", list(prompt_token_ids), child,
+                self.eos_token_ids,
+                prompt=prompt, priority=priority, arrival_time=arrival, index=index,
+                parent_id=request_id if params.n > 1 else None,
+                sample_seed=child.seed if child.seed is not None else self._fresh_seed(),
+            )
+            if self.tokenizer is not None and child.detokenize:
+                self._detok[request.request_id] = IncrementalDetokenizer(
+                    self.tokenizer, request.prompt_token_ids, skip_special_tokens=child.skip_special_tokens,
+                    stop=child.stop_strings, include_stop_str_in_output=child.include_stop_str_in_output,
+                )
+            samples.append(request)
+        self._groups[request_id] = samples
+        self.scheduler.add_request(samples[0])
+        if len(samples) > 1:
+            self.scheduler.hold_siblings(samples[0], samples[1:])
+
+    def _fresh_seed(self) -> int:
+        """Unseeded requests still get a stream of their own, derived from the engine seed: reproducible runs."""
+        self._next_seed += 1
+        return (self.seed * 1_000_003 + self._next_seed) & 0x7FFFFFFF
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        samples = self._groups.get(request_id)
+        if samples is None:
+            return None
+        for request in samples:
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        return self._output(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    # ---- one step --------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        try:
+            result = self.runner.execute(out)
+        except Exception as e:  # the device step failed: fail the requests it carried, keep serving
+            logger.exception("engine step %d failed", out.step)
+            for scheduled in out.scheduled:
+                self._fail(scheduled.request, f"engine step failed: {e}", uncache=True)
+            return self._outputs({s.request.output_key for s in out.scheduled})
+
+        now = time.monotonic()
+        rows = {id(s.request): row for row, s in enumerate(out.scheduled)}
+        progressed = set()
+        for request in self.scheduler.update(out, result.token_ids):
+            progressed.add(request.output_key)
+            try:
+                self._post_process(request, result, rows[id(request)], now)
+            except Exception as e:
+                logger.exception("request %s failed in post-processing", request.request_id)
+                self._fail(request, f"{type(e).__name__}: {e}")
+        return self._outputs(progressed)
+
+    def _post_process(self, request: Request, result: RunnerOutput, row: int, now: float) -> None:
+        metrics = request.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
+        token = request.output_token_ids[-1]
+        params = request.sampling_params
+        if params.logprobs is not None:
+            request.cumulative_logprob += float(result.logprobs[row])
+            request.logprobs.append(self._logprob_dict(token, result, row, params.logprobs))
+        detok = self._detok.get(request.request_id)
+        if detok is None:
+            return
+        stop = detok.update([token])
+        if stop is not None and not request.is_finished:
+            request.stop_reason = stop
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+        if request.is_finished:
+            detok.finish()
+
+    def _logprob_dict(self, token: int, result: RunnerOutput, row: int, k: int) -> dict[int, Logprob]:
+        entries = {int(t): (float(lp), rank) for rank, (t, lp) in
+                   enumerate(zip(result.top_token_ids[row][:k], result.top_logprobs[row][:k]), 1)}
+        entries.setdefault(token, (float(result.logprobs[row]), int(result.ranks[row])))
+        decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
+        return {t: Logprob(lp, rank, decode(t)) for t, (lp, rank) in entries.items()}
+
+    def _fail(self, request: Request, message: str, *, uncache: bool = False) -> None:
+        request.error = message
+        self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR, uncache=uncache)
+        if (detok := self._detok.get(request.request_id)) is not None:
+            detok.finish()
+
+    # ---- outputs ---------------------------------------------------------------------
+
+    def _outputs(self, request_ids) -> list[RequestOutput]:
+        return [self._output(rid) for rid in request_ids]
+
+    def _output(self, request_id: str) -> RequestOutput:
+        samples = self._groups[request_id]
+        finished = all(r.is_finished for r in samples)
+        completions = []
+        for r in samples:
+            detok = self._detok.get(r.request_id)
+            completions.append(CompletionOutput(
+                index=r.index,
+                text=detok.output_text if detok is not None else "",
+                token_ids=list(r.output_token_ids),
+                cumulative_logprob=r.cumulative_logprob if r.sampling_params.logprobs is not None else None,
+                logprobs=list(r.logprobs) if r.sampling_params.logprobs is not None else None,
+                finish_reason=r.status.finish_reason,
+                stop_reason=r.stop_reason,
+            ))
+        first = samples[0]
+        errors = [r.error for r in samples if r.error]
+        output = RequestOutput(
+            request_id=request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
+            outputs=completions, finished=finished, metrics=first.metrics,
+            error="; ".join(errors) or None, num_cached_tokens=first.num_cached_tokens,
+        )
+        if finished:
+            del self._groups[request_id]
+            for r in samples:
+                self._detok.pop(r.request_id, None)
+        return output
+
+    # ---- introspection ---------------------------------------------------------------
+
+    def stats(self) -> dict:
+        return {
+            "num_steps": self.scheduler.num_steps,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_cache_usage": self.kv.usage,
+            "num_free_blocks": self.kv.num_free_blocks,
+            "num_blocks": self.kv.num_usable_blocks,
+            "prefix_cache_queries": self.kv.prefix_cache_queries,
+            "prefix_cache_hits": self.kv.prefix_cache_hits,
+        }

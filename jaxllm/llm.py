@@ -1,0 +1,129 @@
+"""LLM: the offline facade, as vLLM's — `LLM(model).generate(prompts, params)` and `.chat(messages)`."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from jaxllm.engine.args import EngineArgs
+from jaxllm.engine.core import EngineCore
+from jaxllm.outputs import RequestOutput
+from jaxllm.sampling_params import SamplingParams
+
+PromptType = str | dict[str, Any]
+
+
+class LLM:
+    """An engine for offline batch generation. `model=None` is the embedded default model.
+
+    Engine settings are vLLM's (`max_num_seqs`, `max_num_batched_tokens`, `max_model_len`,
+    `block_size`, `enable_prefix_caching`, `kv_cache_memory_bytes`, `gpu_memory_utilization`,
+    `tensor_parallel_size`, `dtype`, `seed`, `load_format`, ...); see `EngineArgs`.
+    """
+
+    def __init__(self, model: str | None = None, *, progress: bool = True, **engine_args):
+        self.engine = EngineCore(EngineArgs(model=model, **engine_args), progress=progress)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    # ---- generate --------------------------------------------------------------------
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; results come back in input order.
+
+        A prompt is a string, `{"prompt": str}` or `{"prompt_token_ids": [...]}`. Every prompt
+        is checked before any runs: a bad one raises `ValueError` and nothing is queued.
+        """
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = self._per_prompt(sampling_params, len(prompts), "sampling_params")
+        priorities = self._per_prompt(priority, len(prompts), "priority", default=0)
+        encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
+        for i, (_, ids) in enumerate(encoded):
+            try:
+                self.engine.validate_prompt(ids)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        return self._run(encoded, params, priorities, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        tokenizer = self._require_tokenizer()
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
+                                                 add_generation_prompt=add_generation_prompt)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    # ---- helpers ---------------------------------------------------------------------
+
+    def _require_tokenizer(self):
+        if self.engine.tokenizer is None:
+            raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]} prompts")
+        return self.engine.tokenizer
+
+    def _encode(self, prompt: PromptType, index: int) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self._require_tokenizer().encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            if isinstance(prompt.get("prompt"), str):
+                return prompt["prompt"], self._require_tokenizer().encode(prompt["prompt"])
+        raise ValueError(
+            f"prompt {index}: expected a str, {{'prompt': str}} or {{'prompt_token_ids': [...]}}, got {prompt!r:.80}"
+        )
+
+    @staticmethod
+    def _per_prompt(value, count: int, name: str, default=None) -> list:
+        if value is None:
+            value = SamplingParams() if default is None else default
+        if isinstance(value, (list, tuple)):
+            if len(value) != count:
+                raise ValueError(f"{name}: {len(value)} given for {count} prompts")
+            return list(value)
+        return [value] * count
+
+    def _run(self, encoded, params, priorities, use_tqdm: bool) -> list[RequestOutput]:
+        from tqdm.auto import tqdm
+
+        ids = []
+        try:
+            for (text, token_ids), p, prio in zip(encoded, params, priorities):
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, token_ids, p, prompt=text, priority=prio)
+                ids.append(request_id)
+            finished: dict[str, RequestOutput] = {}
+            with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, unit="prompt") as bar:
+                generated = 0
+                while len(finished) < len(ids):
+                    for output in self.engine.step():
+                        if output.finished:
+                            finished[output.request_id] = output
+                            generated += sum(len(c.token_ids) for c in output.outputs)
+                            bar.update(1)
+                            bar.set_postfix_str(f"{generated / max(bar.format_dict['elapsed'], 1e-9):.1f} out tok/s")
+            return [finished[i] for i in ids]
+        finally:  # interrupted or failed: nothing stays queued, every block returns to the pool
+            for request_id in ids:
+                self.engine.abort_request(request_id)

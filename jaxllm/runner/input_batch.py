@@ -1,0 +1,139 @@
+"""Host-side arrays for the next step, allocated once at the largest bucket and reused.
+
+`InputBatch.fill` packs a `SchedulerOutput` into the flattened ragged layout of
+DESIGN.md, padded to a bucket: padding tokens write to the scratch slot 0, padding
+sequences have no tokens and no context, and padding sampling rows are greedy.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxllm.engine.kv_cache_manager import SCRATCH_BLOCK
+from jaxllm.engine.scheduler import SchedulerOutput
+from jaxllm.model import StepInputs
+from jaxllm.runner.buckets import Bucket
+from jaxllm.runner.sampler import SamplingInputs, ban_tokens
+
+
+class InputBatch:
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, max_model_len: int,
+                 vocab_size: int, block_size: int):
+        self.block_size = block_size
+        i32, f32 = np.int32, np.float32
+        self.token_ids = np.zeros(max_tokens, i32)
+        self.positions = np.zeros(max_tokens, i32)
+        self.slot_mapping = np.zeros(max_tokens, i32)
+        self.cu_q_lens = np.zeros(max_seqs + 1, i32)
+        self.kv_lens = np.zeros(max_seqs, i32)
+        self.block_tables = np.zeros((max_seqs, max_blocks_per_seq), i32)
+        self.logits_indices = np.zeros(max_seqs, i32)
+        self.num_seqs = np.zeros(1, i32)
+        self.temperature = np.zeros(max_seqs, f32)
+        self.top_k = np.zeros(max_seqs, i32)
+        self.top_p = np.ones(max_seqs, f32)
+        self.min_p = np.zeros(max_seqs, f32)
+        self.repetition_penalty = np.ones(max_seqs, f32)
+        self.presence_penalty = np.zeros(max_seqs, f32)
+        self.frequency_penalty = np.zeros(max_seqs, f32)
+        self.seeds = np.zeros(max_seqs, i32)
+        self.steps = np.zeros(max_seqs, i32)
+        self.history = np.full((max_seqs, max_model_len), -1, i32)
+        self.prompt_lens = np.zeros(max_seqs, i32)
+        self.all_allowed = np.full(-(-vocab_size // 32), 0xFFFFFFFF, np.uint32)
+        self.allowed = np.tile(self.all_allowed, (max_seqs, 1))
+        self.num_logprobs = np.full(max_seqs, -1, i32)
+        self._history_rows: set[int] = set()  # rows to clear before reuse
+        self._masked_rows: set[int] = set()
+
+    def fill(self, out: SchedulerOutput, bucket: Bucket) -> tuple[StepInputs, SamplingInputs]:
+        T, S = bucket.num_tokens, bucket.num_seqs
+        bs = self.block_size
+        self._reset_sampling_rows(S)
+        self.block_tables[:S] = SCRATCH_BLOCK
+        num_tokens = 0
+        for row, scheduled in enumerate(out.scheduled):
+            request, start, n = scheduled.request, scheduled.start, scheduled.num_new_tokens
+            end = num_tokens + n
+            positions = np.arange(start, start + n, dtype=np.int32)
+            blocks = np.asarray(scheduled.block_ids, np.int32)
+            self.token_ids[num_tokens:end] = _token_slice(request, start, start + n)
+            self.positions[num_tokens:end] = positions
+            self.slot_mapping[num_tokens:end] = blocks[positions // bs] * bs + positions % bs
+            self.block_tables[row, : len(blocks)] = blocks
+            self.kv_lens[row] = start + n
+            self.cu_q_lens[row + 1] = end
+            self.logits_indices[row] = end - 1
+            self._fill_sampling_row(row, request)
+            num_tokens = end
+        num_seqs = len(out.scheduled)
+        self.token_ids[num_tokens:T] = 0
+        self.positions[num_tokens:T] = 0
+        self.slot_mapping[num_tokens:T] = SCRATCH_BLOCK * bs
+        self.cu_q_lens[0] = 0
+        self.cu_q_lens[num_seqs + 1 : S + 1] = num_tokens
+        self.kv_lens[num_seqs:S] = 0
+        self.logits_indices[num_seqs:S] = 0
+        self.num_seqs[0] = num_seqs
+        inputs = StepInputs(
+            self.token_ids[:T], self.positions[:T], self.slot_mapping[:T], self.cu_q_lens[: S + 1],
+            self.kv_lens[:S], self.block_tables[:S], self.num_seqs, self.logits_indices[:S],
+        )
+        sampling = SamplingInputs(
+            self.temperature[:S], self.top_k[:S], self.top_p[:S], self.min_p[:S], self.repetition_penalty[:S],
+            self.presence_penalty[:S], self.frequency_penalty[:S], self.seeds[:S], self.steps[:S],
+            self.history[:S], self.prompt_lens[:S], self.allowed[:S], self.num_logprobs[:S],
+        )
+        return inputs, sampling
+
+    def _reset_sampling_rows(self, num_rows: int) -> None:
+        self.temperature[:num_rows] = 0
+        self.top_k[:num_rows] = 0
+        self.top_p[:num_rows] = 1
+        self.min_p[:num_rows] = 0
+        self.repetition_penalty[:num_rows] = 1
+        self.presence_penalty[:num_rows] = 0
+        self.frequency_penalty[:num_rows] = 0
+        self.seeds[:num_rows] = 0
+        self.steps[:num_rows] = 0
+        self.prompt_lens[:num_rows] = 0
+        self.num_logprobs[:num_rows] = -1
+        for row in self._history_rows:
+            self.history[row] = -1
+        for row in self._masked_rows:
+            self.allowed[row] = self.all_allowed
+        self._history_rows.clear()
+        self._masked_rows.clear()
+
+    def _fill_sampling_row(self, row: int, request) -> None:
+        p = request.sampling_params
+        self.temperature[row] = p.temperature
+        self.top_k[row] = max(p.top_k, 0)
+        self.top_p[row] = p.top_p
+        self.min_p[row] = p.min_p
+        self.seeds[row] = request.sample_seed
+        self.steps[row] = request.num_output_tokens
+        self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
+        if p.uses_penalties:
+            self.repetition_penalty[row] = p.repetition_penalty
+            self.presence_penalty[row] = p.presence_penalty
+            self.frequency_penalty[row] = p.frequency_penalty
+            tokens = request.all_token_ids
+            self.history[row, : len(tokens)] = tokens
+            self.prompt_lens[row] = request.num_prompt_tokens
+            self._history_rows.add(row)
+        if request.num_output_tokens < p.min_tokens:
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(request.eos_token_ids))
+            if banned:
+                ban_tokens(self.allowed[row], banned)
+                self._masked_rows.add(row)
+
+
+def _token_slice(request, start: int, end: int) -> list[int]:
+    prompt, output = request.prompt_token_ids, request.output_token_ids
+    n = len(prompt)
+    if start >= n:
+        return output[start - n : end - n]
+    if end <= n:
+        return prompt[start:end]
+    return prompt[start:] + output[: end - n]

@@ -1,0 +1,63 @@
+"""The paged KV cache on device: sized from a memory budget, sharded over KV heads.
+
+Layout (DESIGN.md): K and V each `[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from jaxllm.config import CacheConfig
+from jaxllm.model import KVCache, ModelArch
+from jaxllm.parallel.mesh import kv_cache_sharding
+
+logger = logging.getLogger(__name__)
+
+CPU_SHARE_OF_RAM = 0.15
+CPU_CAP_BYTES = 2 << 30
+ACCELERATOR_HEADROOM_BYTES = 1 << 30  # activations, compiled code, allocator slack
+
+
+def bytes_per_block(arch: ModelArch, block_size: int, dtype, num_shards: int = 1) -> int:
+    """K and V of one block across all layers, on one device of a mesh sharding KV heads `num_shards` ways."""
+    heads = -(-arch.num_kv_heads // num_shards)
+    return 2 * arch.num_layers * block_size * heads * arch.head_dim * jnp.dtype(dtype).itemsize
+
+
+def _available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def kv_cache_budget(config: CacheConfig) -> int:
+    """Bytes per device for the cache: explicit, else a share of free device memory (CPU: of RAM, capped)."""
+    if config.kv_cache_memory_bytes is not None:
+        return config.kv_cache_memory_bytes
+    device = jax.devices()[0]
+    stats = device.memory_stats() if device.platform != "cpu" else None
+    if not stats or "bytes_limit" not in stats:
+        return int(min(CPU_SHARE_OF_RAM * _available_ram(), CPU_CAP_BYTES))
+    limit, in_use = stats["bytes_limit"], stats.get("bytes_in_use", 0)
+    return max(int(config.gpu_memory_utilization * limit) - in_use - ACCELERATOR_HEADROOM_BYTES, 0)
+
+
+def num_kv_blocks(arch: ModelArch, config: CacheConfig, dtype, mesh: Mesh) -> int:
+    per_block = bytes_per_block(arch, config.block_size, dtype, mesh.shape["model"])
+    return kv_cache_budget(config) // per_block
+
+
+def allocate_kv_cache(arch: ModelArch, num_blocks: int, block_size: int, dtype, mesh: Mesh) -> KVCache:
+    shape = (arch.num_layers, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_cache_sharding(mesh))
+    return KVCache(zeros(), zeros())

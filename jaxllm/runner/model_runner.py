@@ -1,0 +1,113 @@
+"""SchedulerOutput → padded device batch → one compiled step (forward + KV write + sampling).
+
+Every bucket is compiled ahead of time at start-up (`warm_up`); `execute` only ever calls
+those executables, so no step compiles — a shape the buckets do not cover is a bug and
+fails loudly instead of recompiling. The KV cache is donated to each step and updated in
+place. One device→host transfer per step brings back the sampled tokens (and logprobs).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxllm.config import EngineConfig
+from jaxllm.engine.scheduler import SchedulerOutput
+from jaxllm.model import CausalLM, KVCache, StepInputs
+from jaxllm.parallel.mesh import replicated
+from jaxllm.runner.buckets import Bucket, make_buckets, pick_bucket
+from jaxllm.runner.input_batch import InputBatch
+from jaxllm.runner.kv_cache import allocate_kv_cache, num_kv_blocks
+from jaxllm.runner.sampler import SamplerOutput, SamplingInputs, sample
+from jaxllm.weights import LoadedModel
+
+logger = logging.getLogger(__name__)
+
+_compilations = 0
+
+
+def _count_compilation(event: str, duration: float, **kwargs) -> None:
+    global _compilations
+    if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
+        _compilations += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_count_compilation)
+
+
+def compilation_count() -> int:
+    """How many XLA computations this process has lowered so far (each is a compilation or a cache load)."""
+    return _compilations
+
+
+@dataclass
+class RunnerOutput:
+    """Host copies of one step's sampler results, rows in scheduled order (padding dropped)."""
+
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    ranks: np.ndarray
+    top_token_ids: np.ndarray
+    top_logprobs: np.ndarray
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, mesh: Mesh):
+        self.loaded = loaded
+        self.config = config
+        self.mesh = mesh
+        arch, cache_cfg, sched_cfg = loaded.arch, config.cache, config.scheduler
+        self.block_size = cache_cfg.block_size
+        self.max_blocks_per_seq = -(-sched_cfg.max_model_len // self.block_size)
+        self.num_blocks = num_kv_blocks(arch, cache_cfg, loaded.dtype, mesh)
+        self.cache = allocate_kv_cache(arch, self.num_blocks, self.block_size, loaded.dtype, mesh)
+        self.buckets = make_buckets(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs)
+        largest = self.buckets[-1]
+        self.batch = InputBatch(largest.num_tokens, largest.num_seqs, self.max_blocks_per_seq,
+                                sched_cfg.max_model_len, arch.vocab_size, self.block_size)
+        self.model = CausalLM(arch, loaded.dtype, config.model.attention_backend)
+        self._step_fn = jax.jit(self._step, donate_argnums=(1,))
+        self._compiled: dict[Bucket, object] = {}
+        self.compile_seconds = 0.0
+
+    def _step(self, params, cache: KVCache, inputs: StepInputs, sampling: SamplingInputs):
+        logits, cache = self.model.apply({"params": params}, cache, inputs)
+        return sample(logits, sampling), cache
+
+    def _abstract_inputs(self, bucket: Bucket):
+        """Shapes of one bucket's inputs, replicated over the mesh."""
+        inputs, sampling = self.batch.fill(SchedulerOutput(step=-1), bucket)
+        sharding = replicated(self.mesh)
+        spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)  # noqa: E731
+        return jax.tree.map(spec, inputs), jax.tree.map(spec, sampling)
+
+    def warm_up(self, progress: bool = True) -> float:
+        """Compile every bucket now (from JAX's persistent cache when it has them). Returns seconds."""
+        from tqdm.auto import tqdm
+
+        start = time.perf_counter()
+        for bucket in tqdm(self.buckets, desc="Compiling buckets", disable=not progress, unit="bucket"):
+            if bucket not in self._compiled:
+                lowered = self._step_fn.lower(self.loaded.params, self.cache, *self._abstract_inputs(bucket))
+                self._compiled[bucket] = lowered.compile()
+        self.compile_seconds = time.perf_counter() - start
+        return self.compile_seconds
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        bucket = pick_bucket(self.buckets, out.num_tokens, len(out.scheduled))
+        inputs, sampling = self.batch.fill(out, bucket)
+        compiled = self._compiled.get(bucket)
+        if compiled is None:
+            raise RuntimeError(f"bucket {bucket} was not compiled at start-up (call warm_up first)")
+        result, self.cache = compiled(self.loaded.params, self.cache, inputs, sampling)
+        host: SamplerOutput = jax.device_get(result)
+        n = len(out.scheduled)
+        return RunnerOutput(
+            np.asarray(host.token_ids[:n]), np.asarray(host.logprobs[:n]), np.asarray(host.ranks[:n]),
+            np.asarray(host.top_token_ids[:n]), np.asarray(host.top_logprobs[:n]),
+        )
