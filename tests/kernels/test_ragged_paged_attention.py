@@ -281,3 +281,31 @@ def test_write_kv_on_donated_cache_does_not_copy(layer):
     k_out, _ = step(k_cache, v_cache, new, new, slots, lay)
     assert k_cache.is_deleted() and v_cache.is_deleted()
     assert k_out.unsafe_buffer_pointer() == k_in_ptr, "the updated cache must reuse the donated buffer"
+
+
+def test_layer_scan_with_write_and_attention_does_not_copy_the_cache():
+    """The model's step: scan over layers, cache as carry, write_kv then attention, donated."""
+    num_layers, num_blocks, block_size, hkv, d, t = 4, 1024, 16, 2, 64, 16
+    shape = (num_layers, num_blocks, block_size, hkv, d)  # 32 MiB per cache, 8 MiB per layer
+    k_cache = jnp.zeros(shape, jnp.float32)
+    v_cache = jnp.zeros(shape, jnp.float32)
+    q = jnp.ones((t, hkv * 4, d), jnp.float32)
+    new = jnp.ones((t, hkv, d), jnp.float32)
+    slots = jnp.arange(16, 16 + t, dtype=jnp.int32)
+    kv_lens = jnp.full((8,), 2, jnp.int32).at[0].set(20)
+    tables = jnp.ones((8, 4), jnp.int32)
+    cu = jnp.asarray([0, 10, 11, 12, 13, 14, 15, 16, 16], jnp.int32)
+    num_seqs = jnp.asarray([7], jnp.int32)
+
+    def step(k_cache, v_cache):
+        def layer_fn(carry, layer):
+            k, v = pallas_kernels.write_kv(*carry, new, new, slots, layer)
+            out = ragged_paged_attention(q, k, v, kv_lens, tables, cu, num_seqs, sm_scale=0.125, layer=layer)
+            return (k, v), out.sum()
+        (k, v), outs = jax.lax.scan(layer_fn, (k_cache, v_cache), jnp.arange(num_layers, dtype=jnp.int32))
+        return k, v, outs
+
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(k_cache, v_cache).compile()
+    layer_bytes = k_cache.nbytes // num_layers
+    temp = compiled.memory_analysis().temp_size_in_bytes
+    assert temp < layer_bytes // 2, f"{temp} temporary bytes: a layer ({layer_bytes}) or the cache is copied"
