@@ -191,6 +191,7 @@ class EngineCore:
             self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
         if request.is_finished:
             detok.finish()
+        request.output_text += detok.get_delta()
 
     def _logprob_dict(self, token: int, result: RunnerOutput, row: int, k: int) -> dict[int, Logprob]:
         entries = {int(t): (float(lp), rank) for rank, (t, lp) in
@@ -204,6 +205,7 @@ class EngineCore:
         self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR, uncache=uncache)
         if (detok := self._detok.get(request.request_id)) is not None:
             detok.finish()
+            request.output_text += detok.get_delta()
 
     # ---- outputs ---------------------------------------------------------------------
 
@@ -215,10 +217,9 @@ class EngineCore:
         finished = all(r.is_finished for r in samples)
         completions = []
         for r in samples:
-            detok = self._detok.get(r.request_id)
             completions.append(CompletionOutput(
                 index=r.index,
-                text=detok.output_text if detok is not None else "",
+                text=r.output_text,
                 token_ids=list(r.output_token_ids),
                 cumulative_logprob=r.cumulative_logprob if r.sampling_params.logprobs is not None else None,
                 logprobs=list(r.logprobs) if r.sampling_params.logprobs is not None else None,

@@ -48,6 +48,7 @@ class Request:
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
+    output_text: str = ""  # detokenized output released so far (safe to stream: no partial stop strings)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied
     num_preemptions: int = 0

@@ -1,18 +1,18 @@
 """The compiled shapes: one bucket per token count, each with its sequence-row count.
 
-Token buckets are powers of two from 16 up to `max_num_batched_tokens` (which is always
-one). A bucket of T tokens has min(T, max_num_seqs) sequence rows, rounded up to a power
-of two from 8 — a step never has more sequences than tokens, so pairing every token
-count with every sequence count would compile shapes that cannot occur. This keeps the
-number of compilations at the number of token buckets.
+Token buckets are powers of two from 1 up to `max_num_batched_tokens` (which is always
+one), as vLLM's CUDA-graph sizes are: a batch-1 decode must not pay for 16 padded rows
+of weight reads and matmuls. A bucket of T tokens has min(T, max_num_seqs) sequence rows,
+rounded up to a power of two — a step never has more sequences than tokens, so pairing
+every token count with every sequence count would compile shapes that cannot occur.
+The number of compilations is the number of token buckets.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-MIN_TOKENS = 16
-MIN_SEQS = 8
+MIN_TOKENS = 1
 
 
 @dataclass(frozen=True, order=True)
@@ -21,8 +21,8 @@ class Bucket:
     num_seqs: int
 
 
-def _pow2_at_least(n: int, floor: int) -> int:
-    size = floor
+def _pow2_at_least(n: int) -> int:
+    size = 1
     while size < n:
         size *= 2
     return size
@@ -35,8 +35,7 @@ def make_buckets(max_num_batched_tokens: int, max_num_seqs: int) -> list[Bucket]
         sizes.append(size)
         size *= 2
     sizes.append(max_num_batched_tokens)
-    max_rows = _pow2_at_least(max_num_seqs, MIN_SEQS)
-    return [Bucket(t, min(_pow2_at_least(min(t, max_num_seqs), MIN_SEQS), max_rows)) for t in sizes]
+    return [Bucket(t, _pow2_at_least(min(t, max_num_seqs))) for t in sizes]
 
 
 def pick_bucket(buckets: list[Bucket], num_tokens: int, num_seqs: int) -> Bucket:
