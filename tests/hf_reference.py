@@ -9,7 +9,7 @@ def hf_greedy(model, prompt, num_tokens):
     generated = []
     with torch.no_grad():
         for _ in range(num_tokens):
-            out = model(ids, past_key_values=out.past_key_values if out else None, use_cache=True)
+            out = model(ids, cache=out.cache if out else None, use_cache=True)
             generated.append(int(out.logits[0, -1].argmax()))
             ids = torch.tensor([[generated[-1]]])
     return generated

@@ -107,10 +107,17 @@ def cmd_convert(args) -> None:
     print(f"wrote {out}")
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad flags: one line naming the problem, not a usage dump."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jaxllm", description="LLM inference and serving in JAX")
+    parser = _Parser(prog="jaxllm", description="LLM inference and serving in JAX")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     gen = sub.add_parser("generate", help="generate text for prompts (chat-templated when the model has one)")
     gen.add_argument("prompts", nargs="+", help="one or more prompts")

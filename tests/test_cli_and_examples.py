@@ -1,0 +1,64 @@
+"""The CLI and the examples, run as a user would run them."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import TEST_ENGINE, TEST_KV_BLOCKS, kv_bytes
+
+ENGINE_FLAGS = ["--max-num-seqs", str(TEST_ENGINE["max_num_seqs"]),
+                "--max-num-batched-tokens", str(TEST_ENGINE["max_num_batched_tokens"]),
+                "--max-model-len", str(TEST_ENGINE["max_model_len"]),
+                "--kv-cache-memory-bytes", str(kv_bytes(TEST_KV_BLOCKS)), "--dtype", "float32"]
+
+
+def jaxllm(*args, stdin=None):
+    cmd = [sys.executable, "-m", "jaxllm.entrypoints.cli", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, input=stdin, timeout=600,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def test_generate_answers_on_the_default_model():
+    result = jaxllm("generate", *ENGINE_FLAGS, "--max-tokens", "24", "What is the capital of France?")
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+    assert "KV cache" in result.stderr and "buckets compiled" in result.stderr  # the one start-up line
+
+
+def test_chat_streams_a_reply():
+    result = jaxllm("chat", *ENGINE_FLAGS, "--max-tokens", "24", stdin="What is the capital of France?\n\n")
+    assert result.returncode == 0, result.stderr
+    assert "Paris" in result.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", "--max-num-seqs", "banana", "hi"], "invalid int value: 'banana'"),
+    (["generate", "--bogus-flag", "hi"], "unrecognized arguments: --bogus-flag"),
+    (["generate"], "the following arguments are required: prompts"),
+    (["generate", "--temperature", "-1", "hi"], "SamplingParams.temperature must be a number >= 0"),
+    (["generate", "--dtype", "int8", "hi"], "dtype 'int8' is not supported"),
+    (["generate", "--model", "/nowhere/model.gguf", "hi"], "/nowhere/model.gguf"),
+    (["generate", *ENGINE_FLAGS, "--no-chat-template", "word " * 600], "more than max_model_len=512"),
+])
+def test_bad_input_is_one_line_not_a_traceback(args, message):
+    result = jaxllm(*args)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and message in errors[0], result.stderr
+
+
+def test_examples_run_on_the_default_model(capsys):
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import chat
+    import offline_inference
+
+    engine = {**TEST_ENGINE, "kv_cache_memory_bytes": kv_bytes(TEST_KV_BLOCKS)}
+    outputs = offline_inference.main(**engine)
+    assert len(outputs) == 3 and "Paris" in outputs[0].outputs[0].text
+    conversation = chat.main(**engine)
+    assert [m["role"] for m in conversation] == ["system", "user", "assistant", "user", "assistant"]
+    assert conversation[2]["content"] and conversation[4]["content"]
+    assert "Q: What is the capital of France?" in capsys.readouterr().out
