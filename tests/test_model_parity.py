@@ -91,3 +91,24 @@ def test_ragged_paged_batch_matches_transformers(case):
         for i in range(3):
             seqs[i].append(int(rng.integers(0, arch.vocab_size)))
         run([(0, 1), (1, 1), (2, 1)])
+
+
+def test_unrolled_layers_match_scanned_layers():
+    from jaxllm.weights.params import unstack_layers
+
+    config, hf_model = random_hf_model(*CASES["qwen3-linear-rope"])
+    arch = arch_from_hf_config(config)
+    state = {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}
+    params = params_from_hf_tensors(arch, jnp.float32, state.__getitem__, make_mesh(), "unrolled")
+    seq = list(np.random.default_rng(1).integers(0, arch.vocab_size, 13))
+    batch = make_step([(seq, 0, 13, [3, 1, 4, 2])], 4, 4, pad_tokens=3, pad_seqs=1)
+    shape = (arch.num_layers, 8, 4, arch.num_kv_heads, arch.head_dim)
+    results = []
+    for scan, p in ((True, params), (False, unstack_layers(params, arch.num_layers))):
+        model = CausalLM(arch, jnp.float32, attention_backend="reference", scan_layers=scan)
+        cache = KVCache(jnp.full(shape, jnp.nan), jnp.full(shape, jnp.nan))
+        logits, cache = jax.jit(model.apply)({"params": p}, cache, batch)
+        results.append((np.asarray(logits[:13]), np.asarray(cache.k[:, [3, 1, 4, 2]])))
+    np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(results[0][1].reshape(arch.num_layers, 16, -1)[:, :13],
+                               results[1][1].reshape(arch.num_layers, 16, -1)[:, :13], rtol=1e-5, atol=1e-5)

@@ -36,11 +36,12 @@ class EngineArgs:
     load_format: str = "auto"
     scheduling_policy: str = "fcfs"
     attention_backend: str = "auto"
+    scan_layers: bool | None = None
     compilation_cache_dir: str | None = None
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(self.model, self.tokenizer, self.dtype, self.load_format, self.seed, self.max_model_len,
-                           self.attention_backend)
+                           self.attention_backend, self.scan_layers)
 
     def create_engine_config(self, model_max_len: int, platform: str) -> EngineConfig:
         defaults = CPU_DEFAULTS if platform == "cpu" else ACCELERATOR_DEFAULTS
@@ -65,7 +66,7 @@ class EngineArgs:
             if f.name == "model":
                 continue
             flag = "--" + f.name.replace("_", "-")
-            if f.type == "bool":
+            if f.type in ("bool", "bool | None"):
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
             else:
                 kind = {"int": int, "int | None": int, "float": float}.get(f.type, str)

@@ -67,7 +67,8 @@ class Embed(nn.Module):
         return jnp.take(self.embedding, token_ids, axis=0)
 
     def attend(self, x: Float[Array, "S H"]) -> Float[Array, "S V"]:
-        return x @ self.embedding.T
+        # E @ x.T reads the embedding's contiguous rows; x @ E.T makes XLA (CPU) copy E transposed per step
+        return (self.embedding @ x.T).T
 
 
 class GatedMLP(nn.Module):

@@ -2,9 +2,16 @@
 
 A pure function of (params, KV cache, step inputs): `CausalLM.apply` writes the step's
 keys and values into the cache by slot and attends through
-`pallas_kernels.ragged_paged_attention`. The layers are stacked and run with `nn.scan`,
-so compile time does not grow with depth; the whole `[L, ...]` cache is the scan's loop
-state and each layer reads and writes its slice in place, never copying it.
+`pallas_kernels.ragged_paged_attention`. The whole `[L, ...]` cache is threaded through
+the layers, and each layer reads and writes its part in place, never copying it.
+
+Layers run one of two ways (`scan_layers`):
+- scanned (`nn.scan` over parameters stacked `[L, ...]` under "layers"): compile time does
+  not grow with depth; the default on accelerators;
+- unrolled (a Python loop over "layers_0".."layers_{L-1}"): XLA on CPU copies each layer's
+  weight slice out of a stacked array inside a loop before its matmuls (measured: the
+  copies took 3x the matmul time at batch 1), so on CPU the unrolled model decodes ~1.4x
+  faster at batch 1 and ~8% at batch 64, for ~5x the compile time per bucket.
 """
 
 from __future__ import annotations
@@ -92,6 +99,7 @@ class CausalLM(nn.Module):
     arch: ModelArch
     dtype: Dtype = jnp.float32
     attention_backend: str = "auto"
+    scan_layers: bool = True
 
     @nn.compact
     def __call__(self, cache: KVCache, batch: StepInputs) -> tuple[Float[Array, "R V"], KVCache]:
@@ -99,15 +107,21 @@ class CausalLM(nn.Module):
         embed = Embed(a.vocab_size, a.hidden_size, self.dtype, name="embed_tokens")
         hidden = embed(batch.token_ids)
         cos, sin = rotary_cos_sin(a, batch.positions, self.dtype)
-        layers = nn.scan(
-            DecoderLayer,
-            variable_axes={"params": 0},
-            split_rngs={"params": True},
-            in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
-            length=a.num_layers,
-            metadata_params={nn.PARTITION_NAME: None},
-        )(a, self.dtype, self.attention_backend, name="layers")
-        (hidden, cache, _), _ = layers((hidden, cache, jnp.int32(0)), batch, cos, sin)
+        carry = (hidden, cache, jnp.int32(0))
+        if self.scan_layers:
+            layers = nn.scan(
+                DecoderLayer,
+                variable_axes={"params": 0},
+                split_rngs={"params": True},
+                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+                length=a.num_layers,
+                metadata_params={nn.PARTITION_NAME: None},
+            )(a, self.dtype, self.attention_backend, name="layers")
+            carry, _ = layers(carry, batch, cos, sin)
+        else:
+            for i in range(a.num_layers):
+                carry, _ = DecoderLayer(a, self.dtype, self.attention_backend, name=f"layers_{i}")(carry, batch, cos, sin)
+        hidden, cache, _ = carry
         hidden = RMSNorm(a.rms_norm_eps, self.dtype, name="norm")(hidden[batch.logits_indices])
         if a.tie_word_embeddings:
             logits = embed.attend(hidden)

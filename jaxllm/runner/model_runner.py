@@ -25,6 +25,7 @@ from jaxllm.runner.input_batch import InputBatch
 from jaxllm.runner.kv_cache import allocate_kv_cache, num_kv_blocks
 from jaxllm.runner.sampler import SamplerOutput, SamplingInputs, sample
 from jaxllm.weights import LoadedModel
+from jaxllm.weights.params import unstack_layers
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,11 @@ class ModelRunner:
         largest = self.buckets[-1]
         self.batch = InputBatch(largest.num_tokens, largest.num_seqs, self.max_blocks_per_seq,
                                 sched_cfg.max_model_len, arch.vocab_size, self.block_size)
-        self.model = CausalLM(arch, loaded.dtype, config.model.attention_backend)
+        scan = config.model.scan_layers
+        scan = jax.default_backend() != "cpu" if scan is None else scan
+        self.model = CausalLM(arch, loaded.dtype, config.model.attention_backend, scan_layers=scan)
+        self.params = loaded.params if scan else unstack_layers(loaded.params, arch.num_layers)
+        loaded.params = None  # the runner owns the weights now (the stacked copy can go)
         self._step_fn = jax.jit(self._step, donate_argnums=(1,))
         self._compiled: dict[Bucket, object] = {}
         self.compile_seconds = 0.0
@@ -93,7 +98,7 @@ class ModelRunner:
         start = time.perf_counter()
         for bucket in tqdm(self.buckets, desc="Compiling buckets", disable=not progress, unit="bucket"):
             if bucket not in self._compiled:
-                lowered = self._step_fn.lower(self.loaded.params, self.cache, *self._abstract_inputs(bucket))
+                lowered = self._step_fn.lower(self.params, self.cache, *self._abstract_inputs(bucket))
                 self._compiled[bucket] = lowered.compile()
         self.compile_seconds = time.perf_counter() - start
         return self.compile_seconds
@@ -104,7 +109,7 @@ class ModelRunner:
         compiled = self._compiled.get(bucket)
         if compiled is None:
             raise RuntimeError(f"bucket {bucket} was not compiled at start-up (call warm_up first)")
-        result, self.cache = compiled(self.loaded.params, self.cache, inputs, sampling)
+        result, self.cache = compiled(self.params, self.cache, inputs, sampling)
         host: SamplerOutput = jax.device_get(result)
         n = len(out.scheduled)
         return RunnerOutput(

@@ -98,3 +98,19 @@ def hf_tensor_names(arch: ModelArch) -> list[str]:
         layers = range(arch.num_layers) if path[0] == "layers" else [None]
         names.extend(hf_tensor_name(path, layer) for layer in layers)
     return names
+
+
+
+def unstack_layers(params: Params, num_layers: int) -> Params:
+    """Stacked "layers" `[L, ...]` → "layers_0".."layers_{L-1}", for the unrolled model.
+
+    Each slice keeps its leaf's sharding minus the layer axis. Checkpoints and loaders always
+    use the stacked form; this runs once, when an engine starts.
+    """
+    def layer(i):
+        def take(x):
+            return jax.device_put(x[i], NamedSharding(x.sharding.mesh, PartitionSpec(*x.sharding.spec[1:])))
+        return jax.tree.map(take, params["layers"])
+
+    rest = {k: v for k, v in params.items() if k != "layers"}
+    return {**rest, **{f"layers_{i}": layer(i) for i in range(num_layers)}}
