@@ -19,8 +19,6 @@ class RequestMetrics:
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
-    num_preemptions: int = 0
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
 @dataclass
