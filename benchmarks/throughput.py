@@ -8,6 +8,7 @@ batch size, jaxllm and each peer run back to back; the JSON holds every run, the
 the median of the per-round ratios.
 
     python benchmarks/throughput.py --batches 1 64 --rounds 3 --out benchmarks/results/throughput_cpu.json
+    python benchmarks/throughput.py --no-scan-layers --out benchmarks/results/throughput_cpu_unrolled.json
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def make_prompts(tokenizer, batch: int, prompt_len: int) -> list[list[int]]:
 
 def engine_args(args) -> dict:
     return dict(max_num_seqs=max(args.batches), max_num_batched_tokens=args.max_num_batched_tokens,
-                max_model_len=args.prompt_len + args.new_tokens + 16, dtype=args.dtype)
+                max_model_len=args.prompt_len + args.new_tokens + 16, dtype=args.dtype,
+                scan_layers=args.scan_layers)
 
 
 def run_jaxllm(llm, batch: int, args) -> dict:
@@ -86,6 +88,8 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--scan-layers", action=argparse.BooleanOptionalAction, default=True,
+                    help="--no-scan-layers: unrolled layers (faster CPU decode, longer compile)")
     ap.add_argument("--peers-dir", default=os.path.join(HERE, "..", "..", "shared", "peers"))
     ap.add_argument("--peers", nargs="*", default=["hf_baseline.py"])
     ap.add_argument("--skip-startup", action="store_true")

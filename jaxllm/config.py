@@ -52,7 +52,7 @@ class ModelConfig:
     seed: int = 0
     max_model_len: int | None = None  # None: the model's own limit
     attention_backend: str = "auto"
-    scan_layers: bool | None = None  # None: unrolled on CPU (faster there), scanned elsewhere (faster compile)
+    scan_layers: bool = True  # False: unrolled layers (faster CPU decode, compile grows with depth)
 
     def __post_init__(self):
         if isinstance(self.dtype, str) and self.dtype != "auto" and self.dtype.lower() not in DTYPES:

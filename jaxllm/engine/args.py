@@ -36,7 +36,7 @@ class EngineArgs:
     load_format: str = "auto"
     scheduling_policy: str = "fcfs"
     attention_backend: str = "auto"
-    scan_layers: bool | None = None
+    scan_layers: bool = True
     compilation_cache_dir: str | None = None
 
     def model_config(self) -> ModelConfig:

@@ -6,12 +6,12 @@ keys and values into the cache by slot and attends through
 the layers, and each layer reads and writes its part in place, never copying it.
 
 Layers run one of two ways (`scan_layers`):
-- scanned (`nn.scan` over parameters stacked `[L, ...]` under "layers"): compile time does
-  not grow with depth; the default on accelerators;
-- unrolled (a Python loop over "layers_0".."layers_{L-1}"): XLA on CPU copies each layer's
-  weight slice out of a stacked array inside a loop before its matmuls (measured: the
-  copies took 3x the matmul time at batch 1), so on CPU the unrolled model decodes ~1.4x
-  faster at batch 1 and ~8% at batch 64, for ~5x the compile time per bucket.
+- scanned (`nn.scan` over parameters stacked `[L, ...]` under "layers"), the default:
+  compile time does not grow with depth;
+- unrolled (a Python loop over "layers_0".."layers_{L-1}"), opt-in for CPU serving: XLA on
+  CPU copies each layer's weight slice out of a stacked array inside a loop before its
+  matmuls (measured: the copies took 3x the matmul time at batch 1), so there the unrolled
+  model decodes faster at small batches, for ~4x the compile time per bucket.
 """
 
 from __future__ import annotations

@@ -72,7 +72,6 @@ class ModelRunner:
         self.batch = InputBatch(largest.num_tokens, largest.num_seqs, self.max_blocks_per_seq,
                                 sched_cfg.max_model_len, arch.vocab_size, self.block_size)
         scan = config.model.scan_layers
-        scan = jax.default_backend() != "cpu" if scan is None else scan
         self.model = CausalLM(arch, loaded.dtype, config.model.attention_backend, scan_layers=scan)
         self.params = loaded.params if scan else unstack_layers(loaded.params, arch.num_layers)
         loaded.params = None  # the runner owns the weights now (the stacked copy can go)
