@@ -1,6 +1,7 @@
 """The whole engine on the default model: parity with transformers, continuous batching under
-pressure, prefix caching, sampling features, no compilation after warm-up, and bad input."""
+pressure, prefix caching, sampling features, no compilation after warm-up, bad input, tensor parallelism."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -221,3 +222,17 @@ def test_abort_returns_blocks(llm):
     assert not engine.has_unfinished_requests()
     assert engine.kv.num_free_blocks == engine.kv.num_usable_blocks
     assert np.isfinite(engine.stats()["kv_cache_usage"])
+
+
+def test_tensor_parallel_engine_matches_one_device(llm):
+    """tensor_parallel_size=3 over 3 host devices: weights and KV heads split, same greedy tokens."""
+    tok = llm.get_tokenizer()
+    prompts = [chat_prompt(tok, q) for q in QUESTIONS[:2]]
+    sharded = LLM(**TEST_ENGINE, tensor_parallel_size=3, kv_cache_memory_bytes=kv_bytes(64))
+    runner = sharded.engine.runner
+    assert len(runner.cache.k.sharding.device_set) == 3
+    assert runner.cache.k.addressable_shards[0].data.shape[-2] == 1  # one of the 3 KV heads per device
+    largest = max(jax.tree.leaves(runner.params), key=lambda x: x.size)
+    assert largest.addressable_shards[0].data.size * 3 == largest.size  # the weights are split too
+    assert token_ids(sharded.generate(prompts, GREEDY, use_tqdm=False)) == token_ids(
+        llm.generate(prompts, GREEDY, use_tqdm=False))
