@@ -66,7 +66,7 @@ class EngineArgs:
             if f.name == "model":
                 continue
             flag = "--" + f.name.replace("_", "-")
-            if f.type in ("bool", "bool | None"):
+            if f.type == "bool":
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
             else:
                 kind = {"int": int, "int | None": int, "float": float}.get(f.type, str)

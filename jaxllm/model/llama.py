@@ -11,7 +11,7 @@ Layers run one of two ways (`scan_layers`):
 - unrolled (a Python loop over "layers_0".."layers_{L-1}"), opt-in for CPU serving: XLA on
   CPU copies each layer's weight slice out of a stacked array inside a loop before its
   matmuls (measured: the copies took 3x the matmul time at batch 1), so there the unrolled
-  model decodes faster at small batches, for ~4x the compile time per bucket.
+  model decodes faster at small batches, for ~3x the compile time per bucket.
 """
 
 from __future__ import annotations

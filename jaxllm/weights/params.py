@@ -100,7 +100,6 @@ def hf_tensor_names(arch: ModelArch) -> list[str]:
     return names
 
 
-
 def unstack_layers(params: Params, num_layers: int) -> Params:
     """Stacked "layers" `[L, ...]` → "layers_0".."layers_{L-1}", for the unrolled model.
 
