@@ -1,0 +1,1 @@
+"""Benchmarks behind `jaxllm bench`: result JSON with vLLM's keys."""

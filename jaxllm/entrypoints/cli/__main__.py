@@ -1,0 +1,5 @@
+import sys
+
+from jaxllm.entrypoints.cli import main
+
+sys.exit(main())

@@ -1,0 +1,47 @@
+"""`jaxllm chat`: an interactive chat that streams the reply token by token."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+
+from jaxllm.engine.args import EngineArgs
+from jaxllm.entrypoints.cli.common import add_sampling_args, make_llm, sampling_params
+
+
+def register(sub) -> None:
+    chat = sub.add_parser("chat", help="interactive chat, streaming tokens")
+    chat.add_argument("--system", default=None, help="system prompt")
+    EngineArgs.add_cli_args(chat)
+    add_sampling_args(chat, max_tokens=512)
+    chat.set_defaults(func=run)
+
+
+def run(args) -> None:
+    params = sampling_params(args)
+    llm = make_llm(args)
+    tokenizer = llm.get_tokenizer()
+    if tokenizer is None or not tokenizer.chat_template:
+        raise ValueError("this model has no chat template")
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    ids = itertools.count()
+    print("Chat with the model; an empty line or Ctrl-D ends.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        request_id = f"chat-{next(ids)}"
+        llm.engine.add_request(request_id, tokenizer.encode(text, add_special_tokens=False), params)
+        printed, reply = 0, ""
+        while llm.engine.has_unfinished_requests():
+            for output in llm.engine.step():
+                reply = output.outputs[0].text
+                print(reply[printed:], end="", flush=True)
+                printed = len(reply)
+        print()
+        messages.append({"role": "assistant", "content": reply})

@@ -1,0 +1,50 @@
+"""What the subcommands share: the parser class, sampling flags, building an `LLM` from flags."""
+
+from __future__ import annotations
+
+import argparse
+
+from jaxllm.engine.args import EngineArgs
+
+
+class Parser(argparse.ArgumentParser):
+    """Bad flags: one line naming the problem, not a usage dump."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, *, max_tokens: int) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--repetition-penalty", type=float, default=1.0)
+    group.add_argument("--presence-penalty", type=float, default=0.0)
+    group.add_argument("--frequency-penalty", type=float, default=0.0)
+    group.add_argument("--max-tokens", type=int, default=max_tokens)
+    group.add_argument("--min-tokens", type=int, default=0)
+    group.add_argument("--n", type=int, default=1, help="samples per prompt")
+    group.add_argument("--sampling-seed", type=int, default=None, help="per-request seed (SamplingParams.seed)")
+    group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    group.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params(args):
+    from jaxllm.sampling_params import SamplingParams
+
+    return SamplingParams(
+        n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
+        seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos,
+    )
+
+
+def make_llm(args):
+    from jaxllm.llm import LLM
+
+    engine_args = EngineArgs.from_cli_args(args)
+    fields = {k: v for k, v in vars(engine_args).items() if k != "model"}
+    return LLM(engine_args.model, **fields)

@@ -1,0 +1,35 @@
+"""`jaxllm generate PROMPT...`: offline generation, chat-templated when the model has a template."""
+
+from __future__ import annotations
+
+from jaxllm.engine.args import EngineArgs
+from jaxllm.entrypoints.cli.common import add_sampling_args, make_llm, sampling_params
+
+
+def register(sub) -> None:
+    gen = sub.add_parser("generate", help="generate text for prompts (chat-templated when the model has one)")
+    gen.add_argument("prompts", nargs="+", help="one or more prompts")
+    gen.add_argument("--no-chat-template", action="store_true", help="complete the raw prompt text")
+    EngineArgs.add_cli_args(gen)
+    add_sampling_args(gen, max_tokens=128)
+    gen.set_defaults(func=run)
+
+
+def run(args) -> None:
+    params = sampling_params(args)  # validate before loading anything
+    llm = make_llm(args)
+    tokenizer = llm.get_tokenizer()
+    use_template = not args.no_chat_template and tokenizer is not None and tokenizer.chat_template
+    if use_template:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(args.prompts, params, use_tqdm=False)
+    for prompt, output in zip(args.prompts, outputs):
+        if len(args.prompts) > 1:
+            print(f"### {prompt}")
+        for completion in output.outputs:
+            if len(output.outputs) > 1:
+                print(f"--- sample {completion.index}")
+            print(completion.text.strip() if use_template else prompt + completion.text)
+        if len(args.prompts) > 1:
+            print()
