@@ -103,14 +103,24 @@ class ModelRunner:
         return self.compile_seconds
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        bucket, inputs, sampling = self.prepare(out)
+        return self.to_host(self.run(bucket, inputs, sampling), len(out.scheduled))
+
+    def prepare(self, out: SchedulerOutput) -> tuple[Bucket, StepInputs, SamplingInputs]:
+        """The step's host inputs, padded to its bucket (a multi-host leader broadcasts these)."""
         bucket = pick_bucket(self.buckets, out.num_tokens, len(out.scheduled))
-        inputs, sampling = self.batch.fill(out, bucket)
+        return (bucket, *self.batch.fill(out, bucket))
+
+    def run(self, bucket: Bucket, inputs: StepInputs, sampling: SamplingInputs) -> SamplerOutput:
+        """Launch the bucket's compiled step (the only part a multi-host follower runs); results stay on device."""
         compiled = self._compiled.get(bucket)
         if compiled is None:
             raise RuntimeError(f"bucket {bucket} was not compiled at start-up (call warm_up first)")
         result, self.cache = compiled(self.params, self.cache, inputs, sampling)
+        return result
+
+    def to_host(self, result: SamplerOutput, n: int) -> RunnerOutput:
         host: SamplerOutput = jax.device_get(result)
-        n = len(out.scheduled)
         return RunnerOutput(
             np.asarray(host.token_ids[:n]), np.asarray(host.logprobs[:n]), np.asarray(host.ranks[:n]),
             np.asarray(host.top_token_ids[:n]), np.asarray(host.top_logprobs[:n]),
