@@ -90,6 +90,9 @@ class SchedulerConfig:
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_model_len", self.max_model_len)
+        from jaxllm.engine.policy import resolve_policy  # lazily: policies import the request type
+
+        resolve_policy(self.policy)
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be at least "

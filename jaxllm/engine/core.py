@@ -98,7 +98,8 @@ class EngineCore:
             raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None, *,
-                    prompt: str | None = None, priority: int = 0, arrival_time: float | None = None) -> None:
+                    prompt: str | None = None, priority: int = 0, arrival_time: float | None = None,
+                    user: str | None = None) -> None:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -115,7 +116,7 @@ class EngineCore:
             request = Request(
                 request_id if params.n == 1 else f"{index}_{request_id}", list(prompt_token_ids), child,
                 self.eos_token_ids,
-                prompt=prompt, priority=priority, arrival_time=arrival, index=index,
+                prompt=prompt, priority=priority, arrival_time=arrival, index=index, user=user,
                 parent_id=request_id if params.n > 1 else None,
                 sample_seed=child.seed if child.seed is not None else self._fresh_seed(),
             )

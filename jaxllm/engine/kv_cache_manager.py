@@ -68,8 +68,7 @@ class KVCacheManager:
             hashes.append(hash((hashes[-1] if hashes else None, tokens)))
         return hashes
 
-    def get_computed_blocks(self, request: Request) -> list[int]:
-        """Leading cached blocks of a new request's tokens; at least one token is left to compute."""
+    def _lookup(self, request: Request) -> list[int]:
         if not self.enable_prefix_caching:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
@@ -79,6 +78,17 @@ class KVCacheManager:
             if block_id is None:
                 break
             hits.append(block_id)
+        return hits
+
+    def num_cached_prefix_tokens(self, request: Request) -> int:
+        """Prompt tokens the prefix cache would supply now; no side effects (for policies such as `lpm`)."""
+        return len(self._lookup(request)) * self.block_size
+
+    def get_computed_blocks(self, request: Request) -> list[int]:
+        """Leading cached blocks of a new request's tokens; at least one token is left to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        hits = self._lookup(request)
         self.prefix_cache_queries += request.num_tokens
         self.prefix_cache_hits += len(hits) * self.block_size
         return hits

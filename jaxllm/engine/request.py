@@ -45,6 +45,8 @@ class Request:
     sample_seed: int = 0  # seeds this request's sampling stream
     index: int = 0  # which of a parent's n samples this is
     parent_id: str | None = None  # the user's request id, for n > 1
+    user: str | None = None  # the tenant, for fair scheduling (the OpenAI API's `user` field)
+    expected_output_len: int | None = None  # a predicted output length, for length-aware policies (sjf)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

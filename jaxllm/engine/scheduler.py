@@ -101,7 +101,8 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv.allocate_slots(request, num_new):
-                candidates = [r for r in self.running if r is request or not self._is_scheduled(out, r)]
+                scheduled = {id(s.request) for s in out.scheduled}
+                candidates = [r for r in self.running if r is request or id(r) not in scheduled]
                 victim = self.waiting.select_victim(candidates)
                 self._preempt(victim)
                 out.preempted.append(victim.request_id)
@@ -112,8 +113,12 @@ class Scheduler:
                 budget -= num_new
 
         # waiting, in policy order — not while preempting: the pool is full
+        if not out.preempted and len(self.waiting):
+            self.waiting.begin_step(self.kv)
         while not out.preempted and budget > 0 and len(self.waiting) and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
+            if not self.waiting.can_admit(request, self.running, self.kv):
+                break
             computed = [] if request.num_computed_tokens else self.kv.get_computed_blocks(request)
             num_computed = request.num_computed_tokens + len(computed) * self.kv.block_size
             num_new = min(request.num_tokens - num_computed, budget)
@@ -128,10 +133,6 @@ class Scheduler:
             self._schedule(out, request, num_new, now)
             budget -= num_new
         return out
-
-    @staticmethod
-    def _is_scheduled(out: SchedulerOutput, request: Request) -> bool:
-        return any(s.request is request for s in out.scheduled)
 
     def _schedule(self, out: SchedulerOutput, request: Request, num_new: int, now: float) -> None:
         if request.metrics.first_scheduled_time is None:
