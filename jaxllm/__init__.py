@@ -9,6 +9,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": "jaxllm.llm",
     "SamplingParams": "jaxllm.sampling_params",
+    "StructuredOutputsParams": "jaxllm.sampling_params",
     "RequestOutput": "jaxllm.outputs",
     "CompletionOutput": "jaxllm.outputs",
     "Logprob": "jaxllm.outputs",

@@ -8,6 +8,47 @@ MAX_LOGPROBS = 20  # top logprobs per token the engine computes at most (vLLM's 
 
 
 @dataclass
+class StructuredOutputsParams:
+    """Constrain the output to exactly one of: a JSON schema, any JSON object, a regex, one of
+    `choice`, or a Lark/GBNF `grammar` (vLLM's fields). Checked with llguidance at construction:
+    a bad schema, regex or grammar is a ValueError naming the problem.
+
+    JSON is compact (no whitespace between tokens) unless `whitespace_pattern` says otherwise.
+    """
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    whitespace_pattern: str | None = None
+    kind: str = field(init=False)  # which constraint: json, json_object, regex, choice or grammar
+    llguidance_grammar: str = field(init=False, repr=False)  # the checked grammar the engine compiles
+
+    def __post_init__(self):
+        from jaxllm.structured.grammar import grammar_text
+
+        given = [k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, k)
+                 not in (None, False)]
+        if len(given) != 1:
+            found = f"got {' and '.join(given)}" if given else "got none"
+            raise ValueError(f"StructuredOutputsParams takes exactly one of json, json_object, regex, choice, "
+                             f"grammar; {found}")
+        self.kind = given[0]
+        if self.json_object is not None and self.json_object is not True:
+            raise ValueError(f"StructuredOutputsParams.json_object must be True or None, got {self.json_object!r}")
+        if self.whitespace_pattern is not None:
+            if self.kind not in ("json", "json_object"):
+                raise ValueError("StructuredOutputsParams.whitespace_pattern applies only to json and json_object")
+            if not isinstance(self.whitespace_pattern, str):
+                raise ValueError("StructuredOutputsParams.whitespace_pattern must be a regex string")
+        try:
+            self.llguidance_grammar = grammar_text(self.kind, getattr(self, self.kind), self.whitespace_pattern)
+        except ValueError as e:
+            raise ValueError(f"StructuredOutputsParams.{self.kind}: {e}") from None
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     temperature: float = 1.0  # 0: greedy
@@ -27,6 +68,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
+    structured_outputs: StructuredOutputsParams | None = None  # constrained decoding (llguidance)
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -74,6 +116,8 @@ class SamplingParams:
         self.stop_token_ids = list(ids)
         if self.stop_strings and not self.detokenize:
             fail("stop", "empty when detokenize=False (stop strings are matched on text)")
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            fail("structured_outputs", "a StructuredOutputsParams or None")
 
     @property
     def greedy(self) -> bool:

@@ -24,6 +24,7 @@ from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.runner.model_runner import ModelRunner, RunnerOutput
 from jaxllm.sampling_params import SamplingParams
+from jaxllm.structured.manager import StructuredOutputManager
 from jaxllm.weights import load_model
 from jaxllm.weights.default import cache_dir
 
@@ -74,6 +75,7 @@ class EngineCore:
         self._groups: dict[str, list[Request]] = {}  # user request id → its samples
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._next_seed = 0
+        self.structured = StructuredOutputManager(self.tokenizer, arch.vocab_size, self.eos_token_ids)
         self.startup_seconds = time.perf_counter() - started
         sched = self.config.scheduler
         logger.info(
@@ -109,6 +111,8 @@ class EngineCore:
         self.validate_prompt(prompt_token_ids)
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none")
+        if params.structured_outputs is not None and self.structured.unsupported:
+            raise ValueError(self.structured.unsupported)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         samples = []
         for index in range(params.n):
@@ -127,9 +131,29 @@ class EngineCore:
                 )
             samples.append(request)
         self._groups[request_id] = samples
+        if params.structured_outputs is not None:  # waits outside the scheduler until its grammar compiled
+            for request in samples:
+                request.status = RequestStatus.WAITING_FOR_FSM
+            self.structured.add(request_id, samples)
+        else:
+            self._schedule_group(samples)
+
+    def _schedule_group(self, samples: list[Request]) -> None:
         self.scheduler.add_request(samples[0])
         if len(samples) > 1:
             self.scheduler.hold_siblings(samples[0], samples[1:])
+
+    def _admit_compiled(self) -> list[RequestOutput]:
+        """Schedule the constrained requests whose grammar compiled; fail those whose grammar did not."""
+        failed = []
+        for samples, error in self.structured.take_compiled():
+            if error is None:
+                self._schedule_group(samples)
+                continue
+            for request in samples:
+                self._fail(request, error)
+            failed.append(samples[0].output_key)
+        return self._outputs(failed)
 
     def _fresh_seed(self) -> int:
         """Unseeded requests still get a stream of their own, derived from the engine seed: reproducible runs."""
@@ -150,16 +174,19 @@ class EngineCore:
     # ---- one step --------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        failed = self._admit_compiled()
         out = self.scheduler.schedule()
         if out.is_empty:
-            return []
+            if not failed:
+                self.structured.wait(timeout=0.05)  # idle but for compiling grammars: wait, never spin
+            return failed
         try:
-            result = self.runner.execute(out)
+            result = self.runner.execute(out, grammar=self.structured)
         except Exception as e:  # the device step failed: fail the requests it carried, keep serving
             logger.exception("engine step %d failed", out.step)
             for scheduled in out.scheduled:
                 self._fail(scheduled.request, f"engine step failed: {e}", uncache=True)
-            return self._outputs({s.request.output_key for s in out.scheduled})
+            return failed + self._outputs({s.request.output_key for s in out.scheduled})
 
         now = time.monotonic()
         rows = {id(s.request): row for row, s in enumerate(out.scheduled)}
@@ -171,7 +198,7 @@ class EngineCore:
             except Exception as e:
                 logger.exception("request %s failed in post-processing", request.request_id)
                 self._fail(request, f"{type(e).__name__}: {e}")
-        return self._outputs(progressed)
+        return failed + self._outputs(progressed)
 
     def _post_process(self, request: Request, result: RunnerOutput, row: int, now: float) -> None:
         metrics = request.metrics
@@ -179,6 +206,8 @@ class EngineCore:
             metrics.first_token_time = now
         metrics.last_token_time = now
         token = request.output_token_ids[-1]
+        if not request.is_finished and self.structured.advance(request, token):
+            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)  # the grammar is complete
         params = request.sampling_params
         if params.logprobs is not None:
             request.cumulative_logprob += float(result.logprobs[row])
@@ -238,6 +267,7 @@ class EngineCore:
             del self._groups[request_id]
             for r in samples:
                 self._detok.pop(r.request_id, None)
+                self.structured.free(r)
         return output
 
     # ---- introspection ---------------------------------------------------------------
@@ -248,6 +278,7 @@ class EngineCore:
             "num_preemptions": self.scheduler.num_preemptions,
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
+            "num_waiting_for_grammar": self.structured.num_pending,
             "kv_cache_usage": self.kv.usage,
             "num_free_blocks": self.kv.num_free_blocks,
             "num_blocks": self.kv.num_usable_blocks,

@@ -17,6 +17,7 @@ from jaxllm.sampling_params import SamplingParams
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_FSM = "waiting_for_fsm"  # structured outputs: held by the engine until its grammar compiled
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"

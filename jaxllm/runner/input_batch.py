@@ -46,10 +46,12 @@ class InputBatch:
         self._history_rows: set[int] = set()  # rows to clear before reuse
         self._masked_rows: set[int] = set()
 
-    def fill(self, out: SchedulerOutput, bucket: Bucket) -> tuple[StepInputs, SamplingInputs]:
+    def fill(self, out: SchedulerOutput, bucket: Bucket, grammar=None) -> tuple[StepInputs, SamplingInputs]:
         T, S = bucket.num_tokens, bucket.num_seqs
         bs = self.block_size
         self._reset_sampling_rows(S)
+        if grammar is not None:  # grammar masks first: the min_tokens bans below narrow them further
+            self._masked_rows.update(grammar.fill_bitmask(out.scheduled, self.allowed))
         self.block_tables[:S] = SCRATCH_BLOCK
         num_tokens = 0
         for row, scheduled in enumerate(out.scheduled):

@@ -102,14 +102,15 @@ class ModelRunner:
         self.compile_seconds = time.perf_counter() - start
         return self.compile_seconds
 
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
-        bucket, inputs, sampling = self.prepare(out)
+    def execute(self, out: SchedulerOutput, grammar=None) -> RunnerOutput:
+        """`grammar` (a StructuredOutputManager) fills the token masks of constrained rows."""
+        bucket, inputs, sampling = self.prepare(out, grammar)
         return self.to_host(self.run(bucket, inputs, sampling), len(out.scheduled))
 
-    def prepare(self, out: SchedulerOutput) -> tuple[Bucket, StepInputs, SamplingInputs]:
+    def prepare(self, out: SchedulerOutput, grammar=None) -> tuple[Bucket, StepInputs, SamplingInputs]:
         """The step's host inputs, padded to its bucket (a multi-host leader broadcasts these)."""
         bucket = pick_bucket(self.buckets, out.num_tokens, len(out.scheduled))
-        return (bucket, *self.batch.fill(out, bucket))
+        return (bucket, *self.batch.fill(out, bucket, grammar))
 
     def run(self, bucket: Bucket, inputs: StepInputs, sampling: SamplingInputs) -> SamplerOutput:
         """Launch the bucket's compiled step (the only part a multi-host follower runs); results stay on device."""

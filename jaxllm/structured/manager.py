@@ -1,0 +1,158 @@
+"""StructuredOutputManager: one llguidance matcher per constrained request.
+
+Life of a constrained request (all on the engine thread, except compiling):
+1. `add` — its grammar compiles on a thread pool (the LLTokenizer is built there too, once);
+   the request waits here, outside the scheduler, while unconstrained requests keep running
+   (vLLM's WAITING_FOR_FSM). Compiled grammars are cached by (kind, grammar text); each
+   request gets a deep copy (~5 µs) of the cached, never-advanced matcher.
+2. `take_compiled` — each step the engine moves compiled groups into the scheduler.
+3. `fill_bitmask` — one llguidance batch call writes the masks of every constrained row that
+   samples this step straight into the input batch's packed `allowed` rows.
+4. `advance` — each accepted token advances the matcher; at the grammar's end the engine
+   finishes the request (finish_reason "stop"), so it never runs to max_tokens for lack of EOS.
+5. `free` — a finished, aborted or failed request drops its matcher (and any pending compile).
+
+Preemption needs nothing here: recompute keeps `output_token_ids`, and a matcher only ever
+advances on tokens appended to them, so after recompute it is exactly where the request is.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as futures
+import os
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from jaxllm.structured.tokenizer import llguidance_tokenizer, tokenizer_problem
+
+CACHE_SIZE = 256  # compiled grammars kept (LRU)
+
+
+class StructuredOutputManager:
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 max_workers: int | None = None):
+        self.unsupported = tokenizer_problem(hf_tokenizer)  # a reason, or None when usable
+        self._hf_tokenizer = hf_tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = tuple(eos_token_ids)
+        self._pool = ThreadPoolExecutor(max_workers or min(4, os.cpu_count() or 1),
+                                        thread_name_prefix="jaxllm-grammar")
+        self._tokenizer: Future | None = None  # the LLTokenizer, built on first use
+        self._executor = None  # llguidance's batch mask executor, made on first use
+        self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._pending: dict[str, tuple[list, Future]] = {}  # group id → (its requests, compiled matcher)
+        self._matchers: dict[str, object] = {}  # request id → its LLMatcher
+        self.mask_seconds = 0.0  # host time in fill_bitmask and advance (cost accounting)
+        self.num_masks = 0
+
+    # ---- compiling -------------------------------------------------------------------------
+
+    def add(self, group_id: str, requests: list) -> None:
+        """Start compiling the grammar shared by `requests` (one user request's samples)."""
+        self._pending[group_id] = (requests, self._compiled(requests[0].sampling_params.structured_outputs))
+
+    def _compiled(self, params) -> Future:
+        key = (params.kind, params.llguidance_grammar)
+        future = self._cache.get(key)
+        if future is not None:
+            self._cache.move_to_end(key)
+            return future
+        if self._tokenizer is None:
+            self._tokenizer = self._pool.submit(
+                llguidance_tokenizer, self._hf_tokenizer, self.vocab_size, self.eos_token_ids)
+        future = self._pool.submit(self._compile, params.llguidance_grammar)
+        self._cache[key] = future
+        while len(self._cache) > CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return future
+
+    def _compile(self, grammar: str):
+        import llguidance
+
+        matcher = llguidance.LLMatcher(self._tokenizer.result(), grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"the grammar does not compile for this tokenizer: {matcher.get_error()}")
+        return matcher
+
+    def take_compiled(self) -> list[tuple[list, str | None]]:
+        """Groups whose grammar is ready, in arrival order, each with None or the compile error.
+
+        Ready groups have their matchers from here on; failed ones are forgotten (their failure
+        stays cached: the same grammar fails the same way).
+        """
+        done = []
+        for group_id, (requests, future) in list(self._pending.items()):
+            if not future.done():
+                continue
+            del self._pending[group_id]
+            try:
+                template = future.result()
+            except Exception as e:  # noqa: BLE001 — reported on the request, never raised into the loop
+                done.append((requests, f"structured outputs: {e}"))
+                continue
+            for request in requests:
+                self._matchers[request.request_id] = template.deep_copy()
+            done.append((requests, None))
+        return done
+
+    def wait(self, timeout: float) -> None:
+        """Block until a pending grammar compiles (or `timeout`): an idle engine waits, never spins."""
+        if self._pending:
+            futures.wait([f for _, f in self._pending.values()], timeout, futures.FIRST_COMPLETED)
+
+    # ---- per step --------------------------------------------------------------------------
+
+    def fill_bitmask(self, scheduled, allowed: np.ndarray) -> list[int]:
+        """Write the grammar masks of rows that sample this step into `allowed` (uint32 [rows, W]).
+
+        One batch call into llguidance (parallel, GIL released). Returns the rows written.
+        """
+        if not self._matchers:
+            return []
+        start = time.perf_counter()
+        rows = [(self._matchers[s.request.request_id], row) for row, s in enumerate(scheduled)
+                if s.samples and s.request.request_id in self._matchers]
+        if rows:
+            if allowed.dtype != np.uint32 or not allowed.flags.c_contiguous or allowed.shape[1] * 32 < self.vocab_size:
+                raise ValueError(f"allowed must be C-contiguous uint32 [rows, >= {-(-self.vocab_size // 32)}]")
+            if self._executor is None:
+                import llguidance
+
+                self._executor = llguidance.LLExecutor()
+            self._executor.unsafe_compute_mask_ptr(rows, allowed.ctypes.data, allowed.shape[1] * 4, allowed.shape[0])
+            self.num_masks += len(rows)
+        self.mask_seconds += time.perf_counter() - start
+        return [row for _, row in rows]
+
+    def advance(self, request, token: int) -> bool:
+        """Feed one accepted token to the request's matcher; True when the grammar has ended.
+
+        False for unconstrained requests. A token the grammar rejects raises ValueError.
+        """
+        matcher = self._matchers.get(request.request_id)
+        if matcher is None:
+            return False
+        start = time.perf_counter()
+        try:
+            if not matcher.consume_token(token):
+                raise ValueError(f"token {token} does not fit the grammar: {matcher.get_error()}")
+            return matcher.is_stopped()
+        finally:
+            self.mask_seconds += time.perf_counter() - start
+
+    def free(self, request) -> None:
+        self._matchers.pop(request.request_id, None)
+        self._pending.pop(request.output_key, None)
+
+    # ---- introspection ---------------------------------------------------------------------
+
+    @property
+    def num_active(self) -> int:
+        return len(self._matchers)
+
+    @property
+    def num_pending(self) -> int:
+        return sum(len(requests) for requests, _ in self._pending.values())
