@@ -62,9 +62,11 @@ class KVCacheManager:
     def _block_hashes(self, request: Request, num_blocks: int) -> list[int]:
         hashes = self._req_hashes.setdefault(request.request_id, [])
         bs = self.block_size
+        prompt, output = request.prompt_token_ids, request.output_token_ids
+        n = len(prompt)
         while len(hashes) < num_blocks:
-            i = len(hashes)
-            tokens = tuple(request.token_at(p) for p in range(i * bs, (i + 1) * bs))
+            start, end = len(hashes) * bs, (len(hashes) + 1) * bs
+            tokens = tuple(prompt[start:end] + output[max(start - n, 0):max(end - n, 0)])
             hashes.append(hash((hashes[-1] if hashes else None, tokens)))
         return hashes
 
@@ -125,7 +127,7 @@ class KVCacheManager:
         blocks = self._req_blocks.setdefault(rid, [])
         total = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
         num_needed = -(-total // self.block_size) - len(blocks) - len(computed_blocks)
-        revived = sum(1 for b in computed_blocks if self.blocks[b].ref_cnt == 0)
+        revived = sum(1 for b in computed_blocks if self.blocks[b].ref_cnt == 0) if computed_blocks else 0
         if num_needed + revived > len(self._free):
             if not blocks:
                 del self._req_blocks[rid]
@@ -140,7 +142,7 @@ class KVCacheManager:
             self._uncache(self.blocks[block_id])  # evict whatever it held
             self._take(block_id)
             blocks.append(block_id)
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and total // self.block_size > self._req_num_registered.get(rid, 0):
             self._register_full_blocks(request, total)
         return True
 

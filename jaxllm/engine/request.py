@@ -27,11 +27,14 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self.name.startswith("FINISHED")
+        return self._value_ in _FINISHED  # a plain attribute: this runs for every request every step
 
     @property
     def finish_reason(self) -> str | None:
         return self.value if self.finished else None
+
+
+_FINISHED = frozenset(s.value for s in RequestStatus if s.name.startswith("FINISHED"))
 
 
 @dataclass(eq=False)
@@ -79,10 +82,6 @@ class Request:
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
-
-    def token_at(self, position: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[position] if position < n else self.output_token_ids[position - n]
 
     @property
     def is_finished(self) -> bool:

@@ -168,7 +168,8 @@ class Scheduler:
             token = int(sampled[row])
             request.output_token_ids.append(token)
             got_token.append(request)
-            self._release_siblings(request)
+            if self.held:
+                self._release_siblings(request)
             if (status := self._check_stop(request, token)) is not None:
                 self.finish_request(request, status)
         return got_token

@@ -17,10 +17,12 @@ replaying the same trace see the same token ids — and the same prefix-cache hi
 
 from __future__ import annotations
 
+import hashlib
 import json
-import random
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
+
+import numpy as np
 
 # made-up prompt tokens are drawn from this id range: ordinary word pieces in common vocabularies
 # (clear of the special tokens at the start of most vocabularies), so any model can replay a trace
@@ -70,13 +72,16 @@ def prompt_token_ids(request: TraceRequest, index: int, seed: int = 0) -> list[i
         return list(request.prompt_token_ids)
     if request.prompt_len is None:
         raise ValueError("a text prompt has no token ids before tokenization")
-    low, high = TOKEN_RANGE
     prefix: list[int] = []
     if request.prefix_group is not None and request.prefix_len:
-        group_rng = random.Random(f"{seed}/group/{request.prefix_group}")
-        prefix = [group_rng.randrange(low, high) for _ in range(request.prefix_len)]
-    own_rng = random.Random(f"{seed}/request/{index}")
-    return prefix + [own_rng.randrange(low, high) for _ in range(request.prompt_len - len(prefix))]
+        prefix = _made_up_tokens(f"{seed}/group/{request.prefix_group}", request.prefix_len)
+    return prefix + _made_up_tokens(f"{seed}/request/{index}", request.prompt_len - len(prefix))
+
+
+def _made_up_tokens(key: str, n: int) -> list[int]:
+    """`n` token ids drawn from a generator seeded by `key` (a stable digest: the same in every process)."""
+    seed = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
+    return np.random.default_rng(seed).integers(*TOKEN_RANGE, size=n).tolist()
 
 
 def load_trace(path: str | Path) -> list[TraceRequest]:

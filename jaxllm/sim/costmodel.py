@@ -1,0 +1,134 @@
+"""The step-time cost model: how long one engine step takes, from what the scheduler put in it.
+
+Form (fitted by `jaxllm calibrate`):
+
+    t(step) = base(T_b) + a · context_tokens + b · attention_pairs + c · num_seqs
+
+- `T_b` is the compiled bucket the step runs in (the token count rounded up to a power of two,
+  capped at max_num_batched_tokens). The engine pads every step to its bucket, so the dense work
+  — weight reads and matmuls, which dominate a small model — is a per-bucket constant, not a
+  function of the real token count. `base` is measured per bucket and interpolated linearly in
+  T_b between measured buckets (and extrapolated from the last two) for other bucket sizes.
+- `context_tokens` = Σ over sequences of the KV length read (start + new tokens): the paged
+  attention's KV reads, the term that grows with context during decode.
+- `attention_pairs` = Σ new tokens × KV length: the quadratic attention work of prefill chunks.
+- `num_seqs`: per-sequence host work (input assembly, sampling, scheduler and output bookkeeping).
+
+Coefficients are fitted by least squares on relative error and kept non-negative. No JAX here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+FORM = "base(bucket) + a*context_tokens + b*attention_pairs + c*num_seqs"
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What a step's cost depends on."""
+
+    num_tokens: int
+    num_seqs: int
+    context_tokens: int
+    attention_pairs: int
+
+    @classmethod
+    def of(cls, out) -> StepShape:
+        """From a `SchedulerOutput`."""
+        tokens = context = pairs = 0
+        for s in out.scheduled:
+            kv_len = s.start + s.num_new_tokens
+            tokens += s.num_new_tokens
+            context += kv_len
+            pairs += s.num_new_tokens * kv_len
+        return cls(tokens, len(out.scheduled), context, pairs)
+
+
+def bucket_tokens(num_tokens: int, max_num_batched_tokens: int) -> int:
+    """The token bucket a step runs in (jaxllm.runner.buckets: powers of two, capped at the maximum)."""
+    size = 1
+    while size < num_tokens:
+        size *= 2
+    return min(size, max_num_batched_tokens)
+
+
+@dataclass
+class CostModel:
+    bucket_tokens: list[int]  # measured buckets (token counts), ascending
+    bucket_base_s: list[float]
+    per_context_token_s: float = 0.0
+    per_attention_pair_s: float = 0.0
+    per_seq_s: float = 0.0
+    fit: dict = field(default_factory=dict)  # fit error and sample counts
+    engine: dict = field(default_factory=dict)  # the engine it was measured on
+    form: str = FORM
+
+    def base(self, bucket: int) -> float:
+        xs, ys = self.bucket_tokens, self.bucket_base_s
+        if len(xs) == 1:
+            return ys[0] * bucket / xs[0]
+        if bucket > xs[-1]:  # extrapolate from the last two buckets
+            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+            return ys[-1] + slope * (bucket - xs[-1])
+        return float(np.interp(bucket, xs, ys))
+
+    def step_time(self, shape: StepShape, max_num_batched_tokens: int) -> float:
+        return (self.base(bucket_tokens(shape.num_tokens, max_num_batched_tokens))
+                + self.per_context_token_s * shape.context_tokens
+                + self.per_attention_pair_s * shape.attention_pairs
+                + self.per_seq_s * shape.num_seqs)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> CostModel:
+        data = json.loads(Path(path).read_text())
+        try:
+            model = cls(**data)
+        except TypeError as e:
+            raise ValueError(f"{path}: not a jaxllm cost model ({e})") from None
+        if not model.bucket_tokens or len(model.bucket_tokens) != len(model.bucket_base_s):
+            raise ValueError(f"{path}: bucket_tokens and bucket_base_s must be non-empty and of equal length")
+        return model
+
+
+def fit_cost_model(samples: list[tuple[StepShape, float]], max_num_batched_tokens: int) -> CostModel:
+    """Least squares on relative error (every step counts alike, short or long), coefficients >= 0.
+
+    Unknowns: one base per bucket seen, then a, b, c. A term whose coefficient comes out negative
+    (noise, or work the hardware hides) is dropped and the rest refitted.
+    """
+    if not samples:
+        raise ValueError("no samples to fit")
+    buckets = sorted({bucket_tokens(s.num_tokens, max_num_batched_tokens) for s, _ in samples})
+    column = {b: i for i, b in enumerate(buckets)}
+    x = np.zeros((len(samples), len(buckets) + 3))
+    y = np.array([t for _, t in samples])
+    for row, (s, _) in enumerate(samples):
+        x[row, column[bucket_tokens(s.num_tokens, max_num_batched_tokens)]] = 1.0
+        x[row, len(buckets):] = (s.context_tokens, s.attention_pairs, s.num_seqs)
+    active = list(range(x.shape[1]))
+    while True:
+        weights = 1.0 / y  # relative error
+        coef_active, *_ = np.linalg.lstsq(x[:, active] * weights[:, None], y * weights, rcond=None)
+        coef = np.zeros(x.shape[1])
+        coef[active] = coef_active
+        negative = [i for i in active if coef[i] < 0 and i >= len(buckets)]
+        if not negative:
+            break
+        active.remove(min(negative, key=lambda i: coef[i]))
+    base = np.maximum(coef[:len(buckets)], 0.0)
+    coef[:len(buckets)] = base
+    rel = np.abs(x @ coef - y) / y
+    return CostModel(
+        bucket_tokens=buckets, bucket_base_s=[float(v) for v in base],
+        per_context_token_s=float(coef[-3]), per_attention_pair_s=float(coef[-2]), per_seq_s=float(coef[-1]),
+        fit={"samples": len(samples), "mean_abs_rel_error": float(rel.mean()),
+             "p90_abs_rel_error": float(np.percentile(rel, 90)), "max_abs_rel_error": float(rel.max())},
+    )
