@@ -42,7 +42,14 @@ def test_sharded_safetensors_load_the_same_tensors(hf_dir):
     assert (path / "model.safetensors.index.json").is_file()
     loaded = load_model(str(path), mesh=make_mesh(), dtype="float32")
     layers = loaded.params["layers"]
-    np.testing.assert_array_equal(layers["self_attn"]["q_proj"]["bias"][1], state["model.layers.1.self_attn.q_proj.bias"])
+    qkv, group = layers["self_attn"]["qkv_proj"], TINY["num_attention_heads"] // TINY["num_key_value_heads"]
+    np.testing.assert_array_equal(qkv["bias"][1][:, :group].reshape(-1), state["model.layers.1.self_attn.q_proj.bias"])
+    np.testing.assert_array_equal(qkv["bias"][1][:, group].reshape(-1), state["model.layers.1.self_attn.k_proj.bias"])
+    np.testing.assert_array_equal(qkv["kernel"][0][:, :, group + 1].reshape(TINY["hidden_size"], -1),
+                                  state["model.layers.0.self_attn.v_proj.weight"].T)
+    gate_up = layers["mlp"]["gate_up_proj"]["kernel"][1]
+    np.testing.assert_array_equal(gate_up[:, 0], state["model.layers.1.mlp.gate_proj.weight"].T)
+    np.testing.assert_array_equal(gate_up[:, 1], state["model.layers.1.mlp.up_proj.weight"].T)
     np.testing.assert_array_equal(layers["mlp"]["down_proj"]["kernel"][0], state["model.layers.0.mlp.down_proj.weight"].T)
     np.testing.assert_array_equal(loaded.params["lm_head"]["kernel"], state["lm_head.weight"].T)
 
@@ -78,7 +85,11 @@ def test_llama3_8b_shaped_config_builds_without_allocating():
     shapes, specs = abstract_params(arch_from_hf_config(config), jnp.bfloat16)
     num_params = sum(np.prod(s.shape) for s in jax.tree.leaves(shapes))
     assert 8.0e9 < num_params < 8.1e9
-    assert specs["layers"]["self_attn"]["q_proj"]["kernel"] == jax.sharding.PartitionSpec(None, None, "model")
+    # fused weights shard over KV heads and MLP columns, never across the q/k/v or gate/up parts
+    P = jax.sharding.PartitionSpec
+    assert specs["layers"]["self_attn"]["qkv_proj"]["kernel"] == P(None, None, "model", None, None)
+    assert shapes["layers"]["self_attn"]["qkv_proj"]["kernel"].shape == (32, 4096, 8, 4 + 2, 128)
+    assert specs["layers"]["mlp"]["gate_up_proj"]["kernel"] == P(None, None, None, "model")
 
 
 def test_missing_file_is_named(tmp_path):

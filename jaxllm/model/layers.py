@@ -1,7 +1,14 @@
 """Building blocks of the Llama-family decoder: RMSNorm, rotary embeddings, linear layers, gated MLP.
 
-Every parameter carries a PartitionSpec over the mesh axis "model" (DESIGN.md, Sharding):
+Every parameter carries a PartitionSpec over the mesh axis "model" (docs/design.md, Sharding):
 column-parallel projections shard their output features, row-parallel ones their inputs.
+
+Projections that read the same input are fused into one matmul, as vLLM's
+QKVParallelLinear and MergedColumnParallelLinear do: one weight read and one matmul call
+instead of three (q, k, v) or two (gate, up). The fused kernel keeps its parts on their
+own axis, `[in, ..., parts, last]`, so that the axis sharded over "model" (KV heads, MLP
+columns) is never the parts axis: each tensor-parallel shard holds whole q/k/v (or
+gate/up) pieces for its own heads or columns, and no shard ever needs another's.
 """
 
 from __future__ import annotations
@@ -32,6 +39,30 @@ def linear(features: int, *, name: str, dtype: Dtype, bias: bool, shard: str) ->
         bias_init=nn.with_partitioning(nn.initializers.normal(INIT_STD), (spec[1],)),
         name=name,
     )
+
+
+class FusedLinear(nn.Module):
+    """`x @ W` with a kernel `[in, *out_shape]` whose axis `shard_axis` of `out_shape` is over "model".
+
+    The contraction runs straight on the stored layout (a dot_general over the first kernel
+    axis), so no step reshapes or transposes the weights.
+    """
+
+    out_shape: tuple[int, ...]
+    shard_axis: int
+    dtype: Dtype
+    bias: bool
+
+    @nn.compact
+    def __call__(self, x: Float[Array, "T H"]) -> Array:
+        out_spec = tuple("model" if i == self.shard_axis else None for i in range(len(self.out_shape)))
+        init = nn.initializers.normal(INIT_STD)
+        kernel = self.param("kernel", nn.with_partitioning(init, (None, *out_spec)),
+                            (x.shape[-1], *self.out_shape), self.dtype)
+        y = jax.lax.dot_general(x.astype(self.dtype), kernel, (((x.ndim - 1,), (0,)), ((), ())))
+        if self.bias:
+            y = y + self.param("bias", nn.with_partitioning(init, out_spec), self.out_shape, self.dtype)
+        return y
 
 
 class RMSNorm(nn.Module):
@@ -72,7 +103,7 @@ class Embed(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP: down(silu(gate(x)) * up(x))."""
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)), gate and up as one `[H, 2, I]` matmul."""
 
     arch: ModelArch
     dtype: Dtype
@@ -80,10 +111,9 @@ class GatedMLP(nn.Module):
     @nn.compact
     def __call__(self, x: Float[Array, "T H"]) -> Float[Array, "T H"]:
         inner, bias = self.arch.intermediate_size, self.arch.mlp_bias
-        gate = linear(inner, name="gate_proj", dtype=self.dtype, bias=bias, shard="column")(x)
-        up = linear(inner, name="up_proj", dtype=self.dtype, bias=bias, shard="column")(x)
+        gate_up = FusedLinear((2, inner), shard_axis=1, dtype=self.dtype, bias=bias, name="gate_up_proj")(x)
         return linear(self.arch.hidden_size, name="down_proj", dtype=self.dtype, bias=bias, shard="row")(
-            nn.silu(gate) * up
+            nn.silu(gate_up[:, 0]) * gate_up[:, 1]
         )
 
 

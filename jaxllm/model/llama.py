@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 import pallas_kernels
-from jaxllm.model.layers import Dtype, Embed, GatedMLP, RMSNorm, apply_rotary, linear, rotary_cos_sin
+from jaxllm.model.layers import Dtype, Embed, FusedLinear, GatedMLP, RMSNorm, apply_rotary, linear, rotary_cos_sin
 from jaxllm.model.registry import ModelArch
 
 
@@ -54,12 +54,12 @@ class Attention(nn.Module):
     def __call__(self, x, cache: KVCache, layer, batch: StepInputs, cos, sin):
         a = self.arch
         num_tokens = x.shape[0]
-        q = linear(a.num_heads * a.head_dim, name="q_proj", dtype=self.dtype, bias=a.qkv_bias, shard="column")(x)
-        k = linear(a.num_kv_heads * a.head_dim, name="k_proj", dtype=self.dtype, bias=a.qkv_bias, shard="column")(x)
-        v = linear(a.num_kv_heads * a.head_dim, name="v_proj", dtype=self.dtype, bias=a.qkv_bias, shard="column")(x)
-        q = q.reshape(num_tokens, a.num_heads, a.head_dim)
-        k = k.reshape(num_tokens, a.num_kv_heads, a.head_dim)
-        v = v.reshape(num_tokens, a.num_kv_heads, a.head_dim)
+        # one matmul for q, k and v: per KV head, its group of q heads, then its k, then its v
+        group = a.num_heads // a.num_kv_heads
+        qkv = FusedLinear((a.num_kv_heads, group + 2, a.head_dim), shard_axis=0, dtype=self.dtype,
+                          bias=a.qkv_bias, name="qkv_proj")(x)
+        q = qkv[:, :, :group].reshape(num_tokens, a.num_heads, a.head_dim)
+        k, v = qkv[:, :, group], qkv[:, :, group + 1]
         if a.qk_norm:
             q = RMSNorm(a.rms_norm_eps, self.dtype, name="q_norm")(q)
             k = RMSNorm(a.rms_norm_eps, self.dtype, name="k_norm")(k)

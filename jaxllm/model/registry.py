@@ -194,6 +194,10 @@ def arch_from_hf_config(config: Any) -> ModelArch:
     if (act := _get(config, "hidden_act", "silu")) != "silu":
         raise NotImplementedError(f"{architecture}: activation {act!r} is not supported (silu is)")
 
+    num_kv_heads = _get(config, "num_key_value_heads") or num_heads
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{architecture}: num_attention_heads={num_heads} is not a multiple of "
+                         f"num_key_value_heads={num_kv_heads}")
     attention_bias = bool(_get(config, "attention_bias", False))
     eos = _get(config, "eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
@@ -204,7 +208,7 @@ def arch_from_hf_config(config: Any) -> ModelArch:
         intermediate_size=_get(config, "intermediate_size"),
         num_layers=_get(config, "num_hidden_layers"),
         num_heads=num_heads,
-        num_kv_heads=_get(config, "num_key_value_heads") or num_heads,
+        num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         rms_norm_eps=float(_get(config, "rms_norm_eps", 1e-6)),
         rope=rope_cfg,

@@ -1,9 +1,10 @@
 """The parameter tree of a `ModelArch`, and how it is filled from HF-named tensors.
 
-Every loader (safetensors, GGUF, dummy) ends here: it supplies tensors by their
-transformers name (`model.layers.3.self_attn.q_proj.weight`, `[out, in]`), and
-`params_from_hf_tensors` stacks the layers, transposes kernels to `[in, out]`, casts,
-and places each leaf on the mesh with its PartitionSpec.
+Every loader (safetensors, GGUF) ends here: it supplies tensors by their transformers
+name (`model.layers.3.self_attn.q_proj.weight`, `[out, in]`), and `params_from_hf_tensors`
+transposes kernels to `[in, out]` once, at load time, fuses the projections the model
+runs as one matmul (q/k/v → `qkv_proj`, gate/up → `gate_up_proj`), stacks the layers,
+casts, and places each leaf on the mesh with its PartitionSpec.
 """
 
 from __future__ import annotations
@@ -45,21 +46,36 @@ def param_shardings(specs: Params, mesh: Mesh) -> Params:
     return jax.tree.map(lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
-def hf_tensor_name(path: tuple[str, ...], layer: int | None) -> str:
-    """The transformers name of the tensor behind one leaf of the parameter tree."""
+# fused leaves → the transformers modules they are made of, in order along the parts axis (-2)
+FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def hf_tensor_names_of(path: tuple[str, ...], layer: int | None) -> list[str]:
+    """The transformers names of the tensors behind one leaf of the parameter tree."""
     *modules, leaf = path
     kind = "bias" if leaf == "bias" else "weight"
     if modules == ["embed_tokens"]:
-        return "model.embed_tokens.weight"
+        return ["model.embed_tokens.weight"]
     if modules == ["lm_head"]:
-        return "lm_head.weight"
-    if modules[0] == "layers":
-        return f"model.layers.{layer}.{'.'.join(modules[1:])}.{kind}"
-    return f"model.{'.'.join(modules)}.{kind}"
+        return ["lm_head.weight"]
+    if modules[0] != "layers":
+        return [f"model.{'.'.join(modules)}.{kind}"]
+    *parents, module = modules[1:]
+    prefix = ".".join([f"model.layers.{layer}", *parents])
+    return [f"{prefix}.{part}.{kind}" for part in FUSED_MODULES.get(module, (module,))]
 
 
 def _leaf_path(key_path) -> tuple[str, ...]:
     return tuple(k.key for k in key_path)
+
+
+def _assemble(parts: list[np.ndarray], is_kernel: bool, shape: tuple[int, ...]) -> np.ndarray:
+    """One layer's leaf from its transformers tensors: kernels `[out, in]` → `[in, ...]`, parts on axis -2."""
+    if is_kernel:
+        parts = [p.T for p in parts]
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate([p.reshape(*shape[:-2], -1, shape[-1]) for p in parts], axis=-2)
 
 
 def params_from_hf_tensors(arch: ModelArch, dtype, get_tensor: GetTensor, mesh: Mesh, source: str) -> Params:
@@ -70,21 +86,22 @@ def params_from_hf_tensors(arch: ModelArch, dtype, get_tensor: GetTensor, mesh: 
 
     def load(key_path, shape, sharding):
         path = _leaf_path(key_path)
-        layers = range(arch.num_layers) if path[0] == "layers" else [None]
-        tensors = []
-        for layer in layers:
-            name = hf_tensor_name(path, layer)
-            tensor = np.asarray(get_tensor(name))
-            if path[-1] == "kernel":
-                tensor = tensor.T
-            tensors.append(tensor.astype(np_dtype, copy=False))
-        value = np.stack(tensors) if path[0] == "layers" else tensors[0]
-        if value.shape != shape.shape:
-            raise ValueError(
-                f"{source}: tensor {hf_tensor_name(path, 0)} has shape {value.shape}, expected {shape.shape} "
-                f"for {arch.architecture}"
-            )
-        return jax.device_put(value, sharding)
+        stacked = path[0] == "layers"
+        layer_shape = shape.shape[1:] if stacked else shape.shape
+        values = []
+        for layer in range(arch.num_layers) if stacked else [None]:
+            names = hf_tensor_names_of(path, layer)
+            parts = [np.asarray(get_tensor(name)) for name in names]
+            try:
+                value = _assemble(parts, path[-1] == "kernel", layer_shape)
+            except ValueError:
+                value = None
+            if value is None or value.shape != layer_shape:
+                got = ", ".join(f"{n} {p.shape}" for n, p in zip(names, parts))
+                raise ValueError(f"{source}: tensor shapes {got} do not make {path[-2]} {layer_shape} "
+                                 f"for {arch.architecture}") from None
+            values.append(value.astype(np_dtype, copy=False))
+        return jax.device_put(np.stack(values) if stacked else values[0], sharding)
 
     return jax.tree_util.tree_map_with_path(load, shapes, shardings)
 
@@ -95,8 +112,8 @@ def hf_tensor_names(arch: ModelArch) -> list[str]:
     names = []
     for key_path, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]:
         path = _leaf_path(key_path)
-        layers = range(arch.num_layers) if path[0] == "layers" else [None]
-        names.extend(hf_tensor_name(path, layer) for layer in layers)
+        for layer in range(arch.num_layers) if path[0] == "layers" else [None]:
+            names.extend(hf_tensor_names_of(path, layer))
     return names
 
 
