@@ -326,3 +326,73 @@ def test_failed_requests_are_counted_not_fatal(scripted_server, tmp_path):
     result = serve.main(bench_args("--base-url", url, "--dataset-name", "jsonl", "--dataset-path", str(trace)))
     assert result["completed"] == 2 and result["failed"] == 2
     assert result["errors"][1] == "HTTP 400: prompt too long" and result["errors"][0] == ""
+
+
+# ---- a real `jaxllm serve` --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def real_server(tmp_path_factory):
+    """`jaxllm serve` with the shared test engine shapes on a free loopback port."""
+    from test_cli_and_examples import ENGINE_FLAGS
+
+    port = free_port()
+    log = tmp_path_factory.mktemp("serve") / "serve.log"
+    with open(log, "w") as out:
+        process = subprocess.Popen([sys.executable, "-m", "jaxllm.entrypoints.cli", "serve", *ENGINE_FLAGS,
+                                    "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+                                   env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert process.poll() is None, f"jaxllm serve exited:\n{log.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, f"jaxllm serve not healthy in 600 s:\n{log.read_text()[-3000:]}"
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def test_bench_serve_against_a_real_server(real_server, tmp_path):
+    result = serve.main(bench_args(
+        "--base-url", real_server, "--num-prompts", "6", "--random-input-len", "24", "--random-output-len", "6",
+        "--random-range-ratio", "0.5", "--request-rate", "20", "--max-concurrency", "4", "--seed", "1",
+        "--goodput", "ttft:60000", "--output", str(tmp_path / "r.json"), "--plot", str(tmp_path / "plots")))
+    asked = datasets.random_requests(6, input_len=24, output_len=6, range_ratio=0.5, seed=1)
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert saved["completed"] == 6 and saved["failed"] == 0, saved["errors"]
+    assert saved["output_lens"] == [r.output_len for r in asked]  # min_tokens + ignore_eos: exact lengths
+    assert saved["total_output_tokens"] == sum(r.output_len for r in asked)
+    assert saved["input_lens"] == [r.prompt_len for r in asked]  # token-id prompts: exact lengths
+    for key in ("duration", "request_throughput", "output_throughput", "request_goodput",
+                "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
+                "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms"):
+        assert isinstance(saved[key], float) and saved[key] > 0, key
+    assert all(len(itl) == n - 1 for itl, n in zip(saved["itls"], saved["output_lens"]))  # one token per chunk
+    for png in ("latency_cdf.png", "throughput.png"):
+        assert (tmp_path / "plots" / png).read_bytes()[:4] == b"\x89PNG"
+    assert result["model_id"] == "SmolLM2-135M-Instruct"
+
+
+def test_a_trace_with_text_and_a_refused_prompt(real_server, tmp_path):
+    trace = tmp_path / "t.jsonl"
+    save_trace([TraceRequest(arrival_time=0.0, prompt="The capital of France is", output_len=4),
+                TraceRequest(arrival_time=0.05, prompt_len=600, output_len=4),  # over max_model_len 512
+                TraceRequest(arrival_time=0.1, prompt_len=20, output_len=5, prefix_group="g", prefix_len=16)], trace)
+    result = serve.main(bench_args("--base-url", real_server, "--dataset-name", "jsonl", "--dataset-path", str(trace)))
+    assert result["completed"] == 2 and result["failed"] == 1
+    assert result["errors"][1].startswith("HTTP 400") and "512" in result["errors"][1]
+    assert result["output_lens"][0::2] == [4, 5] and result["input_lens"][2] == 20
+    assert result["input_lens"][0] > 0  # a text prompt's length is the server's count (usage.prompt_tokens)
+    from prometheus_client.parser import text_string_to_metric_families
+
+    gauges = {s.name: s.value for family in text_string_to_metric_families(httpx.get(real_server + "/metrics").text)
+              for s in family.samples}
+    assert gauges["jaxllm:num_requests_running"] == gauges["jaxllm:num_requests_waiting"] == 0

@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import logging
 import math
 import os
 import time
@@ -67,6 +68,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> dict:
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     goodput = parse_goodput(args.goodput)
     percentiles = parse_percentiles(args.metric_percentiles)
     metrics = parse_metrics(args.percentile_metrics)
