@@ -6,8 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
-import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +20,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from jaxllm.bench import datasets, serve
 from jaxllm.bench.results import RequestRecord, format_result, per_request, records_from_result, summarize
+from jaxllm.bench.server_process import ServerProcess, free_port
 from jaxllm.entrypoints.cli import build_parser
 from jaxllm.sim.trace import TraceRequest, prompt_token_ids, save_trace
 
@@ -217,12 +216,6 @@ def scripted_app():
     return app
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def scripted_server():
     import uvicorn
@@ -336,33 +329,13 @@ def real_server(tmp_path_factory):
     """`jaxllm serve` with the shared test engine shapes on a free loopback port."""
     from test_cli_and_examples import ENGINE_FLAGS
 
-    port = free_port()
-    log = tmp_path_factory.mktemp("serve") / "serve.log"
-    with open(log, "w") as out:
-        process = subprocess.Popen([sys.executable, "-m", "jaxllm.entrypoints.cli", "serve", *ENGINE_FLAGS,
-                                    "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
-                                   env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert process.poll() is None, f"jaxllm serve exited:\n{log.read_text()[-3000:]}"
-            assert time.monotonic() < deadline, f"jaxllm serve not healthy in 600 s:\n{log.read_text()[-3000:]}"
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
+    with ServerProcess(ENGINE_FLAGS, log_path=tmp_path_factory.mktemp("serve") / "serve.log") as server:
+        yield server
 
 
 def test_bench_serve_against_a_real_server(real_server, tmp_path):
     result = serve.main(bench_args(
-        "--base-url", real_server, "--num-prompts", "6", "--random-input-len", "24", "--random-output-len", "6",
+        "--base-url", real_server.url, "--num-prompts", "6", "--random-input-len", "24", "--random-output-len", "6",
         "--random-range-ratio", "0.5", "--request-rate", "20", "--max-concurrency", "4", "--seed", "1",
         "--goodput", "ttft:60000", "--output", str(tmp_path / "r.json"), "--plot", str(tmp_path / "plots")))
     asked = datasets.random_requests(6, input_len=24, output_len=6, range_ratio=0.5, seed=1)
@@ -386,13 +359,10 @@ def test_a_trace_with_text_and_a_refused_prompt(real_server, tmp_path):
     save_trace([TraceRequest(arrival_time=0.0, prompt="The capital of France is", output_len=4),
                 TraceRequest(arrival_time=0.05, prompt_len=600, output_len=4),  # over max_model_len 512
                 TraceRequest(arrival_time=0.1, prompt_len=20, output_len=5, prefix_group="g", prefix_len=16)], trace)
-    result = serve.main(bench_args("--base-url", real_server, "--dataset-name", "jsonl", "--dataset-path", str(trace)))
+    result = serve.main(bench_args("--base-url", real_server.url, "--dataset-name", "jsonl", "--dataset-path", str(trace)))
     assert result["completed"] == 2 and result["failed"] == 1
     assert result["errors"][1].startswith("HTTP 400") and "512" in result["errors"][1]
     assert result["output_lens"][0::2] == [4, 5] and result["input_lens"][2] == 20
     assert result["input_lens"][0] > 0  # a text prompt's length is the server's count (usage.prompt_tokens)
-    from prometheus_client.parser import text_string_to_metric_families
-
-    gauges = {s.name: s.value for family in text_string_to_metric_families(httpx.get(real_server + "/metrics").text)
-              for s in family.samples}
-    assert gauges["jaxllm:num_requests_running"] == gauges["jaxllm:num_requests_waiting"] == 0
+    metrics = real_server.metrics()
+    assert metrics["jaxllm:num_requests_running"] == metrics["jaxllm:num_requests_waiting"] == 0
