@@ -14,6 +14,8 @@ _EXPORTS = {
     "CompletionOutput": "jaxllm.outputs",
     "Logprob": "jaxllm.outputs",
     "EngineArgs": "jaxllm.engine.args",
+    "AsyncLLM": "jaxllm.engine.async_llm",
+    "RequestOutputKind": "jaxllm.sampling_params",
 }
 
 __all__ = list(_EXPORTS)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field, fields, replace
 
 MAX_LOGPROBS = 20  # top logprobs per token the engine computes at most (vLLM's default max_logprobs)
@@ -48,6 +49,14 @@ class StructuredOutputsParams:
             raise ValueError(f"StructuredOutputsParams.{self.kind}: {e}") from None
 
 
+class RequestOutputKind(enum.Enum):
+    """What each streamed `RequestOutput` carries (vLLM's names); `LLM.generate` only sees the final one."""
+
+    CUMULATIVE = 0  # everything generated so far
+    DELTA = 1  # only what is new since the previous output
+    FINAL_ONLY = 2  # nothing until the request finishes, then everything
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -69,6 +78,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # constrained decoding (llguidance)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -114,6 +124,8 @@ class SamplingParams:
         if not isinstance(ids, (list, tuple)) or not all(is_int(i) and i >= 0 for i in ids):
             fail("stop_token_ids", "a list of token ids >= 0")
         self.stop_token_ids = list(ids)
+        if not isinstance(self.output_kind, RequestOutputKind):
+            fail("output_kind", "a RequestOutputKind")
         if self.stop_strings and not self.detokenize:
             fail("stop", "empty when detokenize=False (stop strings are matched on text)")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):

@@ -41,6 +41,17 @@ def enable_compilation_cache(folder: str | None) -> str | None:
     return folder
 
 
+def check_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: int) -> None:
+    """Raise ValueError unless the prompt is 1..max_model_len token ids in [0, vocab_size)."""
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise ValueError("the prompt is empty")
+    if n > max_model_len:
+        raise ValueError(f"the prompt has {n} tokens, more than max_model_len={max_model_len}")
+    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt_token_ids):
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+
+
 class EngineCore:
     def __init__(self, args: EngineArgs, *, progress: bool = True):
         started = time.perf_counter()
@@ -90,14 +101,7 @@ class EngineCore:
     # ---- requests --------------------------------------------------------------------
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        n, limit = len(prompt_token_ids), self.config.scheduler.max_model_len
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        if n > limit:
-            raise ValueError(f"the prompt has {n} tokens, more than max_model_len={limit}")
-        vocab = self.loaded.arch.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_token_ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        check_prompt(prompt_token_ids, self.config.scheduler.max_model_len, self.loaded.arch.vocab_size)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None, *,
                     prompt: str | None = None, priority: int = 0, arrival_time: float | None = None,

@@ -12,7 +12,7 @@ import sys
 
 from jaxllm.entrypoints.cli.common import Parser
 
-SUBCOMMANDS = ("generate", "chat", "convert", "bench")
+SUBCOMMANDS = ("generate", "chat", "serve", "convert", "bench")
 
 
 def build_parser() -> Parser:

@@ -1,0 +1,161 @@
+"""The engine-core client: how `AsyncLLM` reaches engine cores without ever stepping one itself.
+
+`AsyncLLM` only uses the small interface below, so the cores can live on a background
+thread (`InProcessClient`, here) or in other processes (a data-parallel client implements
+the same methods). The rules every client keeps:
+
+- `add_request` / `abort` never block and never touch a core directly: they queue a command
+  that the core's own loop applies at the top of its next step, so a core is only ever
+  driven by one thread.
+- Outputs go to `on_outputs(outputs, engine_index, timestamp)`, called on the client's own
+  thread once per step with that step's `RequestOutput`s (cumulative: each carries
+  everything generated so far). A request that fails to be added comes back as a finished
+  output with `error` set, so nothing waits forever.
+- If a core dies, `on_dead(message)` is called once; the front fails what was in flight.
+- `stats()` returns one snapshot dict per core (see `EngineCore.stats`), refreshed every
+  step; reading it never waits for a step.
+- When no request is unfinished, a core's loop blocks on its command queue: an idle
+  server spends no CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from jaxllm.engine.args import EngineArgs
+from jaxllm.outputs import CompletionOutput, RequestOutput
+from jaxllm.sampling_params import SamplingParams
+
+logger = logging.getLogger("jaxllm")
+
+OutputHandler = Callable[[list[RequestOutput], int, float], None]
+DeadHandler = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the front needs to know about the engines it drives (the same for every core)."""
+
+    model: str  # the model's name or path
+    tokenizer: Any  # a transformers tokenizer, or None
+    max_model_len: int
+    max_num_seqs: int
+    vocab_size: int
+
+    def validate_prompt(self, prompt_token_ids: list[int]) -> None:
+        from jaxllm.engine.core import check_prompt
+
+        check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
+
+
+class EngineCoreClient(Protocol):
+    info: EngineInfo
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+                    prompt: str | None = None, priority: int = 0, arrival_time: float | None = None) -> None: ...
+
+    def abort(self, request_ids: Iterable[str]) -> None: ...
+
+    def stats(self) -> list[dict]: ...
+
+    def is_alive(self) -> bool: ...
+
+    def shutdown(self) -> None: ...
+
+
+def failed_output(request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None,
+                  error: str) -> RequestOutput:
+    """The finished output of a request the engine refused: every sample ends with "error"."""
+    samples = [CompletionOutput(index=i, text="", token_ids=[], finish_reason="error") for i in range(params.n)]
+    return RequestOutput(request_id, prompt, prompt_token_ids, samples, finished=True, error=error)
+
+
+class InProcessClient:
+    """One `EngineCore` stepping on a daemon thread of this process.
+
+    JAX releases the GIL while a compiled step runs, so the event loop serving HTTP keeps
+    running during steps; the host work of a step (scheduling, detokenization) shares the
+    GIL with it. docs/serving.md has the measurements behind choosing a thread.
+    """
+
+    def __init__(self, args: EngineArgs, on_outputs: OutputHandler, on_dead: DeadHandler, *,
+                 progress: bool = True):
+        from jaxllm.engine.core import EngineCore
+
+        self.core = EngineCore(args, progress=progress)
+        sched = self.core.config.scheduler
+        self.info = EngineInfo(self.core.loaded.name, self.core.tokenizer, sched.max_model_len, sched.max_num_seqs,
+                               self.core.loaded.arch.vocab_size)
+        self._on_outputs = on_outputs
+        self._on_dead = on_dead
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._stats = [self.core.stats()]
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="jaxllm-engine-core", daemon=True)
+        self._thread.start()
+
+    # ---- the interface -------------------------------------------------------------------
+
+    def add_request(self, request_id, prompt_token_ids, params, *, prompt=None, priority=0, arrival_time=None):
+        arrival_time = arrival_time if arrival_time is not None else time.monotonic()
+        self._commands.put(("add", (request_id, prompt_token_ids, params, prompt, priority, arrival_time)))
+
+    def abort(self, request_ids: Iterable[str]) -> None:
+        self._commands.put(("abort", list(request_ids)))
+
+    def stats(self) -> list[dict]:
+        return self._stats
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping
+
+    def shutdown(self) -> None:
+        """Stop the loop after its current step; unfinished requests are dropped."""
+        self._stopping = True
+        self._commands.put(("stop", None))
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout=30)
+
+    # ---- the engine thread -----------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                block = not self.core.has_unfinished_requests()
+                outputs = self._apply_commands(block)
+                if self.core.has_unfinished_requests() and not self._stopping:
+                    outputs += self.core.step()
+                self._stats = [self.core.stats()]
+                if outputs:
+                    self._on_outputs(outputs, 0, time.monotonic())
+        except Exception as e:  # a bug in the engine: say so once, the front fails what is in flight
+            logger.exception("the engine core loop died")
+            self._stopping = True
+            self._on_dead(f"the engine died: {type(e).__name__}: {e}")
+
+    def _apply_commands(self, block: bool) -> list[RequestOutput]:
+        """Apply every queued command; wait for the first one if `block` (the engine is idle)."""
+        outputs = []
+        while True:
+            try:
+                kind, payload = self._commands.get(block=block)
+            except queue.Empty:
+                return outputs
+            block = False
+            if kind == "stop":
+                return outputs
+            if kind == "abort":
+                outputs += [o for rid in payload if (o := self.core.abort_request(rid)) is not None]
+                continue
+            request_id, ids, params, prompt, priority, arrival = payload
+            try:
+                self.core.add_request(request_id, ids, params, prompt=prompt, priority=priority,
+                                      arrival_time=arrival)
+            except ValueError as e:
+                outputs.append(failed_output(request_id, ids, params, prompt, str(e)))

@@ -1,0 +1,49 @@
+"""`jaxllm serve [MODEL]`: the OpenAI-compatible HTTP server (FastAPI + uvicorn) over `AsyncLLM`.
+
+SIGINT/SIGTERM: stop accepting connections, abort what is in flight (streams end with
+finish_reason "abort"), let the responses finish, stop the engine, exit 0.
+"""
+
+from __future__ import annotations
+
+import os
+
+from jaxllm.engine.args import EngineArgs
+
+
+def register(sub) -> None:
+    serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="model path or HF repo (same as --model; default: SmolLM2-135M-Instruct)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=os.environ.get("JAXLLM_API_KEY"),
+                       help="require `Authorization: Bearer KEY` on /v1/* (default: $JAXLLM_API_KEY)")
+    serve.add_argument("--served-model-name", nargs="+", default=None,
+                       help="the model name(s) clients use (default: the model's path)")
+    serve.add_argument("--max-log-len", type=int, default=None,
+                       help="log at most this many characters of each prompt")
+    serve.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
+    serve.add_argument("--timeout-graceful-shutdown", type=float, default=5.0,
+                       help="seconds shutdown waits for responses to finish after aborting them")
+    EngineArgs.add_cli_args(serve)
+    serve.set_defaults(func=run)
+
+
+def run(args) -> None:
+    from jaxllm.engine.async_llm import AsyncLLM
+    from jaxllm.entrypoints.openai.api_server import build_app
+    from jaxllm.entrypoints.openai.launcher import serve_http
+
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"two models named: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    if not 0 <= args.port < 65536:
+        raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args), log_stats=not args.disable_log_stats,
+                                       served_model_name=(args.served_model_name or [None])[0])
+    app = build_app(engine, served_model_names=args.served_model_name, api_key=args.api_key,
+                    max_log_len=args.max_log_len)
+    serve_http(app, engine, host=args.host, port=args.port, log_level=args.log_level.lower(),
+               timeout_graceful_shutdown=args.timeout_graceful_shutdown)

@@ -1,0 +1,135 @@
+"""POST /v1/completions: prompts (text, token ids, or lists of either) → completions, streamed or not."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+
+from jaxllm.entrypoints.openai.errors import bad_request, not_supported
+from jaxllm.entrypoints.openai.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest,
+                                                CompletionResponse, random_id)
+from jaxllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, convert_engine_errors, engine_error,
+                                                      sse, usage)
+from jaxllm.outputs import CompletionOutput, Logprob
+from jaxllm.sampling_params import SamplingParams
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create_completion(self, request: CompletionRequest,
+                                request_id: str | None = None) -> CompletionResponse | AsyncIterator[str]:
+        """The response, or (stream=True) the server-sent events. Request errors raise before anything runs."""
+        self.check_model(request.model)
+        self.check_engine()
+        prompts = self.prompts(request)
+        params = [self.completion_sampling_params(request, len(p["prompt_token_ids"])) for p in prompts]
+        request_id = request_id or random_id("cmpl")
+        outputs = self.generate_all(request_id, prompts, params, request.priority)
+        if request.stream:
+            return self.stream(request, request_id, prompts, outputs)
+        return await self.full_response(request, request_id, prompts, outputs)
+
+    def completion_sampling_params(self, request: CompletionRequest, prompt_len: int) -> SamplingParams:
+        """The request's SamplingParams for a prompt of `prompt_len` tokens."""
+        for field in ("response_format", "structured_outputs", "suffix"):
+            if getattr(request, field) is not None:
+                raise not_supported(field)
+        if request.echo and request.logprobs is not None:
+            raise bad_request("echo with logprobs needs prompt logprobs, which are not supported yet", param="echo")
+        max_tokens = self.token_budget(request.max_tokens, prompt_len, "max_tokens")
+        return self.sampling_params(request, max_tokens=max_tokens, logprobs=request.logprobs)
+
+    def prompts(self, request: CompletionRequest) -> list[dict]:
+        """Every prompt as {"prompt": text, "prompt_token_ids": ids}, checked against the model's limits."""
+        raw = request.prompt
+        if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
+            raw = [raw]
+        if not raw:
+            raise bad_request("prompt must not be empty", param="prompt")
+        tokenizer = self.engine.tokenizer
+        prompts = []
+        for i, item in enumerate(raw):
+            param = "prompt" if len(raw) == 1 else f"prompt.{i}"
+            if isinstance(item, str):
+                if tokenizer is None:
+                    raise bad_request("this model has no tokenizer: send token ids", param=param)
+                ids, text = tokenizer.encode(item, add_special_tokens=request.add_special_tokens), item
+            else:
+                ids, text = list(item), None
+            self.check_prompt(ids, param)
+            if text is None and request.echo and tokenizer is not None:
+                text = tokenizer.decode(ids)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return prompts
+
+    async def full_response(self, request, request_id, prompts, outputs) -> CompletionResponse:
+        finals = [None] * len(prompts)
+        async with aclosing(outputs):
+            async for i, out in outputs:
+                if (error := engine_error(out)) is not None:
+                    raise error
+                finals[i] = out
+        choices, generated = [], 0
+        for i, out in enumerate(finals):
+            echo = (out.prompt or "") if request.echo else ""
+            for c in out.outputs:
+                generated += len(c.token_ids)
+                choices.append(CompletionChoice(
+                    index=i * request.n + c.index, text=echo + c.text,
+                    logprobs=completion_logprobs(c, len(echo))[0] if request.logprobs is not None else None,
+                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
+        return CompletionResponse(id=request_id, model=self.model_name(request), choices=choices,
+                                  usage=usage(prompt_tokens, generated))
+
+    async def stream(self, request, request_id, prompts, outputs) -> AsyncIterator[str]:
+        n, model = request.n, self.model_name(request)
+        include_usage = request.stream_options is not None and request.stream_options.include_usage
+        continuous = include_usage and request.stream_options.continuous_usage_stats
+        prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
+        generated = [0] * (len(prompts) * n)
+        offsets = [None] * (len(prompts) * n)  # characters streamed per choice; None: nothing yet
+        first = CompletionResponse(id=request_id, model=model, choices=[])
+        try:
+            async with aclosing(outputs):
+                async for i, out in outputs:
+                    if (error := engine_error(out)) is not None:
+                        yield error.sse()
+                        break
+                    for c in out.outputs:
+                        index = i * n + c.index
+                        text = c.text
+                        if offsets[index] is None:
+                            offsets[index] = 0
+                            if request.echo:
+                                text = (out.prompt or "") + text
+                        logprobs = None
+                        if request.logprobs is not None:
+                            logprobs, _ = completion_logprobs(c, offsets[index] + len(text) - len(c.text))
+                        offsets[index] += len(text)
+                        generated[index] += len(c.token_ids)
+                        chunk = CompletionResponse(
+                            id=request_id, created=first.created, model=model,
+                            choices=[CompletionChoice(index=index, text=text, logprobs=logprobs,
+                                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason)],
+                            usage=usage(prompt_tokens, sum(generated)) if continuous else None)
+                        yield sse(chunk)
+            if include_usage:
+                yield sse(CompletionResponse(id=request_id, created=first.created, model=model, choices=[],
+                                             usage=usage(prompt_tokens, sum(generated))))
+        except Exception as e:
+            yield convert_engine_errors(e).sse()
+        yield SSE_DONE
+
+
+def completion_logprobs(c: CompletionOutput, offset: int) -> tuple[CompletionLogProbs, int]:
+    """OpenAI's legacy logprobs of `c`'s tokens, text offsets counted from `offset`."""
+    result = CompletionLogProbs()
+    for token, entries in zip(c.token_ids, c.logprobs or []):
+        chosen: Logprob = entries[token]
+        text = chosen.decoded_token or ""
+        result.tokens.append(text)
+        result.token_logprobs.append(chosen.logprob)
+        result.top_logprobs.append({e.decoded_token or "": e.logprob for e in entries.values()})
+        result.text_offset.append(offset)
+        offset += len(text)
+    return result, offset

@@ -1,0 +1,190 @@
+"""What the completion and chat endpoints share: model check, the sampling fields, the token
+budget, request logging, merging several streams, server-sent events and usage counts."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import BaseModel
+
+from jaxllm.engine.async_llm import AsyncLLM, EngineDeadError
+from jaxllm.entrypoints.openai.errors import OpenAIError, bad_request, from_value_error
+from jaxllm.entrypoints.openai.protocol import SamplingRequest, UsageInfo
+from jaxllm.outputs import RequestOutput
+from jaxllm.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+
+logger = logging.getLogger("jaxllm.server")
+
+_DONE = object()
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLM, served_model_names: list[str], max_log_len: int | None = None):
+        self.engine = engine
+        self.served_model_names = served_model_names
+        self.max_log_len = max_log_len
+        self.max_model_len = engine.info.max_model_len
+
+    def model_name(self, request) -> str:
+        return request.model or self.served_model_names[0]
+
+    # ---- checks ------------------------------------------------------------------------------
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.served_model_names:
+            raise OpenAIError(f"The model `{model}` does not exist.", status=404, param="model",
+                              code="model_not_found")
+
+    def check_engine(self) -> None:
+        try:
+            self.engine.check_health()
+        except EngineDeadError as e:
+            raise OpenAIError(str(e), status=503) from None
+
+    def check_prompt(self, token_ids: list[int], param: str) -> None:
+        try:
+            self.engine.info.validate_prompt(token_ids)
+        except ValueError as e:
+            raise bad_request(f"{param}: {e}", param=param) from None
+
+    def token_budget(self, max_tokens: int | None, prompt_len: int, param: str) -> int:
+        """vLLM's rule: prompt + completion must fit max_model_len; no max_tokens means all that is left."""
+        room = self.max_model_len - prompt_len
+        if max_tokens is None:
+            if room < 1:
+                raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens, and the "
+                                  f"prompt has {prompt_len}: no room is left for the completion.", param=param)
+            return room
+        if max_tokens < 1:
+            raise bad_request(f"{param} must be at least 1, got {max_tokens}", param=param)
+        if max_tokens > room:
+            raise bad_request(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
+                f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the completion). "
+                f"Please reduce the length of the prompt or completion.", param=param)
+        return max_tokens
+
+    # ---- request → SamplingParams --------------------------------------------------------------
+
+    def sampling_params(self, request: SamplingRequest, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The fields both endpoints share; range errors name the request field."""
+        limit = self.engine.info.max_num_seqs
+        if request.n > limit:
+            raise bad_request(f"n must be at most {limit} (max_num_seqs: a request's samples run together), "
+                              f"got {request.n}", param="n")
+        if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+            raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", param="logprobs")
+        if request.logit_bias:
+            raise bad_request("'logit_bias' is not supported yet by this server", param="logit_bias")
+        stop_ids = request.stop_token_ids or []
+        vocab = self.engine.info.vocab_size
+        if any(not 0 <= t < vocab for t in stop_ids):
+            raise bad_request(f"stop_token_ids must be token ids in [0, {vocab})", param="stop_token_ids")
+        try:
+            return SamplingParams(
+                n=request.n,
+                temperature=1.0 if request.temperature is None else request.temperature,
+                top_p=1.0 if request.top_p is None else request.top_p,
+                top_k=request.top_k or 0,
+                min_p=request.min_p or 0.0,
+                presence_penalty=request.presence_penalty,
+                frequency_penalty=request.frequency_penalty,
+                repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+                seed=request.seed,
+                stop=request.stop,
+                stop_token_ids=stop_ids,
+                ignore_eos=request.ignore_eos,
+                max_tokens=max_tokens,
+                min_tokens=request.min_tokens,
+                logprobs=logprobs,
+                skip_special_tokens=request.skip_special_tokens,
+                include_stop_str_in_output=request.include_stop_str_in_output,
+                output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
+            )
+        except ValueError as e:
+            raise from_value_error(e) from None
+
+    # ---- running -------------------------------------------------------------------------------
+
+    def log_request(self, request_id: str, prompt: Any, params: SamplingParams) -> None:
+        if not logger.isEnabledFor(logging.INFO):
+            return
+        text = str(prompt)
+        if self.max_log_len is not None:
+            text = text[: self.max_log_len]
+        logger.info("request %s: prompt %r, params %s", request_id, text, params)
+
+    def generate_all(self, request_id: str, prompts: list[dict], params: list[SamplingParams],
+                     priority: int) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """One engine request per prompt, merged: yields (prompt index, output) as they come."""
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            self.log_request(f"{request_id}-{i}", prompt.get("prompt") or prompt["prompt_token_ids"], p)
+        streams = [self.engine.generate(prompt, p, f"{request_id}-{i}", priority=priority)
+                   for i, (prompt, p) in enumerate(zip(prompts, params))]
+        return merge_async_iterators(streams)
+
+
+async def merge_async_iterators(iterators: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
+    """Items of all iterators as they arrive, tagged with the iterator's index.
+
+    Closing the merged iterator (a client that left) cancels every source, which aborts
+    their engine requests; an exception in a source ends the merge with that exception.
+    """
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, iterator: AsyncIterator) -> None:
+        try:
+            async for item in iterator:
+                queue.put_nowait((index, item))
+            queue.put_nowait((index, _DONE))
+        except Exception as e:
+            queue.put_nowait((index, e))
+
+    tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(iterators)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            index, item = await queue.get()
+            if item is _DONE:
+                remaining -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def engine_error(out: RequestOutput) -> OpenAIError | None:
+    """A request the engine failed (finish_reason "error") is the server's fault: a 500 saying why."""
+    if out.error or any(c.finish_reason == "error" for c in out.outputs):
+        return OpenAIError(f"the engine failed this request: {out.error or 'unknown error'}", status=500)
+    return None
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
+
+
+def sse(chunk: BaseModel) -> str:
+    return f"data: {chunk.model_dump_json(exclude_none=False)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def convert_engine_errors(e: Exception) -> OpenAIError:
+    if isinstance(e, OpenAIError):
+        return e
+    if isinstance(e, EngineDeadError):
+        return OpenAIError(str(e), status=503)
+    if isinstance(e, ValueError):
+        return from_value_error(e)
+    logger.exception("request failed")
+    return OpenAIError(f"internal error: {type(e).__name__}: {e}", status=500)
