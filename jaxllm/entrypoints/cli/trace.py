@@ -1,0 +1,53 @@
+"""`jaxllm trace synth`: write a synthetic request trace (JSONL) for `jaxllm simulate` and `jaxllm bench serve`."""
+
+from __future__ import annotations
+
+from jaxllm.entrypoints.cli.common import Parser
+
+
+def register(sub) -> None:
+    trace = sub.add_parser("trace", help="request traces: synth")
+    kinds = trace.add_subparsers(dest="trace_command", required=True, parser_class=Parser)
+    synth = kinds.add_parser("synth", help="write a synthetic trace: arrivals, lengths, tenants, shared prefixes")
+    synth.add_argument("--out", required=True, metavar="FILE", help="the JSONL trace to write")
+    synth.add_argument("--num-requests", type=int, default=1000)
+    synth.add_argument("--seed", type=int, default=0)
+    arrivals = synth.add_argument_group("arrivals")
+    arrivals.add_argument("--request-rate", type=float, default=float("inf"),
+                          help="requests per second (default inf: all at time 0)")
+    arrivals.add_argument("--burstiness", type=float, default=1.0,
+                          help="gamma shape of the gaps: 1 is Poisson, below 1 burstier (vLLM's --burstiness)")
+    lengths = synth.add_argument_group("lengths")
+    from jaxllm.sim.synth import DISTRIBUTIONS
+
+    for which, mean in (("input", 256), ("output", 128)):
+        lengths.add_argument(f"--{which}-len", type=int, default=mean, help=f"mean {which} length (tokens)")
+        lengths.add_argument(f"--{which}-dist", choices=DISTRIBUTIONS, default="uniform")
+        lengths.add_argument(f"--max-{which}-len", type=int, default=None, help=f"clip {which} lengths here")
+    lengths.add_argument("--range-ratio", type=float, default=0.5, help="uniform: mean·[1-r, 1+r]")
+    lengths.add_argument("--sigma", type=float, default=1.0, help="lognormal: spread in log space")
+    mix = synth.add_argument_group("prefixes, tenants, priorities")
+    mix.add_argument("--num-prefix-groups", type=int, default=0,
+                     help="requests share one of this many prefixes (their prompt: prefix + input-len tokens)")
+    mix.add_argument("--prefix-len", type=int, default=0, help="shared prefix length (tokens)")
+    mix.add_argument("--num-users", type=int, default=0, help="tenants (the `user` field)")
+    mix.add_argument("--user-skew", type=float, default=0.0, help="Zipf exponent of tenant shares (0: equal)")
+    mix.add_argument("--num-priorities", type=int, default=1, help="priorities drawn from 0..N-1")
+    synth.set_defaults(func=run_synth)
+
+
+def run_synth(args) -> None:
+    from jaxllm.sim.synth import LengthDist, synthesize
+    from jaxllm.sim.trace import save_trace
+
+    def dist(which: str) -> LengthDist:
+        return LengthDist(getattr(args, f"{which}_len"), getattr(args, f"{which}_dist"), args.range_ratio, args.sigma,
+                          maximum=getattr(args, f"max_{which}_len"))
+
+    trace = synthesize(args.num_requests, request_rate=args.request_rate, burstiness=args.burstiness,
+                       input_len=dist("input"), output_len=dist("output"), num_prefix_groups=args.num_prefix_groups,
+                       prefix_len=args.prefix_len, num_users=args.num_users, user_skew=args.user_skew,
+                       num_priorities=args.num_priorities, seed=args.seed)
+    save_trace(trace, args.out)
+    span = trace[-1].arrival_time
+    print(f"wrote {len(trace)} requests over {span:.1f} s to {args.out}")

@@ -1,0 +1,131 @@
+"""Calibration (`jaxllm calibrate`): time real compiled steps on this machine and fit the cost model.
+
+Two passes over one loaded engine:
+
+1. **Device sweep**: synthetic `SchedulerOutput`s straight into `ModelRunner.execute` over a grid
+   of (sequences, tokens per sequence, context) — pure decode batches at several context lengths,
+   single prefill chunks of every bucket size at several starting positions, and mixed steps
+   (decodes plus one prefill chunk). Each point is timed as the fastest of a few runs after one
+   warm run (on a shared machine, other work only ever adds time). This fits the bucket bases and the context and attention terms.
+2. **Engine pass**: a short synthetic trace through the whole `EngineCore` (scheduling, input
+   assembly, sampling, output bookkeeping), each step timed start to next start as the simulator
+   counts it. The residual over the device model is fitted as a per-step plus per-sequence host
+   overhead, which the cost model then includes.
+
+The fit errors of both passes go into the JSON (`fit`, `engine_fit`).
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import time
+from dataclasses import replace
+from datetime import datetime, timezone
+
+import jax
+import numpy as np
+
+from jaxllm.engine.request import Request
+from jaxllm.engine.scheduler import ScheduledRequest, SchedulerOutput
+from jaxllm.sampling_params import SamplingParams
+from jaxllm.sim.costmodel import CostModel, StepShape, fit_cost_model
+from jaxllm.sim.engine_run import run_trace_on_engine
+from jaxllm.sim.synth import LengthDist, synthesize
+
+logger = logging.getLogger("jaxllm")
+
+
+def sweep_points(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 capacity_tokens: int) -> list[list[tuple[int, int]]]:
+    """Steps to time, each a list of (start, num_new_tokens) per sequence, within the engine's limits."""
+    contexts = sorted({c for c in (16, 64, 256, max_model_len // 2, max_model_len - 1) if 0 < c < max_model_len})
+    seq_counts = sorted({min(2**i, max_num_seqs) for i in range(max_num_seqs.bit_length() + 1)})
+    chunks = sorted({min(2**i, max_num_batched_tokens) for i in range(max_num_batched_tokens.bit_length() + 1)})
+    points = []
+    for seqs in seq_counts:  # decode batches
+        for ctx in contexts:
+            if seqs * (ctx + 1) <= capacity_tokens:
+                points.append([(ctx, 1)] * seqs)
+    for chunk in chunks:  # one prefill chunk
+        for start in (0, max_model_len // 4, max_model_len // 2):
+            if start + chunk <= max_model_len and start + chunk <= capacity_tokens:
+                points.append([(start, chunk)])
+    for seqs in seq_counts[1:]:  # mixed: decodes plus a chunk that fills the step
+        chunk = max_num_batched_tokens - (seqs - 1)
+        for ctx in contexts[::2]:
+            if chunk >= 1 and (seqs - 1) * (ctx + 1) + chunk <= capacity_tokens and chunk <= max_model_len:
+                points.append([(ctx, 1)] * (seqs - 1) + [(0, chunk)])
+    return points
+
+
+def _time_step(core, layout: list[tuple[int, int]], repeats: int) -> tuple[StepShape, float]:
+    kv, rng = core.kv, np.random.default_rng(len(layout))
+    vocab = core.loaded.arch.vocab_size
+    requests, scheduled = [], []
+    try:
+        for i, (start, n) in enumerate(layout):
+            tokens = rng.integers(1000, min(vocab, 30000), start + n).tolist()
+            request = Request(f"calibrate-{i}", tokens, SamplingParams(max_tokens=1))
+            if not kv.allocate_slots(request, start + n):
+                raise ValueError(f"the KV pool is too small for calibration step {layout}")
+            requests.append(request)
+            scheduled.append(ScheduledRequest(request, n, start, kv.block_ids(request.request_id)))
+        out = SchedulerOutput(step=-1, scheduled=scheduled)
+        core.runner.execute(out)  # warm: first use of this bucket's executable
+        times = []
+        for _ in range(repeats):
+            begin = time.perf_counter()
+            core.runner.execute(out)
+            times.append(time.perf_counter() - begin)
+        return StepShape.of(out), min(times)  # contention only ever adds time: the fastest run is the step
+    finally:
+        for request in requests:
+            kv.free(request, uncache=True)
+
+
+def engine_pass_trace(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, seed: int = 0):
+    """A short overload trace (everything at t=0) mixing short and chunked prompts, decodes dominating."""
+    prompt = LengthDist(min(max_num_batched_tokens, max_model_len // 4), "uniform", range_ratio=0.9)
+    output = LengthDist(max(2, min(24, max_model_len // 8)), "uniform", range_ratio=0.8)
+    return synthesize(3 * max_num_seqs, request_rate=float("inf"), input_len=prompt, output_len=output, seed=seed)
+
+
+def calibrate(core, *, repeats: int = 5, progress: bool = True) -> CostModel:
+    """Fit a cost model for `core`'s model, shapes and machine (see the module docstring)."""
+    from tqdm.auto import tqdm
+
+    sched = core.config.scheduler
+    capacity = core.kv.num_free_blocks * core.kv.block_size
+    points = sweep_points(sched.max_num_seqs, sched.max_num_batched_tokens, sched.max_model_len, capacity)
+    samples = [_time_step(core, layout, repeats)
+               for layout in tqdm(points, desc="Timing steps", disable=not progress, unit="step")]
+    model = fit_cost_model(samples, sched.max_num_batched_tokens)
+
+    trace = engine_pass_trace(sched.max_num_seqs, sched.max_num_batched_tokens, sched.max_model_len)
+    run = run_trace_on_engine(core, trace)
+    measured = np.array(run.durations())
+    seqs = np.array([s.shape.num_seqs for s in run.steps], dtype=float)
+    residual = measured - np.array([model.step_time(s.shape, sched.max_num_batched_tokens) for s in run.steps])
+    x = np.stack([np.ones_like(seqs), seqs], axis=1)
+    (per_step, per_seq), *_ = np.linalg.lstsq(x, residual, rcond=None)
+    if per_seq < 0:  # keep the terms non-negative: refit the constant alone
+        per_step, per_seq = float(residual.mean()), 0.0
+    per_step = max(float(per_step), 0.0)
+    model = replace(model, bucket_base_s=[b + per_step for b in model.bucket_base_s],
+                    per_seq_s=model.per_seq_s + float(per_seq))
+    predicted = np.array([model.step_time(s.shape, sched.max_num_batched_tokens) for s in run.steps])
+    rel = np.abs(predicted - measured) / measured
+    model.fit.update({"engine_steps": len(run.steps), "engine_mean_abs_rel_error": float(rel.mean()),
+                      "engine_p90_abs_rel_error": float(np.percentile(rel, 90)),
+                      "engine_total_rel_error": float(abs(predicted.sum() - measured.sum()) / measured.sum()),
+                      "host_overhead_per_step_s": per_step, "host_overhead_per_seq_s": float(per_seq)})
+    model.engine = {
+        "model": core.loaded.name, "dtype": core.loaded.dtype.name, "platform": jax.default_backend(),
+        "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
+        "max_model_len": sched.max_model_len, "block_size": core.kv.block_size,
+        "num_blocks": core.runner.num_blocks, "enable_prefix_caching": core.config.cache.enable_prefix_caching,
+        "machine": platform.node(), "processor": platform.processor() or platform.machine(),
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    return model

@@ -1,0 +1,152 @@
+"""The simulator: it drives the engine's own Scheduler and KVCacheManager (not copies), is
+deterministic, forces the trace's output lengths, returns every block, matches a real engine
+run step for step when given its step times, and `jaxllm simulate` handles 10,000 requests."""
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+import jaxllm.sim.simulator as simulator
+from jaxllm.config import SchedulerConfig
+from jaxllm.engine.kv_cache_manager import KVCacheManager
+from jaxllm.engine.request import Request
+from jaxllm.engine.scheduler import Scheduler
+from jaxllm.sampling_params import SamplingParams
+from jaxllm.sim.costmodel import CostModel, StepShape, fit_cost_model
+from jaxllm.sim.engine_run import run_trace_on_engine
+from jaxllm.sim.simulator import SimConfig, cost_model_step_time, simulate
+from jaxllm.sim.synth import LengthDist, synthesize
+from jaxllm.sim.trace import load_trace
+
+COST = CostModel(bucket_tokens=[1, 64, 512], bucket_base_s=[0.004, 0.01, 0.05], per_context_token_s=2e-6,
+                 per_attention_pair_s=1e-9, per_seq_s=1e-4)
+
+
+def squeezed_config(policy="fcfs", num_blocks=40):
+    return SimConfig(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, policy=policy),
+                     num_blocks=num_blocks, block_size=16)
+
+
+def busy_trace(n=60, seed=0):
+    return synthesize(n, request_rate=40, input_len=LengthDist(60, "uniform", range_ratio=0.9),
+                      output_len=LengthDist(30, "exponential", maximum=120), num_prefix_groups=3, prefix_len=32,
+                      num_users=3, num_priorities=2, seed=seed)
+
+
+def test_the_simulator_runs_the_engines_own_classes(monkeypatch):
+    assert simulator.Scheduler is Scheduler and simulator.KVCacheManager is KVCacheManager
+    calls = {"schedule": 0, "update": 0, "allocate_slots": 0}
+    for cls, name in ((Scheduler, "schedule"), (Scheduler, "update"), (KVCacheManager, "allocate_slots")):
+        original = getattr(cls, name)
+
+        def counted(self, *args, _original=original, _name=name, **kwargs):
+            calls[_name] += 1
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, name, counted)
+    result = simulate(busy_trace(20), squeezed_config(), cost_model_step_time(COST, squeezed_config()))
+    assert calls["schedule"] >= result.num_steps > 0
+    assert calls["update"] == result.num_steps
+    assert calls["allocate_slots"] >= result.num_steps
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "sjf", "lpm", "fair"])
+def test_deterministic_forced_lengths_and_every_block_back(policy):
+    trace, config = busy_trace(), squeezed_config(policy)
+    runs = [simulate(trace, config, cost_model_step_time(COST, config), seed=7, record_steps=True) for _ in range(2)]
+    assert runs[0].to_json() == runs[1].to_json() and runs[0].steps == runs[1].steps
+    result = runs[0]
+    assert result.num_preemptions > 0  # the pool is small enough to force some
+    assert [r.output_len for r in result.records] == [t.output_len for t in trace]
+    assert all(r.success for r in result.records)
+    assert result.free_blocks_at_end == result.num_usable_blocks
+    summary = result.to_json()
+    assert summary["completed"] == len(trace) and summary["duration"] > 0
+    assert 0 < summary["prefix_cache_hit_rate"] < 1 and summary["max_kv_cache_usage"] > 0.5
+
+
+def test_a_different_seed_changes_prompts_not_lengths():
+    trace, config = busy_trace(), squeezed_config(num_blocks=200)
+    a = simulate(trace, config, cost_model_step_time(COST, config), seed=0)
+    b = simulate(trace, config, cost_model_step_time(COST, config), seed=1)
+    assert [r.output_len for r in a.records] == [r.output_len for r in b.records]
+    assert a.prefix_cache_hit_rate == pytest.approx(b.prefix_cache_hit_rate, abs=0.05)  # same groups, new tokens
+
+
+def test_too_long_prompts_fail_like_the_engine_refuses_them():
+    trace = synthesize(3, request_rate=10, input_len=LengthDist(300), output_len=LengthDist(4))
+    config = squeezed_config()
+    result = simulate(trace[:1] + synthesize(1, request_rate=1, input_len=LengthDist(10), output_len=LengthDist(4),
+                                             start=1.0), config, cost_model_step_time(COST, config))
+    assert [r.success for r in result.records] == [False, True]
+    assert "max_model_len=256" in result.records[0].error
+
+
+def test_cost_model_fit_recovers_known_coefficients():
+    rng = np.random.default_rng(0)
+    truth = CostModel([1, 2, 4, 8, 16, 32, 64], [0.002 * (1 + i) for i in range(7)], per_context_token_s=3e-6,
+                      per_attention_pair_s=2e-9, per_seq_s=5e-4)
+    samples = []
+    for _ in range(300):
+        seqs = int(rng.integers(1, 9))
+        news = rng.integers(1, 9, seqs)
+        shape = StepShape(int(news.sum()), seqs, int(rng.integers(seqs, 4000)), int(rng.integers(1, 200000)))
+        samples.append((shape, truth.step_time(shape, 64) * rng.normal(1, 0.01)))
+    fitted = fit_cost_model(samples, 64)
+    assert fitted.per_context_token_s == pytest.approx(3e-6, rel=0.1)
+    assert fitted.per_seq_s == pytest.approx(5e-4, rel=0.2)
+    assert fitted.fit["mean_abs_rel_error"] < 0.02
+    assert fitted.base(128) > fitted.base(64)  # extrapolates to larger buckets
+
+
+def test_matches_a_real_engine_run_step_for_step(llm):
+    """Record a real EngineCore run (arrivals over time, chunked prefill, a shared prefix, preemption in a
+    squeezed pool), replay it in the simulator with the real step times: the same requests in every step."""
+    core = llm.engine
+    trace = synthesize(12, request_rate=20, input_len=LengthDist(60, "uniform", range_ratio=0.9),
+                       output_len=LengthDist(16, "uniform", range_ratio=0.8), num_prefix_groups=2, prefix_len=32,
+                       seed=3)
+    usable = 40  # squeeze the compiled pool without recompiling: ballast holds the other blocks
+    ballast = Request("ballast", [1] * 16, SamplingParams())
+    assert core.kv.allocate_slots(ballast, (core.kv.num_free_blocks - usable) * core.kv.block_size)
+    preemptions = core.scheduler.num_preemptions
+    try:
+        run = run_trace_on_engine(core, trace)
+    finally:
+        core.kv.free(ballast)
+    assert core.scheduler.num_preemptions > preemptions
+    aligned, step_time = run.replay(trace)
+    config = SimConfig(core.config.scheduler, num_blocks=usable + 1, block_size=core.kv.block_size)
+    sim = simulate(aligned, config, step_time, record_steps=True)
+    assert sim.steps == [s.request_ids for s in run.steps]
+    assert sim.num_preemptions == core.scheduler.num_preemptions - preemptions
+    assert [r.output_len for r in sim.records] == [r.output_len for r in run.records] == [t.output_len for t in trace]
+    assert sim.free_blocks_at_end == sim.num_usable_blocks
+    assert core.kv.num_free_blocks == core.kv.num_usable_blocks
+
+
+def test_cli_simulates_ten_thousand_requests(tmp_path):
+    from jaxllm.entrypoints.cli import main
+
+    trace, cost, result, plots = tmp_path / "t.jsonl", tmp_path / "cost.json", tmp_path / "r.json", tmp_path / "plots"
+    assert main(["trace", "synth", "--out", str(trace), "--num-requests", "10000", "--request-rate", "30",
+                 "--input-len", "200", "--output-len", "100", "--num-prefix-groups", "20", "--prefix-len", "64"]) == 0
+    assert len(load_trace(trace)) == 10000
+    CostModel(COST.bucket_tokens, COST.bucket_base_s, COST.per_context_token_s, COST.per_attention_pair_s,
+              COST.per_seq_s, engine={"max_num_seqs": 64, "max_num_batched_tokens": 512, "max_model_len": 2048,
+                                      "block_size": 16, "num_blocks": 2000, "enable_prefix_caching": True}).save(cost)
+    started = time.perf_counter()
+    assert main(["simulate", str(trace), "--cost", str(cost), "--output", str(result), "--plot", str(plots)]) == 0
+    elapsed = time.perf_counter() - started
+    assert elapsed < 120, f"10,000 requests took {elapsed:.0f} s"  # ~10 s on an idle 2-core machine
+    data = json.loads(result.read_text())
+    assert data["completed"] == 10000 and data["failed"] == 0 and data["duration"] > 0
+    for key in ("mean_ttft_ms", "p99_itl_ms", "mean_tpot_ms", "output_throughput", "num_preemptions",
+                "prefix_cache_hit_rate", "kv_cache_usage", "ttfts", "itls"):
+        assert key in data
+    assert data["prefix_cache_hit_rate"] > 0.1
+    for name in ("latency_cdf.png", "throughput.png", "kv_cache_usage.png"):
+        assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["simulate", str(trace), "--cost", str(cost), "--scheduling-policy", "nope"]) == 2
