@@ -80,13 +80,18 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")[-chars:]
 
     def metrics(self) -> dict[str, float]:
-        """/metrics samples by name, summed over label sets (engines, finish reasons)."""
+        """/metrics samples summed over engines and models: by name, and by name and each other label
+        (`jaxllm:request_success_total{finished_reason="abort"}`). Histogram buckets are left out."""
         from prometheus_client.parser import text_string_to_metric_families
 
         totals: dict[str, float] = {}
         for family in text_string_to_metric_families(httpx.get(self.url + "/metrics", timeout=30).text):
             for sample in family.samples:
-                totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+                labels = {k: v for k, v in sample.labels.items() if k not in ("model_name", "engine")}
+                if "le" in labels:
+                    continue
+                for key in (sample.name, *(f'{sample.name}{{{k}="{v}"}}' for k, v in labels.items())):
+                    totals[key] = totals.get(key, 0.0) + sample.value
         return totals
 
     def rss_bytes(self) -> int:
