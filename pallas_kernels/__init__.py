@@ -1,16 +1,20 @@
 """Attention kernels for jaxllm's paged KV cache.
 
 `ragged_paged_attention` is the one entry point the model calls; `backend` picks the
-implementation ("auto": the Pallas kernel on GPU, the pure-jnp reference elsewhere).
+implementation ("auto": the Pallas kernel on GPU, the C++ kernel on CPU).
 `write_kv` scatters a step's new keys and values into the cache by slot.
 
-Backends: "reference" (pure jnp, `ragged_paged_attention/reference.py`: the oracle and the
-CPU path), "pallas" (the Pallas Triton kernel, `ragged_paged_attention/triton_gpu.py`,
-compiled on NVIDIA GPUs and run in interpret mode elsewhere) and "auto" (the Pallas
-kernel on GPU, the reference on CPU and TPU, which has no kernel of ours yet). Both share
-the host-side tile plan (`ragged_paged_attention/plan.py`). Head layouts the Triton kernel
-cannot tile (a head_dim or block_size that is not a power of two) fall back to the
-reference under "auto" and raise under "pallas".
+Backends: "reference" (pure jnp, `ragged_paged_attention/reference.py`: the oracle, and the
+fallback), "pallas" (the Pallas Triton kernel, `ragged_paged_attention/triton_gpu.py`,
+compiled on NVIDIA GPUs and run in interpret mode elsewhere), "cpu" (an XLA FFI custom
+call in C++, `ragged_paged_attention/cpu.py`, built on first use: XLA's CPU gather cannot
+read paged blocks at memory speed) and "auto": Pallas on GPU; the reference on TPU, which
+has no kernel of ours yet; on CPU, when the C++ kernel builds and the cache is float32 or
+bfloat16, a run-time `lax.cond` picks the kernel for decode-only batches and the
+reference for batches with prefill rows, where its einsums beat the kernel's dot products.
+The reference and Pallas share the host-side tile plan (`ragged_paged_attention/plan.py`).
+Head layouts the Triton kernel cannot tile (a head_dim or block_size that is not a power of
+two) fall back to the reference under "auto" and raise under "pallas".
 
 The cache may be one layer `[num_blocks, block_size, Hkv, D]` or all layers stacked
 `[L, num_blocks, block_size, Hkv, D]` with `layer` selecting one: the model scans over
@@ -19,13 +23,18 @@ layers with the whole cache as loop state, and slicing a layer out of it would c
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from pallas_kernels.ragged_paged_attention import cpu
+from pallas_kernels.ragged_paged_attention.cpu import ragged_paged_attention_cpu
 from pallas_kernels.ragged_paged_attention.plan import check_inputs
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 
-BACKENDS = ("auto", "reference", "pallas")
+BACKENDS = ("auto", "reference", "pallas", "cpu")
 
 
 def ragged_paged_attention(
@@ -52,22 +61,31 @@ def ragged_paged_attention(
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     check_inputs(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, layer)
     platform = jax.default_backend()
+    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, layer=layer)
+    args = (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
     if backend == "auto":
-        backend = "pallas" if platform == "gpu" and _triton_supports(q, k_cache, layer) else "reference"
+        if platform == "gpu":
+            backend = "pallas" if _triton_supports(q, k_cache, layer) else "reference"
+        elif platform == "cpu" and _cpu_supports(k_cache):
+            n = jnp.reshape(num_seqs, (-1,))[0]
+            decode_only = cu_q_lens[n] == n  # one query row per sequence
+            return jax.lax.cond(decode_only, functools.partial(ragged_paged_attention_cpu, **kw),
+                                functools.partial(ragged_paged_attention_reference, **kw), *args)
+        else:
+            backend = "reference"
+    if backend == "cpu":
+        return ragged_paged_attention_cpu(*args, **kw)
     if backend == "pallas":
         if platform == "tpu":
             raise NotImplementedError("no Pallas TPU kernel yet: use backend='reference' on TPU")
         from pallas_kernels.ragged_paged_attention.triton_gpu import ragged_paged_attention_triton
 
-        return ragged_paged_attention_triton(
-            q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
-            sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, layer=layer,
-            interpret=platform != "gpu",
-        )
-    return ragged_paged_attention_reference(
-        q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs,
-        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, layer=layer,
-    )
+        return ragged_paged_attention_triton(*args, **kw, interpret=platform != "gpu")
+    return ragged_paged_attention_reference(*args, **kw)
+
+
+def _cpu_supports(k_cache) -> bool:
+    return cpu.supports(k_cache) and cpu.available()
 
 
 def _triton_supports(q, k_cache, layer) -> bool:

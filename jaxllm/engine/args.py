@@ -31,6 +31,7 @@ class EngineArgs:
     enable_prefix_caching: bool = True
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "bfloat16" halves KV memory and bytes read
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     load_format: str = "auto"
@@ -53,7 +54,7 @@ class EngineArgs:
         return EngineConfig(
             model=self.model_config(),
             cache=CacheConfig(self.block_size, self.enable_prefix_caching, self.kv_cache_memory_bytes,
-                              self.gpu_memory_utilization),
+                              self.gpu_memory_utilization, cache_dtype=self.kv_cache_dtype),
             scheduler=SchedulerConfig(max_num_seqs, max_tokens, max_model_len, self.scheduling_policy),
             parallel=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size),
             compilation_cache_dir=self.compilation_cache_dir,

@@ -65,8 +65,9 @@ class ModelRunner:
         arch, cache_cfg, sched_cfg = loaded.arch, config.cache, config.scheduler
         self.block_size = cache_cfg.block_size
         self.max_blocks_per_seq = -(-sched_cfg.max_model_len // self.block_size)
-        self.num_blocks = num_kv_blocks(arch, cache_cfg, loaded.dtype, mesh)
-        self.cache = allocate_kv_cache(arch, self.num_blocks, self.block_size, loaded.dtype, mesh)
+        kv_dtype = cache_cfg.kv_dtype(loaded.dtype)
+        self.num_blocks = num_kv_blocks(arch, cache_cfg, kv_dtype, mesh)
+        self.cache = allocate_kv_cache(arch, self.num_blocks, self.block_size, kv_dtype, mesh)
         self.buckets = make_buckets(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs)
         largest = self.buckets[-1]
         self.batch = InputBatch(largest.num_tokens, largest.num_seqs, self.max_blocks_per_seq,

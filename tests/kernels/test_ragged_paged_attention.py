@@ -4,7 +4,8 @@ Every batch (see `pallas_kernels/ragged_paged_attention/testing.py`) has NaN in 
 no sequence needs and in every table entry past a sequence's last needed block, large stale
 values in the tails of last blocks, NaN padding rows in `q`, and padded sequence entries
 past `num_seqs`. Decode, prefill and mixed batches share one bucket shape, so each
-(layout, dtype) compiles once, as in serving. The Pallas kernel runs in interpret mode here.
+(layout, dtype) compiles once, as in serving. The Pallas kernel runs in interpret mode here;
+the C++ CPU kernel ("cpu") runs natively.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import pytest
 
 import pallas_kernels
 from pallas_kernels import ragged_paged_attention
+from pallas_kernels.ragged_paged_attention import cpu
+from pallas_kernels.ragged_paged_attention.cpu import ragged_paged_attention_cpu
 from pallas_kernels.ragged_paged_attention.reference import ragged_paged_attention_reference
 from pallas_kernels.ragged_paged_attention.testing import make_batch, reference_f64, relative_error
 from pallas_kernels.ragged_paged_attention.triton_gpu import ragged_paged_attention_triton
@@ -50,6 +53,8 @@ def _compiled(backend: str, sm_scale: float, sliding_window=None, soft_cap=None,
     """One jitted function per backend and static config (jit then caches per shape)."""
     if backend == "reference":
         fn = functools.partial(ragged_paged_attention_reference, **kw)
+    elif backend == "cpu":
+        fn = functools.partial(ragged_paged_attention_cpu, **kw)
     else:
         fn = functools.partial(ragged_paged_attention_triton, interpret=True, **kw)
     return jax.jit(functools.partial(fn, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap))
@@ -66,12 +71,14 @@ def _check(batch, out, dtype, *, sm_scale, sliding_window=None, soft_cap=None):
 
 
 def _run(backend, kinds, *, group, block_size, head_dim, dtype, sliding_window=None, soft_cap=None,
-         layer=None, num_layers=None, **kw):
+         layer=None, num_layers=None, q_dtype=None, **kw):
     sm_scale = head_dim ** -0.5
     fn = _compiled(backend, sm_scale, sliding_window, soft_cap, **kw)
     for kind in kinds:
         batch = _batch(kind, group=group, block_size=block_size, head_dim=head_dim, dtype=dtype,
                        sliding_window=sliding_window, num_layers=num_layers, layer=layer)
+        if q_dtype is not None:  # e.g. kv_cache_dtype="bfloat16" under a float32 model
+            batch.q = batch.q.astype(q_dtype)
         args = batch.args()
         out = fn(*args) if layer is None else fn(*args, layer=jnp.int32(layer))
         _check(batch, out, dtype, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
@@ -96,6 +103,24 @@ def test_reference_tilings(kw):
     _run("reference", KINDS, group=3, block_size=8, head_dim=64, dtype="float32", **kw)
 
 
+# --- the C++ CPU kernel: the full cross product, and a bfloat16 cache under float32 queries --
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("group", [1, 3, 4])
+def test_cpu_kernel(group, block_size, head_dim, dtype):
+    _run("cpu", KINDS, group=group, block_size=block_size, head_dim=head_dim, dtype=dtype)
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("group,block_size,head_dim", [(3, 16, 64), (1, 8, 128), (4, 32, 64)])
+def test_bfloat16_cache_float32_queries(backend, group, block_size, head_dim):
+    """kv_cache_dtype="bfloat16" with a float32 model: half the bytes read, float32 math."""
+    _run(backend, KINDS, group=group, block_size=block_size, head_dim=head_dim, dtype="bfloat16",
+         q_dtype=np.float32)
+
+
 # --- the Pallas kernel (interpret mode): a covering subset --------------------------------
 
 PALLAS_CONFIGS = [  # every GQA ratio, block size, head dim and dtype appears; all kinds run
@@ -113,7 +138,7 @@ def test_pallas(cfg):
     _run("pallas", KINDS, **cfg)
 
 
-@pytest.mark.parametrize("backend", ["reference", "pallas"])
+@pytest.mark.parametrize("backend", ["reference", "pallas", "cpu"])
 def test_table_entries_past_the_context_are_never_followed(backend):
     """Entries past a sequence's last needed block may hold anything, even invalid ids."""
     block_size, head_dim = 16, 64
@@ -128,7 +153,7 @@ def test_table_entries_past_the_context_are_never_followed(backend):
 
 # --- sliding window, soft cap, the layer-stacked cache ------------------------------------
 
-@pytest.mark.parametrize("backend", ["reference", "pallas"])
+@pytest.mark.parametrize("backend", ["reference", "pallas", "cpu"])
 @pytest.mark.parametrize("sliding_window,soft_cap", [(24, None), (None, 20.0), (9, 5.0)])
 def test_window_and_soft_cap(backend, sliding_window, soft_cap):
     # the batch builder also points table entries wholly before each window at NaN blocks
@@ -136,14 +161,14 @@ def test_window_and_soft_cap(backend, sliding_window, soft_cap):
          sliding_window=sliding_window, soft_cap=soft_cap)
 
 
-@pytest.mark.parametrize("backend", ["reference", "pallas"])
+@pytest.mark.parametrize("backend", ["reference", "pallas", "cpu"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_layer_stacked_cache(backend, dtype):
     for layer in (0, 2):
         _run(backend, ["mixed"], group=3, block_size=16, head_dim=64, dtype=dtype, num_layers=3, layer=layer)
 
 
-@pytest.mark.parametrize("backend", ["reference", "pallas"])
+@pytest.mark.parametrize("backend", ["reference", "pallas", "cpu"])
 def test_layer_stacked_cache_in_scan(backend):
     """The model's pattern: scan over layers with the whole 5-D cache as carry, traced layer."""
     num_layers, head_dim = 3, 64
@@ -210,9 +235,19 @@ def test_lowers_for_cuda(kw):
 def test_dispatch_and_errors():
     batch = _batch("mixed", group=1, block_size=16, head_dim=64, dtype="float32")
     assert jax.default_backend() == "cpu"
-    auto = ragged_paged_attention(*batch.args(), sm_scale=0.125)
-    ref = ragged_paged_attention(*batch.args(), sm_scale=0.125, backend="reference")
-    np.testing.assert_array_equal(np.asarray(auto), np.asarray(ref))
+    assert cpu.available(), "the C++ kernel must build here (a C++ compiler is a test requirement)"
+    auto = jax.jit(functools.partial(ragged_paged_attention, sm_scale=0.125))
+    for kind, backend in (("decode", "cpu"), ("mixed", "reference"), ("prefill", "reference")):
+        # "auto" on CPU: the C++ kernel when every sequence has one query row, else the reference
+        b = _batch(kind, group=1, block_size=16, head_dim=64, dtype="float32")
+        chosen = ragged_paged_attention(*b.args(), sm_scale=0.125, backend=backend)
+        np.testing.assert_array_equal(np.asarray(auto(*b.args())), np.asarray(chosen), err_msg=kind)
+        _check(b, chosen, "float32", sm_scale=0.125)
+    f16 = [a.astype(np.float16) if a.dtype == np.float32 else a for a in batch.args()]
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        ragged_paged_attention(*f16, sm_scale=0.125, backend="cpu")
+    fallback = ragged_paged_attention(*f16, sm_scale=0.125)  # "auto" falls back to the reference
+    assert not np.isnan(np.asarray(fallback, np.float32)[:sum(batch.q_lens)]).any()
     with pytest.raises(ValueError, match="backend"):
         ragged_paged_attention(*batch.args(), sm_scale=0.125, backend="cuda")
     q, k, v, *meta = batch.args()
