@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from jaxllm.engine.request import Request
+from jaxllm.runner.kv_cache import bytes_per_block
 from jaxllm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sim.costmodel import CostModel, StepShape, fit_cost_model
@@ -125,7 +126,14 @@ def calibrate(core, *, repeats: int = 5, progress: bool = True) -> CostModel:
         "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
         "max_model_len": sched.max_model_len, "block_size": core.kv.block_size,
         "num_blocks": core.runner.num_blocks, "enable_prefix_caching": core.config.cache.enable_prefix_caching,
+        "kv_bytes_per_block": bytes_per_block(core.loaded.arch, core.kv.block_size, core.loaded.dtype,
+                                              core.runner.mesh.shape["model"]),
         "machine": platform.node(), "processor": platform.processor() or platform.machine(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
     return model
+
+
+def kv_bytes_for(engine: dict) -> int:
+    """The `kv_cache_memory_bytes` that gives a calibrated engine's KV pool again."""
+    return engine["num_blocks"] * engine["kv_bytes_per_block"]
