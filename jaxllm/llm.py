@@ -23,7 +23,13 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, *, progress: bool = True, **engine_args):
-        self.engine = EngineCore(EngineArgs(model=model, **engine_args), progress=progress)
+        args = EngineArgs(model=model, **engine_args)
+        if args.data_parallel_size > 1:  # one engine-core process per replica
+            from jaxllm.distributed.dp_client import DataParallelEngine
+
+            self.engine = DataParallelEngine(args, progress=progress)
+        else:
+            self.engine = EngineCore(args, progress=progress)
         self._ids = itertools.count()
 
     def get_tokenizer(self):

@@ -34,6 +34,11 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "bfloat16" halves KV memory and bytes read
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    nnodes: int = 1  # multi-host: every node runs the same command with its own node_rank
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29501
+    distributed_timeout: float = 60.0  # seconds a node waits for the others before exiting with an error
     load_format: str = "auto"
     scheduling_policy: str = "fcfs"
     attention_backend: str = "auto"

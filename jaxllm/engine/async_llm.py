@@ -20,6 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 from jaxllm.engine.args import EngineArgs
+from jaxllm.distributed.dp_client import DataParallelClient
 from jaxllm.engine.core_client import EngineCoreClient, InProcessClient
 from jaxllm.metrics.loggers import LOG_INTERVAL_S, LoggingStatLogger
 from jaxllm.metrics.prometheus import PrometheusStatLogger
@@ -78,8 +79,10 @@ class RequestStream:
 class AsyncLLM:
     """The async engine, as vLLM's: `from_engine_args(EngineArgs(...))`, `generate`, `abort`, `shutdown`."""
 
-    def __init__(self, engine_args: EngineArgs, *, client_class=InProcessClient, log_stats: bool = True,
+    def __init__(self, engine_args: EngineArgs, *, client_class=None, log_stats: bool = True,
                  served_model_name: str | None = None, progress: bool = True):
+        if client_class is None:  # data parallelism: one engine-core process per replica
+            client_class = DataParallelClient if engine_args.data_parallel_size > 1 else InProcessClient
         self.client: EngineCoreClient = client_class(engine_args, self._on_outputs, self._on_dead,
                                                      progress=progress)
         self.info = self.client.info
@@ -207,6 +210,10 @@ class AsyncLLM:
         """Raise EngineDeadError unless every engine core is running."""
         if self._dead is not None or not self.client.is_alive():
             raise EngineDeadError(self._dead or "the engine is not running")
+
+    def dead_engines(self) -> list[int]:
+        """Data-parallel replicas that died (the others keep serving)."""
+        return getattr(self.client, "dead_replicas", list)()
 
     @property
     def is_running(self) -> bool:

@@ -15,6 +15,8 @@ import time
 
 import jax
 
+from jaxllm.distributed.runtime import initialize_from_args
+from jaxllm.distributed.step_sync import StepLeader
 from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
 from jaxllm.engine.kv_cache_manager import KVCacheManager
@@ -59,6 +61,7 @@ class EngineCore:
         cache_folder = enable_compilation_cache(args.compilation_cache_dir)
         if args.data_parallel_size != 1:
             raise ValueError("data_parallel_size > 1 is not supported yet")
+        initialize_from_args(args)  # multi-host: join the other nodes first (the mesh spans them all)
         mesh = make_mesh(args.tensor_parallel_size, args.data_parallel_size)
         self.loaded = load_model(args.model, mesh=mesh, load_format=args.load_format, dtype=args.dtype,
                                  tokenizer=args.tokenizer, seed=args.seed)
@@ -83,6 +86,9 @@ class EngineCore:
             )
         self.scheduler = Scheduler(self.config.scheduler, self.kv)
         self.runner.warm_up(progress=progress)
+        # multi-host: node 0 broadcasts every step to the followers (which run `distributed.follow` instead)
+        multi_host_leader = jax.process_count() > 1 and jax.process_index() == 0
+        self.step_leader = StepLeader(self.runner, args.distributed_timeout) if multi_host_leader else None
         self._groups: dict[str, list[Request]] = {}  # user request id → its samples
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._next_seed = 0
@@ -185,7 +191,7 @@ class EngineCore:
                 self.structured.wait(timeout=0.05)  # idle but for compiling grammars: wait, never spin
             return failed
         try:
-            result = self.runner.execute(out, grammar=self.structured)
+            result = (self.step_leader or self.runner).execute(out, grammar=self.structured)
         except Exception as e:  # the device step failed: fail the requests it carried, keep serving
             logger.exception("engine step %d failed", out.step)
             for scheduled in out.scheduled:

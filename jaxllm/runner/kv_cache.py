@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxllm.config import CacheConfig
+from jaxllm.distributed.runtime import agree_min
 from jaxllm.model import KVCache, ModelArch
 from jaxllm.parallel.mesh import kv_cache_sharding
 
@@ -54,7 +55,7 @@ def kv_cache_budget(config: CacheConfig) -> int:
 
 def num_kv_blocks(arch: ModelArch, config: CacheConfig, dtype, mesh: Mesh) -> int:
     per_block = bytes_per_block(arch, config.block_size, dtype, mesh.shape["model"])
-    return kv_cache_budget(config) // per_block
+    return agree_min(kv_cache_budget(config) // per_block)  # multi-host: one compiled cache shape everywhere
 
 
 def allocate_kv_cache(arch: ModelArch, num_blocks: int, block_size: int, dtype, mesh: Mesh) -> KVCache:

@@ -17,6 +17,11 @@ def register(sub) -> None:
 
 def run(args) -> None:
     params = sampling_params(args)  # validate before loading anything
+    if args.node_rank > 0:  # a multi-host follower runs node 0's steps and prints nothing
+        from jaxllm.distributed.step_sync import run_headless
+
+        run_headless(EngineArgs.from_cli_args(args))
+        return
     llm = make_llm(args)
     tokenizer = llm.get_tokenizer()
     use_template = not args.no_chat_template and tokenizer is not None and tokenizer.chat_template

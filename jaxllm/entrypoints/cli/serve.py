@@ -26,6 +26,8 @@ def register(sub) -> None:
     serve.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
     serve.add_argument("--timeout-graceful-shutdown", type=float, default=5.0,
                        help="seconds shutdown waits for responses to finish after aborting them")
+    serve.add_argument("--headless", action="store_true",
+                       help="multi-host follower (--node-rank > 0): no HTTP, only run node 0's steps")
     EngineArgs.add_cli_args(serve)
     serve.set_defaults(func=run)
 
@@ -41,6 +43,13 @@ def run(args) -> None:
         args.model = args.model_tag
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.headless != (args.node_rank > 0):
+        raise ValueError("--headless goes with --node-rank > 0 (a follower), and every follower needs it")
+    if args.headless:
+        from jaxllm.distributed.step_sync import run_headless
+
+        run_headless(EngineArgs.from_cli_args(args))
+        return
     engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args), log_stats=not args.disable_log_stats,
                                        served_model_name=(args.served_model_name or [None])[0])
     app = build_app(engine, served_model_names=args.served_model_name, api_key=args.api_key,

@@ -91,6 +91,8 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None, 
     async def health():
         if not engine.is_running:
             return OpenAIError("the engine is not running", status=503).response()
+        if dead := engine.dead_engines():  # degraded: serving on the remaining data-parallel replicas
+            return JSONResponse({"status": "degraded", "dead_engines": dead}, status_code=200)
         return Response(status_code=200)
 
     @app.get("/version")

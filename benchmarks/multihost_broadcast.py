@@ -1,0 +1,82 @@
+"""Per-step cost of the multi-host leader's broadcast (header + one bucket's padded inputs).
+
+Starts NNODES local processes (gloo on loopback, one CPU device each), builds the real
+`InputBatch` and buckets for the given engine shapes, and times what `StepLeader` sends each
+step: `broadcast_one_to_all` of the 3-int header, then of the packed bucket payload.
+Prints one JSON line per sequence count: bytes per step and milliseconds per step (median).
+
+    python benchmarks/multihost_broadcast.py --num-seqs 64 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+
+def node(rank: int, args) -> None:
+    import jax
+
+    from jaxllm.distributed.runtime import initialize
+
+    initialize(args.nnodes, rank, "127.0.0.1", args.port, tensor_parallel_size=args.nnodes, timeout=120)
+    import numpy as np
+    from jax.experimental.multihost_utils import broadcast_one_to_all
+
+    from jaxllm.distributed.step_sync import HEADER_SIZE, Payloads
+    from jaxllm.runner.buckets import make_buckets
+    from jaxllm.runner.input_batch import InputBatch
+
+    for num_seqs in args.num_seqs:
+        runner = argparse.Namespace(buckets=[b for b in make_buckets(num_seqs, num_seqs) if b.num_seqs == num_seqs])
+        largest = runner.buckets[-1]
+        runner.batch = InputBatch(largest.num_tokens, largest.num_seqs, -(-args.max_model_len // 16),
+                                  args.max_model_len, args.vocab_size, 16)
+        payloads = Payloads(runner)
+        payloads.warm_up()
+        buffer = np.zeros(payloads.size(0), np.int32)
+        times = []
+        for _ in range(args.steps):
+            started = time.perf_counter()
+            broadcast_one_to_all(np.array([1, 0, 0], np.int32))
+            broadcast_one_to_all(buffer)
+            times.append(time.perf_counter() - started)
+        if rank == 0:
+            print(json.dumps({"num_seqs": num_seqs, "num_tokens": largest.num_tokens, "nnodes": args.nnodes,
+                              "max_model_len": args.max_model_len, "vocab_size": args.vocab_size,
+                              "bytes_per_step": buffer.nbytes + HEADER_SIZE * 4,
+                              "ms_per_step_median": 1000 * sorted(times)[len(times) // 2],
+                              "ms_per_step_min": 1000 * min(times), "load_average": os.getloadavg()[0]}),
+                  flush=True)
+    jax.distributed.shutdown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nnodes", type=int, default=3)
+    parser.add_argument("--num-seqs", type=int, nargs="+", default=[64, 256])
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--vocab-size", type=int, default=49152)  # SmolLM2
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank is not None:
+        return node(args.rank, args)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["JAX_PLATFORMS"] = "cpu"
+    procs = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--rank", str(r), "--port", str(port)],
+                              env=env) for r in range(args.nnodes)]
+    sys.exit(max(p.wait() for p in procs))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""Joining a multi-host run: `jax.distributed.initialize` under vLLM's flag names.
+
+Every node runs the same command with its own `--node-rank`; node 0 hosts JAX's coordinator
+at `--master-addr:--master-port`. Afterwards `jax.devices()` lists every node's devices, so the
+ordinary mesh (`parallel/mesh.py`) spans all of them. On CPU the cross-process collectives are
+gloo and each node contributes `tensor_parallel_size // nnodes` host devices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import numpy as np
+
+from jaxllm.distributed.watchdog import Watchdog, die
+
+
+def check_node_args(nnodes: int, node_rank: int, master_port: int, tensor_parallel_size: int,
+                    data_parallel_size: int) -> None:
+    if not isinstance(nnodes, int) or nnodes < 1:
+        raise ValueError(f"nnodes must be a positive integer, got {nnodes!r}")
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(f"node_rank must be in [0, nnodes={nnodes}), got {node_rank!r}")
+    if not 0 < master_port < 65536:
+        raise ValueError(f"master_port must be in 1..65535, got {master_port!r}")
+    if nnodes > 1 and tensor_parallel_size % nnodes:
+        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} must be a multiple of nnodes={nnodes}: "
+                         "each node holds the same number of the model's shards")
+    if nnodes > 1 and data_parallel_size > 1:
+        raise ValueError("data_parallel_size > 1 with nnodes > 1 is not supported: run one multi-node "
+                         "engine per replica behind a router (see docs/scaling.md)")
+
+
+def initialize(nnodes: int, node_rank: int, master_addr: str, master_port: int, *, tensor_parallel_size: int,
+               timeout: float) -> None:
+    """Join the run (no-op for one node). A node that cannot reach the others within `timeout` exits with one line."""
+    if nnodes == 1 or jax.distributed.is_initialized():
+        return
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.config.update("jax_num_cpu_devices", tensor_parallel_size // nnodes)  # the CPU backend only
+    jax.config.update("jax_share_binary_between_hosts", True)  # node 0 compiles each step; the others load it
+    address = f"{master_addr}:{master_port}"
+    who = "the leader" if node_rank else f"{nnodes - 1} follower(s)"
+    watchdog = Watchdog(timeout + 5)  # JAX's own timeout first; this catches a hang inside it
+    watchdog.arm(f"node {node_rank}: could not reach {who} at {address} within {timeout:.0f}s")
+    try:
+        with _one_line_when_a_node_dies(node_rank):
+            jax.distributed.initialize(address, nnodes, node_rank, initialization_timeout=max(int(timeout), 1),
+                                       heartbeat_timeout_seconds=max(int(timeout), 10))
+    except Exception as e:  # JAX's message is pages long; keep its first line
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ConnectionError(f"node {node_rank}: could not join {nnodes} nodes at {address} within "
+                              f"{timeout:.0f}s ({first[:200]})") from None
+    finally:
+        watchdog.disarm()
+
+
+@contextlib.contextmanager
+def _one_line_when_a_node_dies(node_rank: int):
+    """JAX's coordination client aborts the process with a page of C++ log when it loses the coordinator
+    or a peer; its `missed_heartbeat_callback` (not exposed by `jax.distributed.initialize`) lets us exit
+    with one line instead. Private API, so guarded: without it the process still exits non-zero."""
+    try:
+        from jax._src.lib import _jax
+        real = _jax.get_distributed_runtime_client
+    except (ImportError, AttributeError):
+        yield
+        return
+
+    def on_lost(status=None, *_):
+        first = str(status).strip().splitlines()[0][:200] if status else "no heartbeat"
+        die(f"node {node_rank}: lost contact with the other nodes ({first})")
+
+    def client(*args, **kwargs):
+        kwargs.setdefault("missed_heartbeat_callback", on_lost)
+        return real(*args, **kwargs)
+
+    _jax.get_distributed_runtime_client = client
+    try:
+        yield
+    finally:
+        _jax.get_distributed_runtime_client = real
+
+
+def agree_min(value: int) -> int:
+    """The smallest `value` over all nodes: what fixes a compiled shape (the KV block count) must match everywhere."""
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+
+    return int(np.min(multihost_utils.process_allgather(np.asarray(value, np.int64))))
+
+
+def is_leader() -> bool:
+    return jax.process_index() == 0
+
+
+def initialize_from_args(args) -> None:
+    """`initialize` from `EngineArgs` (validated first)."""
+    check_node_args(args.nnodes, args.node_rank, args.master_port, args.tensor_parallel_size,
+                    args.data_parallel_size)
+    initialize(args.nnodes, args.node_rank, args.master_addr, args.master_port,
+               tensor_parallel_size=args.tensor_parallel_size, timeout=args.distributed_timeout)

@@ -1,0 +1,168 @@
+"""Leader → follower step broadcast: one SPMD program driven by node 0's scheduler.
+
+Every compiled step runs on all nodes at once (its collectives span the global mesh), so every
+node must launch the same bucket with the same inputs in the same order. Node 0 schedules; before
+each step it broadcasts a fixed-size header (kind, bucket index, step number) and then the
+bucket's padded inputs packed into one int32 buffer, with `multihost_utils.broadcast_one_to_all`.
+Followers only receive and run. When idle, the leader sends heartbeats so that a follower can
+tell a quiet leader from a dead one; each side exits with a one-line error when the other goes
+silent past the timeout, instead of hanging in a collective.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+
+import jax
+import numpy as np
+from jax.experimental.multihost_utils import broadcast_one_to_all
+
+from jaxllm.distributed.watchdog import Watchdog, die
+from jaxllm.engine.scheduler import SchedulerOutput
+from jaxllm.runner.model_runner import ModelRunner, RunnerOutput
+
+logger = logging.getLogger(__name__)
+
+STOP, STEP, HEARTBEAT = 0, 1, 2
+HEADER_SIZE = 3  # kind, bucket index, step
+
+
+class Payloads:
+    """Packs a bucket's (StepInputs, SamplingInputs) into one int32 vector and back (every leaf is 4-byte)."""
+
+    def __init__(self, runner: ModelRunner):
+        self.layouts = []
+        for bucket in runner.buckets:
+            leaves, treedef = jax.tree.flatten(runner.batch.fill(SchedulerOutput(step=-1), bucket))
+            assert all(a.dtype.itemsize == 4 for a in leaves), "step inputs must all be 4-byte arrays"
+            self.layouts.append((treedef, [(a.shape, a.dtype) for a in leaves]))
+
+    def size(self, index: int) -> int:
+        return sum(int(np.prod(shape)) for shape, _ in self.layouts[index][1])
+
+    def pack(self, tree) -> np.ndarray:
+        return np.concatenate([np.ascontiguousarray(a).reshape(-1).view(np.int32) for a in jax.tree.leaves(tree)])
+
+    def unpack(self, index: int, buffer: np.ndarray):
+        treedef, layout = self.layouts[index]
+        leaves, offset = [], 0
+        for shape, dtype in layout:
+            n = int(np.prod(shape))
+            leaves.append(buffer[offset : offset + n].view(dtype).reshape(shape))
+            offset += n
+        return jax.tree.unflatten(treedef, leaves)
+
+    def warm_up(self) -> None:
+        """Compile the broadcast for the header and every bucket's payload now (all nodes, same order)."""
+        broadcast_one_to_all(np.zeros(HEADER_SIZE, np.int32))
+        for index in range(len(self.layouts)):
+            broadcast_one_to_all(np.zeros(self.size(index), np.int32))
+
+
+class StepLeader:
+    """Node 0's side: `execute(out)` broadcasts the step, then runs it like a single-node runner would."""
+
+    def __init__(self, runner: ModelRunner, timeout: float):
+        self.runner = runner
+        self.timeout = timeout
+        self.payloads = Payloads(runner)
+        self.payloads.warm_up()
+        self.index = {bucket: i for i, bucket in enumerate(runner.buckets)}
+        self.num_steps = 0
+        self.broadcast_bytes = 0
+        self.broadcast_seconds = 0.0
+        self._lock = threading.Lock()  # one message at a time, in order: heartbeats never split a step
+        self._last_sent = time.monotonic()
+        self._closed = False
+        self._watchdog = Watchdog(timeout, "jaxllm-leader-watchdog")
+        threading.Thread(target=self._heartbeats, name="jaxllm-heartbeat", daemon=True).start()
+        atexit.register(self.close)
+
+    def execute(self, out: SchedulerOutput, grammar=None) -> RunnerOutput:
+        bucket, inputs, sampling = self.runner.prepare(out, grammar)
+        with self._lock:
+            self._watchdog.arm(f"node 0: step {out.step} got no answer from the followers within "
+                               f"{self.timeout:.0f}s (a follower died or hangs)")
+            try:
+                started = time.perf_counter()
+                payload = self.payloads.pack((inputs, sampling))
+                self._send(STEP, self.index[bucket], out.step)
+                broadcast_one_to_all(payload)
+                self.broadcast_seconds += time.perf_counter() - started
+                self.broadcast_bytes += payload.nbytes + HEADER_SIZE * 4
+                self.num_steps += 1
+                return self.runner.to_host(self.runner.run(bucket, inputs, sampling), len(out.scheduled))
+            except Exception as e:  # a collective failed: the global mesh is gone for good
+                die(f"node 0: lost a follower during step {out.step} ({str(e).strip().splitlines()[0][:200]})")
+            finally:
+                self._watchdog.disarm()
+
+    def close(self) -> None:
+        """Tell the followers to exit (once)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._watchdog.arm(f"node 0: the followers did not take the stop message within {self.timeout:.0f}s")
+            self._send(STOP, 0, 0)
+            self._watchdog.disarm()
+
+    def _send(self, kind: int, index: int, step: int) -> None:
+        broadcast_one_to_all(np.array([kind, index, step], np.int32))
+        self._last_sent = time.monotonic()
+
+    def _heartbeats(self) -> None:
+        interval = self.timeout / 4
+        while True:
+            time.sleep(max(self._last_sent + interval - time.monotonic(), 0.05))
+            with self._lock:
+                if self._closed:
+                    return
+                if time.monotonic() - self._last_sent >= interval:
+                    self._watchdog.arm(f"node 0: a heartbeat got no answer within {self.timeout:.0f}s "
+                                       "(a follower died or hangs)")
+                    self._send(HEARTBEAT, 0, 0)
+                    self._watchdog.disarm()
+
+
+def follow(runner: ModelRunner, timeout: float) -> int:
+    """A follower's whole life: run every step node 0 broadcasts until it says stop. Returns the steps run."""
+    payloads = Payloads(runner)
+    payloads.warm_up()
+    rank = jax.process_index()
+    watchdog = Watchdog(timeout, "jaxllm-follower-watchdog")
+    logger.info("node %d: following node 0's steps", rank)
+    try:
+        return _follow_loop(runner, payloads, watchdog, rank, timeout)
+    except Exception as e:  # a collective failed: the leader is gone
+        die(f"node {rank}: lost the leader (node 0): {str(e).strip().splitlines()[0][:200]}")
+
+
+def _follow_loop(runner: ModelRunner, payloads: Payloads, watchdog: Watchdog, rank: int, timeout: float) -> int:
+    steps = 0
+    while True:
+        watchdog.arm(f"node {rank}: the leader (node 0) sent nothing for {timeout:.0f}s; it died or hangs")
+        kind, index, step = (int(x) for x in broadcast_one_to_all(np.zeros(HEADER_SIZE, np.int32)))
+        if kind == STOP:
+            watchdog.disarm()
+            logger.info("node %d: leader said stop after %d steps", rank, steps)
+            return steps
+        if kind == HEARTBEAT:
+            continue
+        buffer = broadcast_one_to_all(np.zeros(payloads.size(index), np.int32))
+        inputs, sampling = payloads.unpack(index, buffer)
+        # wait for the step: XLA may run independent programs concurrently, and the next broadcast's
+        # collective must not interleave with this step's own (gloo would pair the wrong messages)
+        jax.block_until_ready(runner.run(runner.buckets[index], inputs, sampling))
+        steps += 1
+
+
+def run_headless(args) -> int:
+    """A follower node (`--node-rank` > 0): build the same engine as node 0, then run its steps until it stops."""
+    from jaxllm.engine.core import EngineCore
+
+    core = EngineCore(args, progress=False)
+    return follow(core.runner, args.distributed_timeout)

@@ -1,0 +1,104 @@
+"""Multi-host: one TP=3 mesh spread over 3 local processes (`--nnodes 3`, gloo on loopback).
+
+Every rank runs the same `jaxllm generate` command; rank 0 prints. Greedy tokens must equal a
+single process's. A follower with no leader, or whose leader dies mid-run, exits non-zero with
+one line within its timeout instead of hanging in a collective.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from tests.conftest import TEST_ENGINE, kv_bytes
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):"]
+TIMEOUT_S = 20
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def node_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # each node gets jax_num_cpu_devices
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def generate_cmd(rank: int, port: int, *extra: str, nnodes: int = 3) -> list[str]:
+    return [sys.executable, "-m", "jaxllm.entrypoints.cli", "--log-level", "WARNING", "generate", *PROMPTS,
+            "--no-chat-template", "--max-tokens", "12",
+            "--max-num-seqs", str(TEST_ENGINE["max_num_seqs"]),
+            "--max-num-batched-tokens", str(TEST_ENGINE["max_num_batched_tokens"]),
+            "--max-model-len", str(TEST_ENGINE["max_model_len"]), "--dtype", "float32",
+            "--kv-cache-memory-bytes", str(kv_bytes(64)), "--tensor-parallel-size", "3",
+            "--nnodes", str(nnodes), "--node-rank", str(rank), "--master-port", str(port),
+            "--distributed-timeout", str(TIMEOUT_S), *extra]
+
+
+def start_nodes(port: int, *extra: str) -> list[subprocess.Popen]:
+    return [subprocess.Popen(generate_cmd(rank, port, *extra), env=node_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True) for rank in range(3)]
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("jaxllm: error:")]
+
+
+def test_three_processes_match_one(llm):
+    from jaxllm import SamplingParams
+
+    procs = start_nodes(free_port())
+    results = [p.communicate(timeout=900) for p in procs]
+    for rank, (p, (_, err)) in enumerate(zip(procs, results)):
+        assert p.returncode == 0, f"rank {rank} failed:\n{err[-3000:]}"
+    expected = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    text = "".join(f"### {p}\n{p + o.outputs[0].text}\n\n" for p, o in zip(PROMPTS, expected))
+    assert results[0][0] == text
+    assert results[1][0] == results[2][0] == ""  # followers print nothing
+
+
+def test_follower_without_leader_exits_with_one_line():
+    started = time.monotonic()
+    p = subprocess.run(generate_cmd(1, free_port(), nnodes=2)[:-2] + ["--distributed-timeout", "5"],
+                       env=node_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0
+    assert error_lines(p.stderr) == [p.stderr.strip().splitlines()[-1]]
+    assert "could not reach the leader" in p.stderr
+    assert time.monotonic() - started < 120  # the timeout plus start-up, not JAX's default 300 s
+
+
+def test_orphaned_followers_exit_with_one_line():
+    procs = start_nodes(free_port(), "--max-tokens", "400", "--ignore-eos")
+    leader = procs[0]
+    deadline = time.monotonic() + 900
+    # wait until the run is stepping: the followers' compiles are done when rank 0 gets past warm-up
+    while time.monotonic() < deadline and leader.poll() is None:
+        if _stepping(leader.pid):
+            break
+        time.sleep(1)
+    assert leader.poll() is None, "the leader ended before it could be killed"
+    time.sleep(2)
+    leader.send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    for rank, p in enumerate(procs[1:], 1):
+        _, err = p.communicate(timeout=TIMEOUT_S + 60)
+        assert p.returncode != 0, f"rank {rank} exited 0 after its leader died"
+        errors = error_lines(err)
+        assert len(errors) == 1 and errors[0].startswith(f"jaxllm: error: node {rank}:"), err[-2000:]
+    assert time.monotonic() - killed < TIMEOUT_S + 30
+    leader.communicate()
+
+
+def _stepping(pid: int) -> bool:
+    """The leader has threads named by `StepLeader` once every node compiled and the steps began."""
+    try:
+        names = [open(f"/proc/{pid}/task/{t}/comm").read().strip() for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return False
+    return "jaxllm-heartbea" in names  # comm is cut at 15 characters
