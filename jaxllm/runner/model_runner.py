@@ -73,7 +73,10 @@ class ModelRunner:
         self.batch = InputBatch(largest.num_tokens, largest.num_seqs, self.max_blocks_per_seq,
                                 sched_cfg.max_model_len, arch.vocab_size, self.block_size)
         scan = config.model.scan_layers
-        self.model = CausalLM(arch, loaded.dtype, config.model.attention_backend, scan_layers=scan)
+        attention = config.model.attention_backend
+        if attention == "auto" and mesh.size > 1 and jax.default_backend() == "cpu":
+            attention = "reference"  # the C++ kernel has no partitioning rule: XLA would all-gather the cache
+        self.model = CausalLM(arch, loaded.dtype, attention, scan_layers=scan)
         self.params = loaded.params if scan else unstack_layers(loaded.params, arch.num_layers)
         loaded.params = None  # the runner owns the weights now (the stacked copy can go)
         self._step_fn = jax.jit(self._step, donate_argnums=(1,))
