@@ -56,7 +56,7 @@ class SamplingRequest(OpenAIModel):
     include_stop_str_in_output: bool = False
     priority: int = 0
     request_id: str | None = None
-    # structured outputs: parsed here, served once llguidance is wired in
+    # structured outputs (jaxllm/structured/openai_fields.py)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
 
@@ -91,6 +91,7 @@ class ChatCompletionRequest(SamplingRequest):
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
     # vLLM's chat extras
     echo: bool = False  # start the reply with the last message's content when it is the assistant's
     add_generation_prompt: bool = True
@@ -163,6 +164,7 @@ class ChatLogProbs(OpenAIModel):
 class ChatResponseMessage(OpenAIModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChoice(OpenAIModel):
@@ -185,6 +187,7 @@ class ChatCompletionResponse(OpenAIModel):
 class DeltaMessage(OpenAIModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatChunkChoice(OpenAIModel):

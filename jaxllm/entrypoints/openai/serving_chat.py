@@ -6,7 +6,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import aclosing
 
-from jaxllm.entrypoints.openai.errors import bad_request, not_supported
+from jaxllm.entrypoints.openai.errors import bad_request
 from jaxllm.entrypoints.openai.protocol import (ChatChoice, ChatChunkChoice, ChatCompletionChunk,
                                                 ChatCompletionRequest, ChatCompletionResponse, ChatLogProbs,
                                                 ChatMessage, ChatResponseMessage, DeltaMessage, TokenLogprob,
@@ -14,7 +14,8 @@ from jaxllm.entrypoints.openai.protocol import (ChatChoice, ChatChunkChoice, Cha
 from jaxllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, convert_engine_errors, engine_error,
                                                       sse, usage)
 from jaxllm.outputs import CompletionOutput
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import SamplingParams, StructuredOutputsParams
+from jaxllm.structured.openai_fields import ForcedToolCall
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -24,21 +25,18 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(request.model)
         self.check_engine()
         prompt = self.render(request)
-        params = self.chat_sampling_params(request, len(prompt["prompt_token_ids"]))
+        constraint = self.output_constraint(request)
+        params = self.chat_sampling_params(request, len(prompt["prompt_token_ids"]), constraint.params)
         request_id = request_id or random_id("chatcmpl")
         outputs = self.generate_all(request_id, [prompt], [params], request.priority)
         echo = self.echo_text(request)
         if request.stream:
-            return self.stream(request, request_id, prompt, outputs, echo)
-        return await self.full_response(request, request_id, prompt, outputs, echo)
+            return self.stream(request, request_id, prompt, outputs, echo, constraint.tool_call)
+        return await self.full_response(request, request_id, prompt, outputs, echo, constraint.tool_call)
 
-    def chat_sampling_params(self, request: ChatCompletionRequest, prompt_len: int) -> SamplingParams:
+    def chat_sampling_params(self, request: ChatCompletionRequest, prompt_len: int,
+                             structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """The request's SamplingParams for a rendered conversation of `prompt_len` tokens."""
-        for field in ("response_format", "structured_outputs", "tools"):
-            if getattr(request, field) is not None:
-                raise not_supported(field)
-        if request.tool_choice not in (None, "none"):
-            raise not_supported("tool_choice")
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs needs logprobs=true", param="top_logprobs")
         logprobs = (request.top_logprobs or 0) if request.logprobs else None
@@ -46,7 +44,8 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens = self.token_budget(request.max_completion_tokens, prompt_len, "max_completion_tokens")
         else:
             max_tokens = self.token_budget(request.max_tokens, prompt_len, "max_tokens")
-        return self.sampling_params(request, max_tokens=max_tokens, logprobs=logprobs)
+        return self.sampling_params(request, max_tokens=max_tokens, logprobs=logprobs,
+                                    structured_outputs=structured_outputs)
 
     def render(self, request: ChatCompletionRequest) -> dict:
         """The conversation through the chat template: {"prompt": text, "prompt_token_ids": ids}."""
@@ -63,6 +62,7 @@ class OpenAIServingChat(OpenAIServing):
             text = tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message, chat_template=request.chat_template,
+                tools=request.tools,
                 **(request.chat_template_kwargs or {}))
         except Exception as e:  # a template that rejects the conversation (roles out of order, ...)
             raise bad_request(f"the chat template failed on these messages: {e}", param="messages") from None
@@ -78,26 +78,34 @@ class OpenAIServingChat(OpenAIServing):
             return message_dict(last)["content"]
         return ""
 
-    async def full_response(self, request, request_id, prompt, outputs, echo) -> ChatCompletionResponse:
+    async def full_response(self, request, request_id, prompt, outputs, echo,
+                            tool_call: ForcedToolCall | None = None) -> ChatCompletionResponse:
         final = None
         async with aclosing(outputs):
             async for _, out in outputs:
                 if (error := engine_error(out)) is not None:
                     raise error
                 final = out
-        choices = [ChatChoice(index=c.index, message=ChatResponseMessage(content=echo + c.text),
-                              logprobs=chat_logprobs(c, request.top_logprobs or 0) if request.logprobs else None,
-                              finish_reason=c.finish_reason, stop_reason=c.stop_reason) for c in final.outputs]
+        choices = []
+        for c in final.outputs:
+            calls, finish_reason = read_tool_calls(tool_call, c.text, c.finish_reason)
+            message = ChatResponseMessage(content=None, tool_calls=calls) if calls else \
+                ChatResponseMessage(content=echo + c.text)
+            choices.append(ChatChoice(
+                index=c.index, message=message, finish_reason=finish_reason, stop_reason=c.stop_reason,
+                logprobs=chat_logprobs(c, request.top_logprobs or 0) if request.logprobs else None))
         generated = sum(len(c.token_ids) for c in final.outputs)
         return ChatCompletionResponse(id=request_id, model=self.model_name(request), choices=choices,
                                       usage=usage(len(prompt["prompt_token_ids"]), generated))
 
-    async def stream(self, request, request_id, prompt, outputs, echo) -> AsyncIterator[str]:
+    async def stream(self, request, request_id, prompt, outputs, echo,
+                     tool_call: ForcedToolCall | None = None) -> AsyncIterator[str]:
         model = self.model_name(request)
         include_usage = request.stream_options is not None and request.stream_options.include_usage
         continuous = include_usage and request.stream_options.continuous_usage_stats
         prompt_tokens = len(prompt["prompt_token_ids"])
         generated = [0] * request.n
+        texts = [""] * request.n  # a forced tool call's text, read back as tool_calls when it ends
         head = ChatCompletionChunk(id=request_id, created=int(time.time()), model=model, choices=[])
 
         def chunk(choices, usage_info=None) -> str:
@@ -114,16 +122,31 @@ class OpenAIServingChat(OpenAIServing):
                         break
                     for c in out.outputs:
                         generated[c.index] += len(c.token_ids)
+                        delta, finish_reason = DeltaMessage(content=c.text), c.finish_reason
+                        if tool_call is not None:
+                            texts[c.index] += c.text
+                            if c.finish_reason is None:
+                                continue
+                            calls, finish_reason = read_tool_calls(tool_call, texts[c.index], c.finish_reason)
+                            delta = DeltaMessage(tool_calls=[{"index": i, **call} for i, call in enumerate(calls)]) \
+                                if calls else DeltaMessage(content=texts[c.index])
                         choice = ChatChunkChoice(
-                            index=c.index, delta=DeltaMessage(content=c.text),
+                            index=c.index, delta=delta,
                             logprobs=chat_logprobs(c, request.top_logprobs or 0) if request.logprobs else None,
-                            finish_reason=c.finish_reason, stop_reason=c.stop_reason)
+                            finish_reason=finish_reason, stop_reason=c.stop_reason)
                         yield chunk([choice], usage(prompt_tokens, sum(generated)) if continuous else None)
             if include_usage:
                 yield chunk([], usage(prompt_tokens, sum(generated)))
         except Exception as e:
             yield convert_engine_errors(e).sse()
         yield SSE_DONE
+
+
+def read_tool_calls(tool_call: ForcedToolCall | None, text: str, finish_reason: str | None
+                    ) -> tuple[list[dict] | None, str | None]:
+    """A forced call's text as OpenAI `tool_calls` (finish_reason "tool_calls"); cut-short text stays text."""
+    calls = tool_call.tool_calls(text) if tool_call is not None and finish_reason == "stop" else None
+    return calls, "tool_calls" if calls else finish_reason
 
 
 def message_dict(message: ChatMessage) -> dict:

@@ -11,7 +11,7 @@ from jaxllm.entrypoints.openai.protocol import (CompletionChoice, CompletionLogP
 from jaxllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, convert_engine_errors, engine_error,
                                                       sse, usage)
 from jaxllm.outputs import CompletionOutput, Logprob
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -21,22 +21,24 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_model(request.model)
         self.check_engine()
         prompts = self.prompts(request)
-        params = [self.completion_sampling_params(request, len(p["prompt_token_ids"])) for p in prompts]
+        constraint = self.output_constraint(request).params
+        params = [self.completion_sampling_params(request, len(p["prompt_token_ids"]), constraint) for p in prompts]
         request_id = request_id or random_id("cmpl")
         outputs = self.generate_all(request_id, prompts, params, request.priority)
         if request.stream:
             return self.stream(request, request_id, prompts, outputs)
         return await self.full_response(request, request_id, prompts, outputs)
 
-    def completion_sampling_params(self, request: CompletionRequest, prompt_len: int) -> SamplingParams:
+    def completion_sampling_params(self, request: CompletionRequest, prompt_len: int,
+                                   structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """The request's SamplingParams for a prompt of `prompt_len` tokens."""
-        for field in ("response_format", "structured_outputs", "suffix"):
-            if getattr(request, field) is not None:
-                raise not_supported(field)
+        if request.suffix is not None:
+            raise not_supported("suffix")
         if request.echo and request.logprobs is not None:
             raise bad_request("echo with logprobs needs prompt logprobs, which are not supported yet", param="echo")
         max_tokens = self.token_budget(request.max_tokens, prompt_len, "max_tokens")
-        return self.sampling_params(request, max_tokens=max_tokens, logprobs=request.logprobs)
+        return self.sampling_params(request, max_tokens=max_tokens, logprobs=request.logprobs,
+                                    structured_outputs=structured_outputs)
 
     def prompts(self, request: CompletionRequest) -> list[dict]:
         """Every prompt as {"prompt": text, "prompt_token_ids": ids}, checked against the model's limits."""

@@ -14,7 +14,8 @@ from jaxllm.engine.async_llm import AsyncLLM, EngineDeadError
 from jaxllm.entrypoints.openai.errors import OpenAIError, bad_request, from_value_error
 from jaxllm.entrypoints.openai.protocol import SamplingRequest, UsageInfo
 from jaxllm.outputs import RequestOutput
-from jaxllm.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams
+from jaxllm.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams, StructuredOutputsParams
+from jaxllm.structured.openai_fields import OutputConstraint, RequestFieldError, output_constraint
 
 logger = logging.getLogger("jaxllm.server")
 
@@ -69,7 +70,16 @@ class OpenAIServing:
 
     # ---- request → SamplingParams --------------------------------------------------------------
 
-    def sampling_params(self, request: SamplingRequest, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    @staticmethod
+    def output_constraint(request) -> OutputConstraint:
+        """`response_format` / `structured_outputs` / forced `tools` → the output constraint (a 400 if bad)."""
+        try:
+            return output_constraint(request)
+        except RequestFieldError as e:
+            raise bad_request(str(e), param=e.param) from None
+
+    def sampling_params(self, request: SamplingRequest, *, max_tokens: int, logprobs: int | None,
+                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """The fields both endpoints share; range errors name the request field."""
         limit = self.engine.info.max_num_seqs
         if request.n > limit:
@@ -103,6 +113,7 @@ class OpenAIServing:
                 skip_special_tokens=request.skip_special_tokens,
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
+                structured_outputs=structured_outputs,
             )
         except ValueError as e:
             raise from_value_error(e) from None
