@@ -9,7 +9,9 @@ place. One device→host transfer per step brings back the sampled tokens (and l
 from __future__ import annotations
 
 import logging
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import jax
@@ -57,6 +59,18 @@ class RunnerOutput:
     top_logprobs: np.ndarray
 
 
+@dataclass
+class StepStats:
+    """Running totals of the runner's steps: how many, seconds packing inputs, seconds waiting on the device."""
+
+    steps: int = 0
+    device_s: float = 0.0
+    pack_s: float = 0.0
+
+    def snapshot(self) -> tuple[int, float, float]:
+        return self.steps, self.device_s, self.pack_s
+
+
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, config: EngineConfig, mesh: Mesh):
         self.loaded = loaded
@@ -82,6 +96,7 @@ class ModelRunner:
         self._step_fn = jax.jit(self._step, donate_argnums=(1,))
         self._compiled: dict[Bucket, object] = {}
         self.compile_seconds = 0.0
+        self.stats = StepStats()
 
     def _step(self, params, cache: KVCache, inputs: StepInputs, sampling: SamplingInputs):
         logits, cache = self.model.apply({"params": params}, cache, inputs)
@@ -99,17 +114,30 @@ class ModelRunner:
         from tqdm.auto import tqdm
 
         start = time.perf_counter()
-        for bucket in tqdm(self.buckets, desc="Compiling buckets", disable=not progress, unit="bucket"):
-            if bucket not in self._compiled:
+        todo = [b for b in self.buckets if b not in self._compiled]
+        # tracing holds the GIL, XLA's compiler does not: trace one bucket at a time, compile them side by side
+        with ThreadPoolExecutor(max(1, min(len(todo), os.cpu_count() or 1))) as pool, \
+                tqdm(total=len(todo), desc="Compiling buckets", disable=not progress, unit="bucket") as bar:
+            futures = {}
+            for bucket in todo:
                 lowered = self._step_fn.lower(self.params, self.cache, *self._abstract_inputs(bucket))
-                self._compiled[bucket] = lowered.compile()
+                futures[bucket] = pool.submit(lowered.compile)
+                futures[bucket].add_done_callback(lambda _: bar.update())
+            for bucket, future in futures.items():
+                self._compiled[bucket] = future.result()
         self.compile_seconds = time.perf_counter() - start
         return self.compile_seconds
 
     def execute(self, out: SchedulerOutput, grammar=None) -> RunnerOutput:
         """`grammar` (a StructuredOutputManager) fills the token masks of constrained rows."""
+        start = time.perf_counter()
         bucket, inputs, sampling = self.prepare(out, grammar)
-        return self.to_host(self.run(bucket, inputs, sampling), len(out.scheduled))
+        packed = time.perf_counter()
+        output = self.to_host(self.run(bucket, inputs, sampling), len(out.scheduled))
+        self.stats.steps += 1
+        self.stats.pack_s += packed - start
+        self.stats.device_s += time.perf_counter() - packed
+        return output
 
     def prepare(self, out: SchedulerOutput, grammar=None) -> tuple[Bucket, StepInputs, SamplingInputs]:
         """The step's host inputs, padded to its bucket (a multi-host leader broadcasts these)."""

@@ -10,7 +10,7 @@ import importlib
 
 from jaxllm.entrypoints.cli.common import Parser
 
-BENCHMARKS: tuple[str, ...] = ("serve",)  # modules of jaxllm.bench, e.g. "serve", "throughput", "latency"
+BENCHMARKS: tuple[str, ...] = ("serve", "throughput", "latency")  # modules of jaxllm.bench
 
 
 def register(sub) -> None:

@@ -1,0 +1,62 @@
+#!/usr/bin/env python
+"""The machine's two roofline ceilings: large float32 matmul FLOP/s under XLA, and memory read bandwidth.
+
+Matmul: a jitted `[n, n] @ [n, n]` in float32 (and bfloat16), median of `--reps` runs.
+Memory: a jitted sum over a `--mem-mib` float32 array (reads every byte once, writes nothing),
+and numpy's copy of the same array for comparison. Prints one JSON object.
+
+    python benchmarks/machine_ceilings.py --n 2048 --reps 7 --mem-mib 1024
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import numpy as np
+
+
+def median_seconds(fn, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def ceilings(n: int = 2048, reps: int = 7, mem_mib: int = 1024) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    matmul = jax.jit(jnp.matmul)
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n), np.float32))
+    out = {"load_average": [round(x, 2) for x in os.getloadavg()]}
+    for dtype in ("float32", "bfloat16"):
+        x = a.astype(dtype)
+        seconds = median_seconds(lambda: matmul(x, x).block_until_ready(), reps)
+        out[f"matmul_{dtype}_gflops"] = round(2 * n**3 / seconds / 1e9, 1)
+    host = np.ones(mem_mib * 2**20 // 4, np.float32)
+    device = jnp.asarray(host)
+    total = jax.jit(jnp.sum)
+    out["mem_read_gb_s"] = round(host.nbytes / median_seconds(lambda: total(device).block_until_ready(), reps) / 1e9, 1)
+    copy = np.empty_like(host)
+    out["numpy_copy_gb_s"] = round(host.nbytes / median_seconds(lambda: np.copyto(copy, host), reps) / 1e9, 1)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=2048)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--mem-mib", type=int, default=1024)
+    args = ap.parse_args()
+    print(json.dumps(ceilings(args.n, args.reps, args.mem_mib)))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""What `jaxllm bench throughput` and `jaxllm bench latency` share: the workload, the engine, the peers.
+
+The workload is the peers' own: every prompt is exactly `input_len` real tokens cut from a
+fixed English text (prompt i starts 7 tokens after prompt i-1, so no two share a prefix
+block), greedy, EOS ignored, exactly `output_len` new tokens each. Real text, not random ids,
+so that a model's attention sees what it would in use.
+
+`--compare` runs the peers — the engines a user would otherwise pick, on the same default
+model and the very same token ids — back to back with jaxllm, round by round. They are the
+project's own scripts in `benchmarks/peers/`, run as subprocesses in this interpreter; each
+prints one JSON line with its per-iteration latencies. A peer that is not installed is
+reported as such, never fatal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+FILLER = (
+    "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a single step. "
+    "All that glitters is not gold. Knowledge is power, and time waits for no one. "
+    "In the middle of difficulty lies opportunity, and the best way out is always through. "
+)
+PROMPT_STRIDE = 7
+PEERS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "peers"
+PEERS = {"transformers": "transformers_generate.py", "llama.cpp": "llamacpp_generate.py"}
+
+
+def make_prompts(tokenizer, num_prompts: int, input_len: int) -> list[list[int]]:
+    """`num_prompts` rows of exactly `input_len` token ids of the filler text, each 7 tokens after the last."""
+    ids = tokenizer(FILLER * (input_len // 20 + 8), add_special_tokens=False)["input_ids"]
+    while len(ids) < input_len + PROMPT_STRIDE * num_prompts + 1:
+        ids = ids + ids
+    return [ids[PROMPT_STRIDE * i: PROMPT_STRIDE * i + input_len] for i in range(num_prompts)]
+
+
+def add_workload_args(parser: argparse.ArgumentParser, *, compare: bool = True) -> None:
+    """The flags both benchmarks take besides their own shape flags and the engine's."""
+    report = parser.add_argument_group("report")
+    report.add_argument("--output-json", default=None, help="write the results to this JSON file")
+    report.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots into this folder")
+    if compare:
+        report.add_argument("--compare", nargs="*", default=None, choices=sorted(PEERS), metavar="PEER",
+                            help=f"also run these peers on the same workload ({', '.join(sorted(PEERS))}; "
+                                 "no name: all of them). Default model only")
+        report.add_argument("--peer-threads", type=int, default=os.cpu_count() or 1,
+                            help="threads for the peers (default: all cores, as jaxllm uses)")
+
+
+def greedy_params(output_len: int):
+    from jaxllm.sampling_params import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=output_len, min_tokens=output_len, ignore_eos=True)
+
+
+def make_engine(args: argparse.Namespace, *, max_num_seqs: int, max_model_len: int):
+    """An `LLM` from the engine flags, sized for the workload unless the flags say otherwise."""
+    from jaxllm.entrypoints.cli.common import make_llm
+
+    defaults = {"max_num_seqs": max_num_seqs, "max_model_len": max_model_len}
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return make_llm(args)
+
+
+def run_batch(llm, prompts: list[list[int]], output_len: int) -> float:
+    """Generate for all prompts at once; seconds of wall time. Checks every row got `output_len` tokens."""
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy_params(output_len), use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    short = [len(o.outputs[0].token_ids) for o in outputs if len(o.outputs[0].token_ids) != output_len]
+    if short:
+        raise RuntimeError(f"{len(short)} requests did not produce output_len={output_len} tokens: {short[:5]}")
+    return elapsed
+
+
+def check_peer_model(args: argparse.Namespace) -> None:
+    if args.compare is not None and args.model is not None:
+        raise ValueError("--compare runs the peers on the default model only; drop --model to compare")
+    if args.compare is not None and not PEERS_DIR.is_dir():
+        raise ValueError(f"--compare needs the peer scripts in {PEERS_DIR} (a source checkout of jaxllm)")
+
+
+def peer_names(args: argparse.Namespace) -> list[str]:
+    if args.compare is None:
+        return []
+    return list(args.compare) or sorted(PEERS)
+
+
+def run_peer(name: str, prompts: list[list[int]], output_len: int, *, num_iters: int, warmup_iters: int,
+             threads: int, timeout: float = 7200.0) -> dict:
+    """One peer script on the same token ids: `{"engine", "latencies_s", ...}` or `{"engine", "error"}`."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(prompts, f)
+    cmd = [sys.executable, str(PEERS_DIR / PEERS[name]), "--prompts", f.name, "--output-len", str(output_len),
+           "--num-iters", str(num_iters), "--num-iters-warmup", str(warmup_iters), "--threads", str(threads)]
+    try:
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    finally:
+        os.unlink(f.name)
+    lines = result.stdout.strip().splitlines()
+    if result.returncode != 0 or not lines:
+        return {"engine": name, "error": (result.stderr.strip() or result.stdout.strip())[-600:]}
+    return json.loads(lines[-1])
+
+
+def median_ratio(ours: list[float], theirs: list[float]) -> float | None:
+    """Median over rounds of ours/theirs: each round's pair ran back to back, so machine noise cancels."""
+    pairs = [a / b for a, b in zip(ours, theirs) if b]
+    return round(statistics.median(pairs), 3) if pairs else None
+
+
+def write_json(result: dict, path: str | None) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=2) + "\n")
+        print(f"results written to {path}")
+
+
+def machine_info() -> dict:
+    import platform
+
+    import jax
+
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "jax": jax.__version__,
+            "backend": jax.default_backend(), "load_average": [round(x, 2) for x in os.getloadavg()]}
