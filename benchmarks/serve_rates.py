@@ -38,6 +38,8 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=1800.0,
+                        help="seconds per request: above the server's capacity requests queue for long")
     parser.add_argument("--base-url", default=None, help="a running server (default: start one here)")
     parser.add_argument("--server-flags", default="--max-model-len 256", help="flags for the server started here")
     parser.add_argument("--out", default="benchmarks/results/serve_rates_cpu.json")
@@ -62,7 +64,7 @@ def main() -> None:
             result = serve.main(build_parser().parse_args([
                 "bench", "serve", "--base-url", base_url, "--num-prompts", str(args.num_prompts),
                 "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
-                "--request-rate", str(rate), "--seed", str(args.seed), "--disable-tqdm",
+                "--request-rate", str(rate), "--seed", str(args.seed), "--timeout", str(args.timeout), "--disable-tqdm",
                 "--output", str(out.with_name(f"{out.stem}_rate{rate:g}.json"))]))
             summary["rates"][f"{rate:g}"] = {**{k: result[k] for k in KEYS},
                                              "load_average_1m": [load_before, os.getloadavg()[0]]}
