@@ -316,7 +316,7 @@ def test_failed_requests_are_counted_not_fatal(scripted_server, tmp_path):
     trace = tmp_path / "t.jsonl"
     save_trace([TraceRequest(arrival_time=0, prompt_token_ids=[first, 5, 5], output_len=4)
                 for first in (9, 1, 2, 9)], trace)
-    result = serve.main(bench_args("--base-url", url, "--dataset-name", "jsonl", "--dataset-path", str(trace)))
+    result = serve.main(bench_args("--base-url", url + "/v1/", "--dataset-name", "jsonl", "--dataset-path", str(trace)))
     assert result["completed"] == 2 and result["failed"] == 2
     assert result["errors"][1] == "HTTP 400: prompt too long" and result["errors"][0] == ""
 

@@ -80,7 +80,7 @@ def main(args: argparse.Namespace) -> dict:
     rate = args.request_rate if args.request_rate is not None or args.dataset_name == "jsonl" else math.inf
     if rate is not None:
         requests = retime(requests, rate, burstiness=args.burstiness, seed=args.seed)
-    base_url = args.base_url.rstrip("/")
+    base_url = args.base_url.rstrip("/").removesuffix("/v1")  # the openai client's form works too
     headers = auth_headers(args.api_key or os.environ.get("JAXLLM_API_KEY") or os.environ.get("OPENAI_API_KEY"))
     model = args.model or first_model(base_url, headers)
 
