@@ -28,7 +28,7 @@ from jaxllm.model.registry import ModelArch
 
 
 class StepInputs(NamedTuple):
-    """The flattened ragged batch of one engine step (DESIGN.md, "One engine step")."""
+    """The flattened ragged batch of one engine step (docs/design.md, "One engine step")."""
 
     token_ids: Int[Array, "T"]
     positions: Int[Array, "T"]

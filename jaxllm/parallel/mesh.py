@@ -1,4 +1,4 @@
-"""The device mesh: axes ("data", "model"), one device by default (DESIGN.md, Sharding)."""
+"""The device mesh: axes ("data", "model"), one device by default (docs/design.md, Sharding)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Host-side arrays for the next step, allocated once at the largest bucket and reused.
 
 `InputBatch.fill` packs a `SchedulerOutput` into the flattened ragged layout of
-DESIGN.md, padded to a bucket: padding tokens write to the scratch slot 0, padding
+docs/design.md, padded to a bucket: padding tokens write to the scratch slot 0, padding
 sequences have no tokens and no context, and padding sampling rows are greedy.
 """
 

@@ -1,6 +1,6 @@
 """The paged KV cache on device: sized from a memory budget, sharded over KV heads.
 
-Layout (DESIGN.md): K and V each `[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`.
+Layout (docs/design.md): K and V each `[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`.
 """
 
 from __future__ import annotations
