@@ -2,7 +2,9 @@
 sampled; unconstrained neighbours untouched; preemption; bad constraints rejected before queueing."""
 
 import json
+import os
 import re
+import sys
 import threading
 
 import jsonschema
@@ -312,3 +314,13 @@ def test_no_compilation_with_constraints(llm, generated):
     before = compilation_count()
     llm.generate(["Pick:"], constrained(choice=CHOICES), use_tqdm=False)
     assert compilation_count() == before  # masks go into the sampler's existing `allowed` rows
+
+
+def test_example_runs(llm, capsys):
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import structured_outputs
+
+    outputs = structured_outputs.main(llm)
+    assert [o.outputs[0].finish_reason for o in outputs] == ["stop"] * 4
+    jsonschema.validate(json.loads(outputs[0].outputs[0].text), structured_outputs.PERSON)
+    assert "parsed:" in capsys.readouterr().out
