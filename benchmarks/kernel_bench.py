@@ -4,9 +4,11 @@
 For every case and backend it prints one JSON line (and writes them all to --out):
 median / min wall time over repetitions, the bytes of K and V the batch actually needs
 (each real sequence's keys in its attention range, K and V, one layer), the bandwidth that
-implies, and its fraction of the machine's copy bandwidth measured in the same run
-(read + write bytes of a large on-device copy). Backends: "reference" (the jnp path the
-CPU model runs), "dense" (naive: every row gathers its whole table and masks) and
+implies, and its fraction of the machine's memory bandwidth measured in the same run
+(the best of: read + write bytes of a large on-device copy and of a numpy copy, and the
+read bytes of a numpy sum and of an on-device sum). Backends: "cpu" (the C++ FFI kernel the
+CPU model runs), "reference" (the jnp path), "dense" (naive: every row gathers its whole
+table and masks) and
 "pallas" (the Pallas Triton kernel end to end, tile plan included: compiled on a GPU; on
 CPU only with --interpret, which times the interpreter and is meaningless as a speed
 figure) and "pallas_kernel" (the pallas_call alone, inputs prepared beforehand).
@@ -43,6 +45,7 @@ from pallas_kernels.ragged_paged_attention.reference import (  # noqa: E402
     ragged_paged_attention_dense,
     ragged_paged_attention_reference,
 )
+from pallas_kernels.ragged_paged_attention.cpu import ragged_paged_attention_cpu  # noqa: E402
 from pallas_kernels.ragged_paged_attention.testing import make_batch, reference_f64, relative_error  # noqa: E402
 from pallas_kernels.ragged_paged_attention import triton_gpu  # noqa: E402
 from pallas_kernels.ragged_paged_attention.triton_gpu import ragged_paged_attention_triton  # noqa: E402
@@ -57,12 +60,13 @@ class Case:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: str
+    dtype: str  # of q and, unless kv_dtype is given, of the cache
     num_tokens: int  # token bucket T
     max_seqs: int  # sequence bucket S
     max_blocks: int  # table width (max_model_len / block_size)
 
     with_reference: bool = True
+    kv_dtype: str | None = None  # e.g. a bfloat16 cache under float32 queries (kv_cache_dtype)
 
     @property
     def kind(self) -> str:
@@ -70,7 +74,7 @@ class Case:
 
     def needed_bytes(self) -> int:
         keys = sum(self.kv_lens)
-        return 2 * keys * self.num_kv_heads * self.head_dim * jnp.dtype(self.dtype).itemsize
+        return 2 * keys * self.num_kv_heads * self.head_dim * jnp.dtype(self.kv_dtype or self.dtype).itemsize
 
     def dense_gather_bytes(self) -> int:
         keys = self.num_tokens * self.max_blocks * self.block_size
@@ -97,8 +101,8 @@ def build(case: Case, seed: int = 0):
     dtype = jnp.dtype(case.dtype)
     kk, kv_key, kq = jax.random.split(jax.random.key(seed), 3)
     shape = (num_blocks, b, case.num_kv_heads, case.head_dim)
-    k_cache = jax.random.normal(kk, shape, dtype)
-    v_cache = jax.random.normal(kv_key, shape, dtype)
+    k_cache = jax.random.normal(kk, shape, case.kv_dtype or dtype)
+    v_cache = jax.random.normal(kv_key, shape, case.kv_dtype or dtype)
     q = jax.random.normal(kq, (case.num_tokens, case.num_q_heads, case.head_dim), dtype)
     return (q, k_cache, v_cache, jnp.asarray(kv), jnp.asarray(tables), jnp.asarray(cu),
             jnp.asarray([n], jnp.int32))
@@ -120,6 +124,8 @@ def backend_fn(name: str, case: Case, interpret: bool, args=None, **kw):
         return f, (prep, k_cache, v_cache)
     if name == "reference":
         f = lambda *a: ragged_paged_attention_reference(*a, sm_scale=sm_scale, **kw)  # noqa: E731
+    elif name == "cpu":
+        f = lambda *a: ragged_paged_attention_cpu(*a, sm_scale=sm_scale, **kw)  # noqa: E731
     elif name == "dense":
         f = lambda *a: ragged_paged_attention_dense(*a, sm_scale=sm_scale)  # noqa: E731
     elif name == "pallas":
@@ -143,22 +149,27 @@ def time_fn(fn, args, reps: int, min_reps: int = 3, budget_s: float = 20.0):
 
 
 def copy_bandwidth(mib: int, reps: int = 7) -> dict:
-    """Read+write bytes per second of an on-device copy (jit of x + 1), and numpy on CPU."""
+    """Read+write bytes per second of an on-device copy (jit of x + 1) and read bytes per second of
+    an on-device sum; on CPU also a numpy copy (into a preallocated array) and a numpy sum."""
     n = mib * 2**20 // 4
     x = jnp.ones((n,), jnp.float32)
     f = jax.jit(lambda a: a + 1.0)
     med, best, _, _ = time_fn(f, (x,), reps, min_reps=reps)
     out = {"device_copy_gb_s": round(2 * n * 4 / med / 1e9, 2), "device_copy_gb_s_best": round(2 * n * 4 / best / 1e9, 2),
            "copy_mib": mib}
+    med, _, _, _ = time_fn(jax.jit(jnp.sum), (x,), reps, min_reps=reps)
+    out["device_read_gb_s"] = round(n * 4 / med / 1e9, 2)
     if jax.default_backend() == "cpu":
         src = np.ones(n, np.float32)
         dst = np.empty_like(src)
-        ts = []
-        for _ in range(reps):
-            t = time.perf_counter()
-            np.copyto(dst, src)
-            ts.append(time.perf_counter() - t)
-        out["numpy_copy_gb_s"] = round(2 * n * 4 / statistics.median(ts) / 1e9, 2)
+        for name, op, nbytes in (("numpy_copy_gb_s", lambda: np.copyto(dst, src), 2 * n * 4),
+                                 ("numpy_read_gb_s", lambda: src.sum(), n * 4)):
+            ts = []
+            for _ in range(reps):
+                t = time.perf_counter()
+                op()
+                ts.append(time.perf_counter() - t)
+            out[name] = round(nbytes / statistics.median(ts) / 1e9, 2)
     del x
     return out
 
@@ -169,11 +180,16 @@ def cpu_cases() -> list[Case]:
     llama = dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="float32")
     dec16 = [int(x) for x in rng.integers(256, 1025, 16)]
     dec64 = [int(x) for x in rng.integers(128, 2049, 64)]
+    dec64_long = [int(x) for x in np.random.default_rng(2).integers(1024, 2049, 64)]  # issue 9's goal case
     skew = [4096] + [128] * 31
     mixed_kv = [640] + [int(x) for x in rng.integers(256, 1025, 15)]
     return [
         Case("decode_s16_ctx256-1k_smollm2", [1] * 16, dec16, **smol, num_tokens=16, max_seqs=16, max_blocks=128),
         Case("decode_s64_ctx128-2k_smollm2", [1] * 64, dec64, **smol, num_tokens=64, max_seqs=64, max_blocks=128),
+        Case("decode_s64_ctx1k-2k_smollm2", [1] * 64, dec64_long, **smol, num_tokens=64, max_seqs=64,
+             max_blocks=128),
+        Case("decode_s64_ctx1k-2k_smollm2_bf16kv", [1] * 64, dec64_long, **smol, num_tokens=64, max_seqs=64,
+             max_blocks=128, kv_dtype="bfloat16"),
         Case("decode_s32_skewed_1x4k_31x128_smollm2", [1] * 32, skew, **smol, num_tokens=32, max_seqs=32,
              max_blocks=256),
         Case("mixed_t256_s16_prefill128_15dec_smollm2", [128] + [1] * 15, mixed_kv, **smol, num_tokens=256,
@@ -307,7 +323,8 @@ def main(argv=None):
                     help="default: gpu on a GPU, else cpu")
     ap.add_argument("--backends", default=None, help="comma list of reference,dense,pallas")
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--budget-s", type=float, default=20.0, help="time budget per case and backend")
+    ap.add_argument("--rounds", type=int, default=3, help="backends alternate, reps/rounds calls each per round")
+    ap.add_argument("--budget-s", type=float, default=20.0, help="time budget per configuration of --tune")
     ap.add_argument("--copy-mib", type=int, default=None)
     ap.add_argument("--interpret", action="store_true", help="allow the Pallas kernel in interpret mode")
     ap.add_argument("--dense-max-gib", type=float, default=1.0, help="skip dense where its gather is larger")
@@ -327,9 +344,9 @@ def main(argv=None):
     if a.backends:
         backends = a.backends.split(",")
     else:
-        backends = ["pallas", "pallas_kernel", "reference"] if on_gpu else ["reference", "dense"]
+        backends = ["pallas", "pallas_kernel", "reference"] if on_gpu else ["cpu", "reference", "dense"]
         if suite == "smoke":
-            backends = ["reference", "dense", "pallas", "pallas_kernel"]
+            backends = ["reference", "dense", "pallas", "pallas_kernel"] + ([] if on_gpu else ["cpu"])
     interpret = not on_gpu
     if interpret and not (a.interpret or suite == "smoke"):
         backends = [b for b in backends if not b.startswith("pallas")]
@@ -345,9 +362,8 @@ def main(argv=None):
             return {"checks": checks}
 
     ceiling = copy_bandwidth(a.copy_mib or (2048 if on_gpu else 512 if suite != "smoke" else 16))
-    ceiling_gb_s = ceiling["device_copy_gb_s"]
-    if "numpy_copy_gb_s" in ceiling:
-        ceiling_gb_s = max(ceiling_gb_s, ceiling["numpy_copy_gb_s"])
+    ceiling_gb_s = max(v for k, v in ceiling.items() if k in (
+        "device_copy_gb_s", "device_read_gb_s", "numpy_copy_gb_s", "numpy_read_gb_s"))
     header = {
         "what": "machine", "jax": jax.__version__, "backend": jax.default_backend(),
         "device": str(jax.devices()[0].device_kind), "cpu_count": os.cpu_count(), "python": platform.python_version(),
@@ -359,11 +375,13 @@ def main(argv=None):
     for case in ([] if a.tune_only else cases):
         args = build(case)
         nbytes = case.needed_bytes()
+        timed = []
         for backend in backends:
             row = {"what": "attention", "case": case.name, "kind": case.kind, "backend": backend,
                    "num_seqs": len(case.q_lens), "num_tokens_real": sum(case.q_lens), "T": case.num_tokens,
                    "S": case.max_seqs, "max_blocks": case.max_blocks, "heads": [case.num_q_heads, case.num_kv_heads],
                    "head_dim": case.head_dim, "block_size": case.block_size, "dtype": case.dtype,
+                   "kv_dtype": case.kv_dtype or case.dtype,
                    "sum_kv_len": sum(case.kv_lens), "kv_bytes_needed": nbytes}
             if backend == "reference" and not case.with_reference:
                 continue
@@ -373,18 +391,33 @@ def main(argv=None):
                 results.append(row)
                 continue
             fn, targs = backend_fn(backend, case, interpret, args=args)
-            med, best, n, compile_s = time_fn(fn, targs, a.reps, budget_s=a.budget_s)
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*targs))
+            row["first_call_s"] = round(time.perf_counter() - t0, 2)
+            timed.append((row, fn, targs, [], []))
+        # backends take turns, round by round: on a shared machine load drifts between them
+        per_round = max(1, a.reps // a.rounds)
+        for _ in range(a.rounds):
+            for row, fn, targs, walls, cpus in timed:
+                for _ in range(per_round):
+                    c, t = time.process_time(), time.perf_counter()
+                    jax.block_until_ready(fn(*targs))
+                    walls.append(time.perf_counter() - t)
+                    cpus.append(time.process_time() - c)
+        for row, fn, targs, walls, cpus in timed:
+            med = statistics.median(walls)
             row.update({
-                "median_ms": round(med * 1e3, 4), "min_ms": round(best * 1e3, 4), "reps": n,
-                "first_call_s": round(compile_s, 2),
+                "median_ms": round(med * 1e3, 4), "min_ms": round(min(walls) * 1e3, 4), "reps": len(walls),
+                "rounds": a.rounds, "cpu_ms_median": round(statistics.median(cpus) * 1e3, 4),
                 "gb_s": round(nbytes / med / 1e9, 3),
+                "gb_s_at_min": round(nbytes / min(walls) / 1e9, 3),
                 "fraction_of_ceiling": round(nbytes / med / 1e9 / ceiling_gb_s, 4),
             })
-            if backend.startswith("pallas") and interpret:
+            if row["backend"].startswith("pallas") and interpret:
                 row["note"] = "interpret mode: not a speed figure"
             print(json.dumps(row), flush=True)
             results.append(row)
-        del args
+        del args, timed
         _write(a.out, {"machine": header, "checks": checks, "results": results, "command": _command(argv)})
     tune = []
     if a.tune or a.tune_only:
@@ -400,6 +433,7 @@ def main(argv=None):
         for r in best.values():
             print(json.dumps({**r, "what": "tune_best"}), flush=True)
     header["loadavg_1m_at_end"] = round(os.getloadavg()[0], 2)
+    header["bandwidth_at_end"] = copy_bandwidth(a.copy_mib or (2048 if on_gpu else 512 if suite != "smoke" else 16))
     doc = {"machine": header, "checks": checks, "results": results, "tune": tune, "command": _command(argv)}
     _write(a.out, doc)
     return doc
