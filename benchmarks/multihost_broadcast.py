@@ -1,9 +1,9 @@
 """Per-step cost of the multi-host leader's broadcast (header + one bucket's padded inputs).
 
 Starts NNODES local processes (gloo on loopback, one CPU device each), builds the real
-`InputBatch` and buckets for the given engine shapes, and times what `StepLeader` sends each
-step: `broadcast_one_to_all` of the 3-int header, then of the packed bucket payload.
-Prints one JSON line per sequence count: bytes per step and milliseconds per step (median).
+`InputBatch` and buckets for the given engine shapes, and times what `StepLeader` does each
+step: pack the inputs, `broadcast_one_to_all` the header, then the packed bucket payload —
+light (no row uses penalties or masks) and full. Prints one JSON line per case.
 
     python benchmarks/multihost_broadcast.py --num-seqs 64 256
 """
@@ -29,6 +29,7 @@ def node(rank: int, args) -> None:
     from jax.experimental.multihost_utils import broadcast_one_to_all
 
     from jaxllm.distributed.step_sync import HEADER_SIZE, Payloads
+    from jaxllm.engine.scheduler import SchedulerOutput
     from jaxllm.runner.buckets import make_buckets
     from jaxllm.runner.input_batch import InputBatch
 
@@ -39,20 +40,26 @@ def node(rank: int, args) -> None:
                                   args.max_model_len, args.vocab_size, 16)
         payloads = Payloads(runner)
         payloads.warm_up()
-        buffer = np.zeros(payloads.size(0), np.int32)
-        times = []
-        for _ in range(args.steps):
-            started = time.perf_counter()
-            broadcast_one_to_all(np.array([1, 0, 0], np.int32))
-            broadcast_one_to_all(buffer)
-            times.append(time.perf_counter() - started)
-        if rank == 0:
-            print(json.dumps({"num_seqs": num_seqs, "num_tokens": largest.num_tokens, "nnodes": args.nnodes,
-                              "max_model_len": args.max_model_len, "vocab_size": args.vocab_size,
-                              "bytes_per_step": buffer.nbytes + HEADER_SIZE * 4,
-                              "ms_per_step_median": 1000 * sorted(times)[len(times) // 2],
-                              "ms_per_step_min": 1000 * min(times), "load_average": os.getloadavg()[0]}),
-                  flush=True)
+        inputs, sampling = runner.batch.fill(SchedulerOutput(step=-1), largest)
+        for full in (False, True):
+            if full:  # one row with penalties makes the leader send the token history and masks too
+                sampling = sampling._replace(history=sampling.history.copy())
+                sampling.history[0, 0] = 1
+            times = []
+            for _ in range(args.steps):
+                started = time.perf_counter()
+                is_full, buffer = payloads.pack(inputs, sampling)
+                broadcast_one_to_all(np.array([1, 0, 0, int(is_full)], np.int32))
+                broadcast_one_to_all(buffer)
+                times.append(time.perf_counter() - started)
+            assert is_full == full
+            if rank == 0:
+                print(json.dumps({"num_seqs": num_seqs, "num_tokens": largest.num_tokens, "nnodes": args.nnodes,
+                                  "payload": "full" if full else "light", "max_model_len": args.max_model_len,
+                                  "vocab_size": args.vocab_size, "bytes_per_step": buffer.nbytes + HEADER_SIZE * 4,
+                                  "ms_per_step_median": round(1000 * sorted(times)[len(times) // 2], 3),
+                                  "ms_per_step_min": round(1000 * min(times), 3),
+                                  "load_average": os.getloadavg()[0]}), flush=True)
     jax.distributed.shutdown()
 
 

@@ -34,7 +34,7 @@ def server():
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device per replica
     env["JAX_PLATFORMS"] = "cpu"
     cmd = [sys.executable, "-m", "jaxllm.entrypoints.cli", "serve", "--port", str(port), "--disable-log-stats",
-           "--data-parallel-size", "2", "--max-num-seqs", str(TEST_ENGINE["max_num_seqs"]),
+           "--served-model-name", "dp", "--data-parallel-size", "2", "--max-num-seqs", str(TEST_ENGINE["max_num_seqs"]),
            "--max-num-batched-tokens", str(TEST_ENGINE["max_num_batched_tokens"]),
            "--max-model-len", str(TEST_ENGINE["max_model_len"]), "--dtype", "float32",
            "--kv-cache-memory-bytes", str(kv_bytes(TEST_KV_BLOCKS))]
@@ -60,13 +60,13 @@ def server():
 
 
 def complete(url: str, prompt: str, max_tokens: int, **extra) -> httpx.Response:
-    body = {"model": "x", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
+    body = {"model": "dp", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, **extra}
     return httpx.post(f"{url}/v1/completions", json=body, timeout=600)
 
 
 async def many(url: str, n: int, max_tokens: int, **extra) -> list[httpx.Response]:
     async with httpx.AsyncClient(timeout=600) as client:
-        body = lambda i: {"model": "x", "prompt": PROMPTS[i % len(PROMPTS)] + f" {i}",  # noqa: E731
+        body = lambda i: {"model": "dp", "prompt": PROMPTS[i % len(PROMPTS)] + f" {i}",  # noqa: E731
                           "max_tokens": max_tokens, "temperature": 0, **extra}
         return await asyncio.gather(*(client.post(f"{url}/v1/completions", json=body(i)) for i in range(n)))
 

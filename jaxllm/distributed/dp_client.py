@@ -73,7 +73,10 @@ def _replica_main(index: int, args: EngineArgs, env: dict[str, str], conn, progr
         idle = not core.has_unfinished_requests()
         while conn.poll(None if idle else 0):  # idle: block for the next command, spending no CPU
             idle = False
-            kind, payload = conn.recv()
+            try:
+                kind, payload = conn.recv()
+            except EOFError:  # the front is gone
+                return
             if kind == "stop":
                 return
             if kind == "abort":
@@ -103,6 +106,7 @@ class _Replica:
     in_flight: dict[str, tuple] = dataclasses.field(default_factory=dict)  # id → (prompt ids, params)
     routed_since_push: int = 0  # requests sent after the last pushed counts
     alive: bool = True
+    send_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
 class DataParallelClient:
@@ -190,7 +194,8 @@ class DataParallelClient:
         for replica in self.replicas:
             replica.alive = False
             try:
-                replica.conn.send(("stop", None))
+                with replica.send_lock:
+                    replica.conn.send(("stop", None))
             except (OSError, ValueError):
                 pass
         for replica in self.replicas:
@@ -219,7 +224,8 @@ class DataParallelClient:
 
     def _send(self, replica: _Replica, message) -> None:
         try:
-            replica.conn.send(message)
+            with replica.send_lock:
+                replica.conn.send(message)
         except (OSError, ValueError):  # its reader thread notices the death and fails its requests
             pass
 

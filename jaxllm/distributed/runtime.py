@@ -9,6 +9,7 @@ gloo and each node contributes `tensor_parallel_size // nnodes` host devices.
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import jax
 import numpy as np
@@ -48,6 +49,11 @@ def initialize(nnodes: int, node_rank: int, master_addr: str, master_port: int, 
         with _one_line_when_a_node_dies(node_rank):
             jax.distributed.initialize(address, nnodes, node_rank, initialization_timeout=max(int(timeout), 1),
                                        heartbeat_timeout_seconds=max(int(timeout), 10))
+        # the first collective sets up gloo's connections, which gives up after 30 s: line the nodes up at a
+        # barrier with our own timeout first, then do it, rather than during loading where one may lag
+        _global_min()  # compiled before the barrier, so that nothing slow sits between it and the collective
+        _barrier("jaxllm-joined", timeout)
+        agree_min(0)
     except Exception as e:  # JAX's message is pages long; keep its first line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConnectionError(f"node {node_rank}: could not join {nnodes} nodes at {address} within "
@@ -83,13 +89,33 @@ def _one_line_when_a_node_dies(node_rank: int):
         _jax.get_distributed_runtime_client = real
 
 
+def _barrier(name: str, timeout: float) -> None:
+    """Wait until every node gets here (JAX's coordination-service barrier, no collective involved)."""
+    from jax._src import distributed
+
+    distributed.global_state.client.wait_at_barrier(name, int(timeout * 1000))
+
+
 def agree_min(value: int) -> int:
     """The smallest `value` over all nodes: what fixes a compiled shape (the KV block count) must match everywhere."""
     if jax.process_count() == 1:
         return value
-    from jax.experimental import multihost_utils
+    sharding, compiled = _global_min()
+    local = np.full(jax.local_device_count(), value, np.int32)
+    return int(compiled(jax.make_array_from_process_local_data(sharding, local)))
 
-    return int(np.min(multihost_utils.process_allgather(np.asarray(value, np.int64))))
+
+@functools.cache
+def _global_min():
+    """A compiled min over one int32 per device of every node."""
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(np.array(jax.devices()), ("nodes",))
+    sharding = NamedSharding(mesh, PartitionSpec("nodes"))
+    spec = jax.ShapeDtypeStruct((len(jax.devices()),), np.int32, sharding=sharding)
+    compiled = jax.jit(jnp.min, out_shardings=NamedSharding(mesh, PartitionSpec())).lower(spec).compile()
+    return sharding, compiled
 
 
 def is_leader() -> bool:

@@ -3,7 +3,8 @@
 Every compiled step runs on all nodes at once (its collectives span the global mesh), so every
 node must launch the same bucket with the same inputs in the same order. Node 0 schedules; before
 each step it broadcasts a fixed-size header (kind, bucket index, step number) and then the
-bucket's padded inputs packed into one int32 buffer, with `multihost_utils.broadcast_one_to_all`.
+bucket's padded inputs packed into one int32 buffer (the token history and
+masks only when a row uses them), with `multihost_utils.broadcast_one_to_all`.
 Followers only receive and run. When idle, the leader sends heartbeats so that a follower can
 tell a quiet leader from a dead one; each side exits with a one-line error when the other goes
 silent past the timeout, instead of hanging in a collective.
@@ -27,39 +28,60 @@ from jaxllm.runner.model_runner import ModelRunner, RunnerOutput
 logger = logging.getLogger(__name__)
 
 STOP, STEP, HEARTBEAT = 0, 1, 2
-HEADER_SIZE = 3  # kind, bucket index, step
+HEADER_SIZE = 4  # kind, bucket index, step, full payload (1) or light (0)
+
+
+HEAVY = ("history", "allowed")  # sampling rows that stay at their defaults unless penalties or masks are used
 
 
 class Payloads:
-    """Packs a bucket's (StepInputs, SamplingInputs) into one int32 vector and back (every leaf is 4-byte)."""
+    """Packs a bucket's (StepInputs, SamplingInputs) into one int32 vector and back (every leaf is 4-byte).
+
+    `history` ([S, max_model_len]) and `allowed` ([S, vocab/32]) are 90% of a step's bytes and
+    hold only their defaults unless some row uses penalties or a token mask, so a "light" payload
+    leaves them out and followers put the defaults back. Each bucket has a full and a light layout.
+    """
 
     def __init__(self, runner: ModelRunner):
-        self.layouts = []
+        self.layouts = []  # per bucket: {full: (treedef, [(shape, dtype)])}
+        self.defaults = []  # per bucket: the heavy leaves at their defaults
         for bucket in runner.buckets:
-            leaves, treedef = jax.tree.flatten(runner.batch.fill(SchedulerOutput(step=-1), bucket))
-            assert all(a.dtype.itemsize == 4 for a in leaves), "step inputs must all be 4-byte arrays"
-            self.layouts.append((treedef, [(a.shape, a.dtype) for a in leaves]))
+            inputs, sampling = runner.batch.fill(SchedulerOutput(step=-1), bucket)
+            heavy = {name: np.array(getattr(sampling, name)) for name in HEAVY}
+            light = sampling._replace(**{name: None for name in HEAVY})
+            self.layouts.append({full: self._layout((inputs, sampling if full else light)) for full in (True, False)})
+            self.defaults.append(heavy)
 
-    def size(self, index: int) -> int:
-        return sum(int(np.prod(shape)) for shape, _ in self.layouts[index][1])
+    @staticmethod
+    def _layout(tree):
+        leaves, treedef = jax.tree.flatten(tree)
+        assert all(a.dtype.itemsize == 4 for a in leaves), "step inputs must all be 4-byte arrays"
+        return treedef, [(a.shape, a.dtype) for a in leaves]
 
-    def pack(self, tree) -> np.ndarray:
-        return np.concatenate([np.ascontiguousarray(a).reshape(-1).view(np.int32) for a in jax.tree.leaves(tree)])
+    def size(self, index: int, full: bool) -> int:
+        return sum(int(np.prod(shape)) for shape, _ in self.layouts[index][full][1])
 
-    def unpack(self, index: int, buffer: np.ndarray):
-        treedef, layout = self.layouts[index]
+    def pack(self, inputs, sampling) -> tuple[bool, np.ndarray]:
+        full = bool(np.any(sampling.history != -1) or np.any(sampling.allowed != np.uint32(0xFFFFFFFF)))
+        tree = (inputs, sampling if full else sampling._replace(**{name: None for name in HEAVY}))
+        return full, np.concatenate([np.ascontiguousarray(a).reshape(-1).view(np.int32) for a in jax.tree.leaves(tree)])
+
+    def unpack(self, index: int, full: bool, buffer: np.ndarray):
+        treedef, layout = self.layouts[index][full]
         leaves, offset = [], 0
         for shape, dtype in layout:
             n = int(np.prod(shape))
             leaves.append(buffer[offset : offset + n].view(dtype).reshape(shape))
             offset += n
-        return jax.tree.unflatten(treedef, leaves)
+        inputs, sampling = jax.tree.unflatten(treedef, leaves)
+        return inputs, sampling if full else sampling._replace(**self.defaults[index])
 
     def warm_up(self) -> None:
-        """Compile the broadcast for the header and every bucket's payload now (all nodes, same order)."""
+        """Compile the broadcast for the header and every payload shape now (all nodes, same order)."""
         broadcast_one_to_all(np.zeros(HEADER_SIZE, np.int32))
         for index in range(len(self.layouts)):
-            broadcast_one_to_all(np.zeros(self.size(index), np.int32))
+            for full in (True, False):
+                broadcast_one_to_all(np.zeros(self.size(index, full), np.int32))
 
 
 class StepLeader:
@@ -88,15 +110,16 @@ class StepLeader:
                                f"{self.timeout:.0f}s (a follower died or hangs)")
             try:
                 started = time.perf_counter()
-                payload = self.payloads.pack((inputs, sampling))
-                self._send(STEP, self.index[bucket], out.step)
+                full, payload = self.payloads.pack(inputs, sampling)
+                self._send(STEP, self.index[bucket], out.step, full)
                 broadcast_one_to_all(payload)
                 self.broadcast_seconds += time.perf_counter() - started
                 self.broadcast_bytes += payload.nbytes + HEADER_SIZE * 4
                 self.num_steps += 1
                 return self.runner.to_host(self.runner.run(bucket, inputs, sampling), len(out.scheduled))
             except Exception as e:  # a collective failed: the global mesh is gone for good
-                die(f"node 0: lost a follower during step {out.step} ({str(e).strip().splitlines()[0][:200]})")
+                die(f"node 0: step {out.step} failed across the nodes, a follower is likely gone "
+                    f"({str(e).strip().splitlines()[0][:200]})")
             finally:
                 self._watchdog.disarm()
 
@@ -107,11 +130,11 @@ class StepLeader:
                 return
             self._closed = True
             self._watchdog.arm(f"node 0: the followers did not take the stop message within {self.timeout:.0f}s")
-            self._send(STOP, 0, 0)
+            self._send(STOP)
             self._watchdog.disarm()
 
-    def _send(self, kind: int, index: int, step: int) -> None:
-        broadcast_one_to_all(np.array([kind, index, step], np.int32))
+    def _send(self, kind: int, index: int = 0, step: int = 0, full: bool = False) -> None:
+        broadcast_one_to_all(np.array([kind, index, step, full], np.int32))
         self._last_sent = time.monotonic()
 
     def _heartbeats(self) -> None:
@@ -124,7 +147,7 @@ class StepLeader:
                 if time.monotonic() - self._last_sent >= interval:
                     self._watchdog.arm(f"node 0: a heartbeat got no answer within {self.timeout:.0f}s "
                                        "(a follower died or hangs)")
-                    self._send(HEARTBEAT, 0, 0)
+                    self._send(HEARTBEAT)
                     self._watchdog.disarm()
 
 
@@ -145,15 +168,15 @@ def _follow_loop(runner: ModelRunner, payloads: Payloads, watchdog: Watchdog, ra
     steps = 0
     while True:
         watchdog.arm(f"node {rank}: the leader (node 0) sent nothing for {timeout:.0f}s; it died or hangs")
-        kind, index, step = (int(x) for x in broadcast_one_to_all(np.zeros(HEADER_SIZE, np.int32)))
+        kind, index, step, full = (int(x) for x in broadcast_one_to_all(np.zeros(HEADER_SIZE, np.int32)))
         if kind == STOP:
             watchdog.disarm()
             logger.info("node %d: leader said stop after %d steps", rank, steps)
             return steps
         if kind == HEARTBEAT:
             continue
-        buffer = broadcast_one_to_all(np.zeros(payloads.size(index), np.int32))
-        inputs, sampling = payloads.unpack(index, buffer)
+        buffer = broadcast_one_to_all(np.zeros(payloads.size(index, bool(full)), np.int32))
+        inputs, sampling = payloads.unpack(index, bool(full), buffer)
         # wait for the step: XLA may run independent programs concurrently, and the next broadcast's
         # collective must not interleave with this step's own (gloo would pair the wrong messages)
         jax.block_until_ready(runner.run(runner.buckets[index], inputs, sampling))
