@@ -213,6 +213,23 @@ def test_unconstrained_requests_run_while_a_grammar_compiles(llm):
     assert manager.num_active == 0
 
 
+def test_aborting_a_request_whose_grammar_compiles_forgets_it(llm):
+    engine, manager = llm.engine, llm.engine.structured
+    release = threading.Event()
+    compile_grammar = manager._compile
+    manager._compile = lambda grammar: release.wait(30) and compile_grammar(grammar)
+    try:
+        engine.add_request("aborted", [1, 2, 3], constrained(regex="[a-z]{2,7}"))
+        assert manager.num_pending == 1
+        output = engine.abort_request("aborted")
+        assert output.finished and output.outputs[0].finish_reason == "abort"
+        assert manager.num_pending == 0 and not engine.has_unfinished_requests()
+    finally:
+        release.set()
+        manager._compile = compile_grammar
+    assert engine.step() == [] and manager.num_active == 0
+
+
 def test_bitmask_rows_match_the_matcher_and_allow_eos_only_at_the_end(llm):
     """fill_bitmask writes llguidance's mask in the sampler's packed layout (bit t%32 of word t//32)."""
     from jaxllm.engine.request import Request
