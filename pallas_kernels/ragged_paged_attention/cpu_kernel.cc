@@ -73,20 +73,22 @@ void attend_tile(const float* q, const T* k_layer, const T* v_layer, const int32
   const int64_t key_lo = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
   const int64_t blk_lo = key_lo / B, blk_hi = (key_hi - 1) / B;
   const int64_t block_elems = B * Hkv * D, line = 64 / sizeof(T);
+  auto prefetch = [&](int64_t b) {  // blocks are scattered: ask for them before they are read
+    if (b > blk_hi || b >= sh.max_blocks) return;
+    const int64_t block = table[b];
+    if (block < 0 || block >= sh.num_blocks) return;
+    for (int64_t e = 0; e < block_elems; e += line) {
+      __builtin_prefetch(k_layer + block * block_elems + e);
+      __builtin_prefetch(v_layer + block * block_elems + e);
+    }
+  };
+  for (int64_t b = blk_lo; b < blk_lo + kPrefetch; ++b) prefetch(b);
   for (int64_t b = blk_lo; b <= blk_hi && b < sh.max_blocks; ++b) {
     const int64_t block = table[b];
     if (block < 0 || block >= sh.num_blocks) continue;  // a bad table entry reads nothing
     const T* kb = k_layer + block * block_elems;
     const T* vb = v_layer + block * block_elems;
-    if (b + kPrefetch <= blk_hi && b + kPrefetch < sh.max_blocks) {  // blocks are scattered: fetch ahead
-      const int64_t next = table[b + kPrefetch];
-      if (next >= 0 && next < sh.num_blocks) {
-        for (int64_t e = 0; e < block_elems; e += line) {
-          __builtin_prefetch(k_layer + next * block_elems + e);
-          __builtin_prefetch(v_layer + next * block_elems + e);
-        }
-      }
-    }
+    prefetch(b + kPrefetch);
     for (int64_t r = 0; r < nrows; ++r) {
       const int64_t pos = pos0 + r;
       const int64_t lo = window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
