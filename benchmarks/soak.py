@@ -135,10 +135,12 @@ async def soak(url: str, model: str, trace: list[TraceRequest], aborts: dict[int
         good_tasks = [asyncio.create_task(at(r.arrival_time, good(i, r))) for i, r in enumerate(trace)]
         bad_tasks = [asyncio.create_task(at(when, send_malformed(client, url + endpoint, name, body, timeout)))
                      for when, name, endpoint, body in malformed]
-        done, pending = await asyncio.wait(good_tasks + bad_tasks, timeout=max_duration)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        try:
+            done, _ = await asyncio.wait(good_tasks + bad_tasks, timeout=max_duration)
+        finally:  # past the deadline, or interrupted: close every stream before the client goes
+            for task in good_tasks + bad_tasks:
+                task.cancel()
+            await asyncio.gather(*good_tasks, *bad_tasks, return_exceptions=True)
         duration = time.perf_counter() - clock0
     outcomes = [t.result() if t in done else ("hung", None) for t in good_tasks]
     bad = [t.result() if t in done else {"name": "?", "status": None, "outcome": "hung", "message": "still open"}

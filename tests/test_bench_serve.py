@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import math
 import subprocess
 import sys
@@ -366,3 +367,18 @@ def test_a_trace_with_text_and_a_refused_prompt(real_server, tmp_path):
     assert result["input_lens"][0] > 0  # a text prompt's length is the server's count (usage.prompt_tokens)
     metrics = real_server.metrics()
     assert metrics["jaxllm:num_requests_running"] == metrics["jaxllm:num_requests_waiting"] == 0
+
+
+def test_ctrl_c_ends_a_run_with_streams_open(scripted_server, tmp_path):
+    url, _ = scripted_server
+    trace = tmp_path / "hang.jsonl"
+    save_trace([TraceRequest(arrival_time=0, prompt_token_ids=[4, 5], output_len=2)] * 3, trace)
+    process = subprocess.Popen([sys.executable, "-m", "jaxllm.entrypoints.cli", "bench", "serve", "--base-url", url,
+                                "--dataset-name", "jsonl", "--dataset-path", str(trace), "--disable-tqdm"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
+    deadline = time.monotonic() + 60
+    while "Benchmarking" not in (line := process.stdout.readline()):
+        assert line and time.monotonic() < deadline, process.stderr.read()
+    time.sleep(0.5)
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=15) == 130

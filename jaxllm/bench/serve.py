@@ -86,7 +86,7 @@ def main(args: argparse.Namespace) -> dict:
 
     rate_text = "trace arrival times" if rate is None else f"{rate:g} req/s (burstiness {args.burstiness:g})"
     print(f"Benchmarking {base_url}{ENDPOINT}, model {model}: {len(requests)} requests, {rate_text}, "
-          f"max concurrency {args.max_concurrency or 'unlimited'}")
+          f"max concurrency {args.max_concurrency or 'unlimited'}", flush=True)
     records, duration = asyncio.run(run(requests, url=base_url + ENDPOINT, model=model, headers=headers,
                                         seed=args.seed, max_concurrency=args.max_concurrency,
                                         timeout=args.timeout, progress=not args.disable_tqdm))
@@ -134,12 +134,17 @@ async def run(requests: list[TraceRequest], *, url: str, model: str, headers: di
                 return record
 
             tasks = []
-            for index, request in enumerate(requests):
-                delay = clock0 + request.arrival_time - first_arrival - time.perf_counter()
-                if delay > 0:
-                    await asyncio.sleep(delay)
-                tasks.append(asyncio.create_task(send(index, request)))
-            records = await asyncio.gather(*tasks)
+            try:
+                for index, request in enumerate(requests):
+                    delay = clock0 + request.arrival_time - first_arrival - time.perf_counter()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    tasks.append(asyncio.create_task(send(index, request)))
+                records = await asyncio.gather(*tasks)
+            finally:  # interrupted: close every stream before the client goes
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
             return list(records), time.perf_counter() - clock0
 
 
