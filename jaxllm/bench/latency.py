@@ -33,9 +33,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def validate(args: argparse.Namespace) -> None:
-    for name in ("batch_size", "input_len", "output_len", "num_iters"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
+    offline.check_positive(args, "batch_size", "input_len", "output_len", "num_iters")
     if args.num_iters_warmup < 0:
         raise ValueError(f"--num-iters-warmup must be >= 0 (got {args.num_iters_warmup})")
     offline.check_peer_model(args)

@@ -83,6 +83,12 @@ def run_batch(llm, prompts: list[list[int]], output_len: int) -> float:
     return elapsed
 
 
+def check_positive(args: argparse.Namespace, *names: str) -> None:
+    for name in names:
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
+
+
 def check_peer_model(args: argparse.Namespace) -> None:
     if args.compare is not None and args.model is not None:
         raise ValueError("--compare runs the peers on the default model only; drop --model to compare")

@@ -31,9 +31,7 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 
 
 def validate(args: argparse.Namespace) -> None:
-    for name in ("input_len", "output_len", "num_prompts", "rounds"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(args, name)})")
+    offline.check_positive(args, "input_len", "output_len", "num_prompts", "rounds")
     offline.check_peer_model(args)
 
 
