@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from jaxllm.bench.results import RequestRecord
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sim.costmodel import StepShape
-from jaxllm.sim.simulator import StepTime, recorded_step_time
+from jaxllm.sim.simulator import StepTime, record_token, recorded_step_time
 from jaxllm.sim.trace import TraceRequest, prompt_token_ids
 
 
@@ -103,12 +103,8 @@ def run_trace_on_engine(core, trace: list[TraceRequest], *, seed: int = 0) -> En
                 i = int(output.request_id)
                 record = records[i]
                 for _ in range(len(output.outputs[0].token_ids) - received[i]):
-                    if record.ttft is None:
-                        record.ttft = end - record.start
-                    else:
-                        record.itl.append(end - last_token[i])
+                    record_token(record, end, last_token[i])
                     last_token[i] = end
-                    record.output_len += 1
                 received[i] = len(output.outputs[0].token_ids)
                 if output.finished:
                     record.latency = end - record.start

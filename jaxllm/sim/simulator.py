@@ -93,6 +93,15 @@ class SimResult:
         return result
 
 
+def record_token(record: RequestRecord, now: float, previous: float) -> None:
+    """One more token at `now`; `previous` is when the request's last one came."""
+    if record.ttft is None:
+        record.ttft = now - record.start
+    else:
+        record.itl.append(now - previous)
+    record.output_len += 1
+
+
 def simulate(trace: list[TraceRequest], config: SimConfig, step_time: StepTime, *, seed: int = 0,
              oracle_output_len: bool = False, record_steps: bool = False) -> SimResult:
     """Run `trace` (sorted by arrival) to completion; `oracle_output_len` tells policies each true output length."""
@@ -142,12 +151,8 @@ def simulate(trace: list[TraceRequest], config: SimConfig, step_time: StepTime, 
         for request in scheduler.update(out, sampled):
             i = index[id(request)]
             record = records[i]
-            if record.ttft is None:
-                record.ttft = clock - record.start
-            else:
-                record.itl.append(clock - last_token[i])
+            record_token(record, clock, last_token[i])
             last_token[i] = clock
-            record.output_len += 1
             if request.is_finished:
                 record.latency = clock - record.start
                 record.success = True
