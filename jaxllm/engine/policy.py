@@ -64,7 +64,7 @@ class WaitingQueue(ABC):
         return candidates[-1]
 
     def begin_step(self, kv: KVCacheManager) -> None:
-        """Called once per step before admitting waiting requests: reorder here if the order depends on state."""
+        """Called before admissions in each step with room for one: reorder here if the order depends on state."""
 
     def can_admit(self, request: Request, running: list[Request], kv: KVCacheManager) -> bool:
         """Whether the head of the queue may start this step (admission stops at the first refusal)."""

@@ -113,8 +113,8 @@ class Scheduler:
                 budget -= num_new
 
         # waiting, in policy order — not while preempting: the pool is full
-        if not out.preempted and len(self.waiting):
-            self.waiting.begin_step(self.kv)
+        if not out.preempted and budget > 0 and len(self.waiting) and len(self.running) < self.config.max_num_seqs:
+            self.waiting.begin_step(self.kv)  # only when a request can start: lpm ranks by cache lookups
         while not out.preempted and budget > 0 and len(self.waiting) and len(self.running) < self.config.max_num_seqs:
             request = self.waiting.peek()
             if not self.waiting.can_admit(request, self.running, self.kv):
