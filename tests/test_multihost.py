@@ -36,7 +36,7 @@ def generate_cmd(rank: int, port: int, *extra: str, nnodes: int = 3) -> list[str
             "--max-num-seqs", str(TEST_ENGINE["max_num_seqs"]),
             "--max-num-batched-tokens", str(TEST_ENGINE["max_num_batched_tokens"]),
             "--max-model-len", str(TEST_ENGINE["max_model_len"]), "--dtype", "float32",
-            "--kv-cache-memory-bytes", str(kv_bytes(64)), "--tensor-parallel-size", "3",
+            "--kv-cache-memory-bytes", str(kv_bytes(64)), "--tensor-parallel-size", str(nnodes),
             "--nnodes", str(nnodes), "--node-rank", str(rank), "--master-port", str(port),
             "--distributed-timeout", str(TIMEOUT_S), *extra]
 

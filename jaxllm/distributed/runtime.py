@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
+import time
 
 import jax
 import numpy as np
 
 from jaxllm.distributed.watchdog import Watchdog, die
+
+logger = logging.getLogger(__name__)
 
 
 def check_node_args(nnodes: int, node_rank: int, master_port: int, tensor_parallel_size: int,
@@ -40,20 +44,24 @@ def initialize(nnodes: int, node_rank: int, master_addr: str, master_port: int, 
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.config.update("jax_num_cpu_devices", tensor_parallel_size // nnodes)  # the CPU backend only
-    jax.config.update("jax_share_binary_between_hosts", True)  # node 0 compiles each step; the others load it
     address = f"{master_addr}:{master_port}"
     who = "the leader" if node_rank else f"{nnodes - 1} follower(s)"
     watchdog = Watchdog(timeout + 5)  # JAX's own timeout first; this catches a hang inside it
     watchdog.arm(f"node {node_rank}: could not reach {who} at {address} within {timeout:.0f}s")
+    started = time.perf_counter()
     try:
         with _one_line_when_a_node_dies(node_rank):
             jax.distributed.initialize(address, nnodes, node_rank, initialization_timeout=max(int(timeout), 1),
                                        heartbeat_timeout_seconds=max(int(timeout), 10))
         # the first collective sets up gloo's connections, which gives up after 30 s: line the nodes up at a
         # barrier with our own timeout first, then do it, rather than during loading where one may lag
+        logger.info("node %d: connected to %s in %.1fs", node_rank, address, time.perf_counter() - started)
         _global_min()  # compiled before the barrier, so that nothing slow sits between it and the collective
+        logger.info("node %d: %d devices, first program ready at %.1fs", node_rank, len(jax.devices()),
+                    time.perf_counter() - started)
         _barrier("jaxllm-joined", timeout)
         agree_min(0)
+        logger.info("node %d: joined %d nodes in %.1fs", node_rank, nnodes, time.perf_counter() - started)
     except Exception as e:  # JAX's message is pages long; keep its first line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConnectionError(f"node {node_rank}: could not join {nnodes} nodes at {address} within "
