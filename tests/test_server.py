@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from jaxllm import EngineArgs, SamplingParams
+from jaxllm import EngineArgs, RequestOutputKind, SamplingParams
 from jaxllm.engine.async_llm import AsyncLLM
 from jaxllm.entrypoints.openai.api_server import build_app
 from jaxllm.entrypoints.openai.launcher import GracefulServer
@@ -184,6 +184,52 @@ def test_models_tokenize_detokenize_version_health(server, client):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+def test_the_openai_client_example_runs(server):
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
+    import openai_client
+
+    reply, completion = openai_client.main(server.url + "/v1")
+    assert "Paris" in reply and completion
+
+
+def test_async_llm_output_kinds_validation_and_leaving(server, client):
+    client.completions.create(model=MODEL, prompt="Hi", max_tokens=1)  # the engine is bound to the server's loop
+    engine = server.engine
+
+    def run(coro):
+        return asyncio.run_coroutine_threadsafe(coro, engine._loop).result(timeout=120)
+
+    async def collect(kind):
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, output_kind=kind)
+        return [out async for out in engine.generate("Once upon a time", params)]
+
+    cumulative, delta, final = (run(collect(kind)) for kind in RequestOutputKind)
+    assert len(final) == 1 and final[0].finished
+    text = final[0].outputs[0].text
+    assert [o.outputs[0].text for o in cumulative][-1] == text and len(cumulative) == 6
+    assert "".join(o.outputs[0].text for o in delta) == text
+    assert [len(o.outputs[0].token_ids) for o in delta] == [1] * 6
+
+    async def bad(prompt, params=None):
+        with pytest.raises(ValueError) as e:
+            async for _ in engine.generate(prompt, params):
+                pass
+        return str(e.value)
+
+    assert "max_model_len=512" in run(bad({"prompt_token_ids": [1] * 600}))
+    assert "empty" in run(bad(""))
+    assert "SamplingParams" in run(bad("hi", "not params"))
+
+    async def leave():  # a consumer that stops early aborts its request
+        async for _ in engine.generate("Tell me a story", SamplingParams(max_tokens=400, ignore_eos=True)):
+            break
+
+    run(leave())
+    wait_idle(server, timeout=10)
+    assert server.core.kv.num_free_blocks == server.core.kv.num_usable_blocks
+    assert engine.stats()["num_unfinished_streams"] == 0
+
+
 # ---- bad requests ----------------------------------------------------------------------------------
 
 C, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -226,8 +272,9 @@ BAD = [  # (path, body (bytes: sent raw), status, param)
     (C, {**GOOD, "stop_token_ids": [-1]}, 400, "stop_token_ids"),
     (C, {**GOOD, "seed": "abc"}, 400, "seed"),
     (C, {**GOOD, "stream": "yes"}, 400, "stream"),
+    (C, {**GOOD, "stream_options": {"include_usage": True}}, 400, "stream_options"),
     (C, {**GOOD, "echo": True, "logprobs": 1}, 400, "echo"),
-    (C, {**GOOD, "response_format": {"type": "json_object"}}, 400, "response_format"),
+    (C, {**GOOD, "response_format": {"type": "bogus"}}, 400, "response_format.type"),
     (C, {**GOOD, "logit_bias": {"1": 5}}, 400, "logit_bias"),
     (CHAT, {"model": MODEL, "messages": []}, 400, "messages"),
     (CHAT, {"model": MODEL}, 400, "messages"),
@@ -239,7 +286,7 @@ BAD = [  # (path, body (bytes: sent raw), status, param)
     (CHAT, {**GOOD_CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
     (CHAT, {**GOOD_CHAT, "logprobs": True, "top_logprobs": 50}, 400, "logprobs"),
     (CHAT, {**GOOD_CHAT, "max_completion_tokens": 100000}, 400, "max_completion_tokens"),
-    (CHAT, {**GOOD_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    (CHAT, {**GOOD_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
     (CHAT, {**GOOD_CHAT, "stream_options": {"include_usage": "yes"}}, 400, "stream_options.include_usage"),
     ("/tokenize", {"prompt": "a", "messages": QUESTION}, 400, "prompt"),
     ("/detokenize", {"tokens": [-5]}, 400, "tokens"),

@@ -222,7 +222,8 @@ class AsyncLLM:
     def stats(self) -> dict:
         """The engine cores' latest snapshot, summed over cores ("engines" keeps each one)."""
         per_engine = self.client.stats()
-        total = {k: sum(s[k] for s in per_engine) for k in per_engine[0] if k != "kv_cache_usage"}
+        counts = [k for k, v in per_engine[0].items() if isinstance(v, (int, float)) and k != "kv_cache_usage"]
+        total = {k: sum(s[k] for s in per_engine) for k in counts}
         total["kv_cache_usage"] = sum(s["kv_cache_usage"] for s in per_engine) / len(per_engine)
         total["num_unfinished_streams"] = len(self._streams)
         return {**total, "engines": per_engine}

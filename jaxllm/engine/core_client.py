@@ -16,6 +16,10 @@ the same methods). The rules every client keeps:
   step; reading it never waits for a step.
 - When no request is unfinished, a core's loop blocks on its command queue: an idle
   server spends no CPU.
+
+A client class is built as `Client(engine_args, on_outputs, on_dead, progress=...)`, returns
+once every core is ready, and exposes `info` (an `EngineInfo`); `AsyncLLM(args, client_class=...)`
+picks one.
 """
 
 from __future__ import annotations

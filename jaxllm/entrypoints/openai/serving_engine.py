@@ -81,6 +81,8 @@ class OpenAIServing:
     def sampling_params(self, request: SamplingRequest, *, max_tokens: int, logprobs: int | None,
                         structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
         """The fields both endpoints share; range errors name the request field."""
+        if request.stream_options is not None and not request.stream:
+            raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
         limit = self.engine.info.max_num_seqs
         if request.n > limit:
             raise bad_request(f"n must be at most {limit} (max_num_seqs: a request's samples run together), "
