@@ -20,12 +20,12 @@ PERSON = {
     "required": ["name", "age", "languages"],
     "additionalProperties": False,
 }
-ARITHMETIC = r"""
-start: expr
-expr: term (OP term)~0..3
-term: NUMBER | "(" expr ")"
-OP: "+" | "-" | "*"
-NUMBER: /[0-9]{1,3}/
+SENTENCE = r"""
+start: subject " " verb " " object "."
+subject: "The cat" | "A dog" | "My friend"
+verb: "eats" | "sees" | "likes"
+object: "fish" | "the ball" | NUMBER " apples"
+NUMBER: /[1-9][0-9]?/
 """
 
 
@@ -36,7 +36,7 @@ def main(llm: LLM | None = None, **engine_args) -> list:
         ("Describe a famous scientist as JSON.", StructuredOutputsParams(json=PERSON)),
         ("What is the phone number of the White House?", StructuredOutputsParams(regex=r"\(\d{3}\) \d{3}-\d{4}")),
         ("Is Paris the capital of France?", StructuredOutputsParams(choice=["yes", "no"])),
-        ("Write an arithmetic expression that equals 10.", StructuredOutputsParams(grammar=ARITHMETIC)),
+        ("Write a short sentence about a pet.", StructuredOutputsParams(grammar=SENTENCE)),
     ]
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
                                              add_generation_prompt=True) for question, _ in asks]

@@ -8,7 +8,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.test_server import MODEL, InProcessServer
+from tests.test_server import MODEL, client, server  # noqa: F401 (module-scoped fixtures: this module's own server)
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
           "properties": {"name": {"type": "string", "maxLength": 20},
@@ -23,18 +23,6 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
                                                           "properties": {"city": {"type": "string",
                                                                                   "maxLength": 20}}}}}]
 ASK_WEATHER = [{"role": "user", "content": "What is the weather like in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def server():
-    s = InProcessServer()
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
 def chat(client, messages, max_tokens=80, **kwargs):
