@@ -84,14 +84,15 @@ def _run(backend, kinds, *, group, block_size, head_dim, dtype, sliding_window=N
         _check(batch, out, dtype, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
 
 
-# --- the reference: the full cross product ------------------------------------------------
+# --- the reference and the C++ CPU kernel: the full cross product ---------------------------
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 @pytest.mark.parametrize("group", [1, 3, 4])
-def test_reference(group, block_size, head_dim, dtype):
-    _run("reference", KINDS, group=group, block_size=block_size, head_dim=head_dim, dtype=dtype)
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+def test_cross_product(backend, group, block_size, head_dim, dtype):
+    _run(backend, KINDS, group=group, block_size=block_size, head_dim=head_dim, dtype=dtype)
 
 
 @pytest.mark.parametrize("kw", [
@@ -103,15 +104,7 @@ def test_reference_tilings(kw):
     _run("reference", KINDS, group=3, block_size=8, head_dim=64, dtype="float32", **kw)
 
 
-# --- the C++ CPU kernel: the full cross product, and a bfloat16 cache under float32 queries --
-
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("block_size", [8, 16, 32])
-@pytest.mark.parametrize("group", [1, 3, 4])
-def test_cpu_kernel(group, block_size, head_dim, dtype):
-    _run("cpu", KINDS, group=group, block_size=block_size, head_dim=head_dim, dtype=dtype)
-
+# --- a bfloat16 cache under float32 queries ------------------------------------------------
 
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 @pytest.mark.parametrize("group,block_size,head_dim", [(3, 16, 64), (1, 8, 128), (4, 32, 64)])
