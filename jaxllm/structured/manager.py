@@ -30,7 +30,8 @@ from jaxllm.structured.tokenizer import llguidance_tokenizer, tokenizer_problem
 
 CACHE_SIZE = 256  # compiled grammars kept (LRU)
 # llguidance's batch executor fills masks on ~80 % of the cores; with 2 cores or fewer that is one
-# worker thread, and filling in the calling thread is ~3x faster (64 masks: 1.0 vs 2.8 ms, measured)
+# worker thread, and filling in the calling thread is faster (64 masks on a loaded 2-core machine:
+# 7.6 vs 10.3 ms, and 1.0 vs 2.8 ms in a simpler JSON state; benchmarks/structured_cost.py --mask-only)
 PARALLEL_FILL = (os.cpu_count() or 1) > 2
 
 
