@@ -14,6 +14,7 @@ its own in-flight requests; the others keep serving.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import logging
 import multiprocessing
@@ -140,6 +141,7 @@ class DataParallelClient:
         for replica in self.replicas:
             threading.Thread(target=self._read, args=(replica,), name=f"jaxllm-dp-reader-{replica.index}",
                              daemon=True).start()
+        atexit.register(self.shutdown)  # before multiprocessing terminates its daemons, so no "replica died"
 
     def _wait_ready(self) -> EngineInfo:
         info = None
