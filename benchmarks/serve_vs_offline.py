@@ -1,16 +1,18 @@
 #!/usr/bin/env python
 """Output tokens/s through the OpenAI server vs `LLM.generate`, same workload, same run; idle CPU.
 
-Workload (the offline benchmark's, benchmarks/throughput.py): B prompts of exactly
+Workload (the offline benchmark's, `jaxllm bench throughput`): B prompts of exactly
 `--prompt-len` real tokens, greedy, EOS ignored, `--new-tokens` new tokens each. The offline
-engine runs first; then the same settings behind the server (uvicorn on a thread of this
-process, the engine core on its own thread) receive B concurrent streaming requests from a
-client in a separate process (httpx, as a real client would be). Per engine step we time the
+engine and the same settings behind the server (uvicorn on a thread of this process, the
+engine core on its own thread, B concurrent streaming requests from a client in a separate
+process, as a real client would be) run in alternation, `--rounds` times each, so both see
+the same drift in machine load; the ratio is per round. Per engine step we time the
 whole step and the part inside `ModelRunner.execute`, so the JSON also says how much host
 work (scheduling, detokenization, output assembly) each step carries in both settings.
 Last, with the server idle, the CPU time this process uses over `--idle-seconds`.
 
-    python benchmarks/serve_vs_offline.py --out benchmarks/results/serve_vs_offline_cpu.json
+    python benchmarks/serve_vs_offline.py --rounds 3 --out benchmarks/results/serve_vs_offline.json
+    python benchmarks/serve_vs_offline.py --new-tokens 32 --rounds 2   # quicker, on a busy machine
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import json
 import os
 import platform
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -55,6 +58,9 @@ class StepTimer:
 
         core.step, core.runner.execute = timed_step, timed_execute
 
+    def reset(self) -> None:
+        self.step_s, self.execute_s, self.steps = 0.0, 0.0, 0
+
     def summary(self) -> dict:
         n = max(self.steps, 1)
         return {"steps": self.steps, "mean_step_ms": round(1e3 * self.step_s / n, 3),
@@ -86,6 +92,9 @@ class FrontTimer:
 
         engine._dispatch, serving_completion.sse = timed_dispatch, timed_sse
 
+    def reset(self) -> None:
+        self.dispatch_s = self.sse_s = 0.0
+
     def summary(self, steps: int) -> dict:
         n = max(steps, 1)
         return {"mean_dispatch_ms_per_step": round(1e3 * self.dispatch_s / n, 3),
@@ -99,61 +108,80 @@ def engine_kwargs(args) -> dict:
                 max_model_len=args.max_model_len, dtype=args.dtype, kv_cache_memory_bytes=blocks * KV_BYTES_PER_BLOCK)
 
 
-def run_offline(args) -> tuple[dict, list[list[int]]]:
-    from throughput import make_prompts
+class Offline:
+    """`LLM.generate` on the workload."""
 
-    from jaxllm import LLM, SamplingParams
+    def __init__(self, args):
+        from jaxllm.bench.offline import make_prompts
 
-    llm = LLM(**engine_kwargs(args), progress=False)
-    prompts = make_prompts(llm.get_tokenizer(), args.batch, args.prompt_len)
-    params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
-    llm.generate([{"prompt_token_ids": p} for p in prompts[:2]], params, use_tqdm=False)  # warm
-    timer = StepTimer(llm.engine)
-    start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    wall = time.perf_counter() - start
-    total = sum(len(o.outputs[0].token_ids) for o in outputs)
-    assert total == len(prompts) * args.new_tokens, total
-    result = {"wall_s": round(wall, 3), "output_tokens": total, "output_tok_per_s": round(total / wall, 2),
-              **timer.summary()}
-    del llm  # free its KV cache before the server's engine allocates one
-    return result, prompts
+        from jaxllm import LLM, SamplingParams
+
+        self.llm = LLM(**engine_kwargs(args), progress=False)
+        self.prompts = make_prompts(self.llm.get_tokenizer(), args.batch, args.prompt_len)
+        self.params = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
+        self.timer = StepTimer(self.llm.engine)
+        self.run(self.prompts[:2])  # warm
+
+    def run(self, prompts) -> dict:
+        self.timer.reset()
+        start, cpu = time.perf_counter(), cpu_seconds()
+        outputs = self.llm.generate([{"prompt_token_ids": p} for p in prompts], self.params, use_tqdm=False)
+        wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu
+        total = sum(len(o.outputs[0].token_ids) for o in outputs)
+        assert total == len(prompts) * self.params.max_tokens, total
+        return {"wall_s": round(wall, 3), "output_tokens": total, "output_tok_per_s": round(total / wall, 2),
+                "engine_process_cpu_s": round(cpu, 2), **self.timer.summary()}
 
 
-def run_server(args, prompts) -> dict:
-    import uvicorn
+class Served:
+    """The same engine settings behind the server, driven by a client process."""
 
-    from jaxllm import EngineArgs
-    from jaxllm.engine.async_llm import AsyncLLM
-    from jaxllm.entrypoints.openai.api_server import build_app
-    from jaxllm.entrypoints.openai.launcher import GracefulServer
-    from jaxllm.runner.model_runner import compilation_count
+    def __init__(self, args):
+        import uvicorn
 
-    engine = AsyncLLM(EngineArgs(**engine_kwargs(args)), served_model_name="bench", progress=False,
-                      log_stats=False)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = GracefulServer(uvicorn.Config(build_app(engine), port=port, log_level="warning", lifespan="off"),
-                            engine)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    url = f"http://127.0.0.1:{port}"
-    client = [sys.executable, __file__, "--client", url, "--new-tokens", str(args.new_tokens)]
-    subprocess.run(client, input=json.dumps(prompts[:2]), text=True, check=True, capture_output=True)  # warm
-    timer, front = StepTimer(engine.client.core), FrontTimer(engine)
-    compiled = compilation_count()
-    done = subprocess.run(client, input=json.dumps(prompts), text=True, check=True, capture_output=True)
-    result = json.loads(done.stdout)
-    result.update(timer.summary(), **front.summary(timer.steps),
-                  compilations_while_serving=compilation_count() - compiled)
-    result["idle_cpu_percent"] = idle_cpu(args.idle_seconds)
-    server.should_exit = True
-    thread.join(timeout=30)
-    engine.shutdown()
-    return result
+        from jaxllm import EngineArgs
+        from jaxllm.engine.async_llm import AsyncLLM
+        from jaxllm.entrypoints.openai.api_server import build_app
+        from jaxllm.entrypoints.openai.launcher import GracefulServer
+
+        self.engine = AsyncLLM(EngineArgs(**engine_kwargs(args)), served_model_name="bench", progress=False,
+                               log_stats=False)
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        self.server = GracefulServer(uvicorn.Config(build_app(self.engine), port=port, log_level="warning",
+                                                    lifespan="off"), self.engine)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        while not self.server.started:
+            time.sleep(0.05)
+        self.client = [sys.executable, __file__, "--client", f"http://127.0.0.1:{port}",
+                       "--new-tokens", str(args.new_tokens)]
+        self.timer, self.front = StepTimer(self.engine.client.core), FrontTimer(self.engine)
+
+    def run(self, prompts) -> dict:
+        from jaxllm.runner.model_runner import compilation_count
+
+        self.timer.reset()
+        self.front.reset()
+        compiled, cpu = compilation_count(), cpu_seconds()
+        done = subprocess.run(self.client, input=json.dumps(prompts), text=True, check=True, capture_output=True)
+        result = json.loads(done.stdout)
+        result["engine_process_cpu_s"] = round(cpu_seconds() - cpu, 2)
+        result.update(self.timer.summary(), **self.front.summary(self.timer.steps),
+                      compilations_while_serving=compilation_count() - compiled)
+        return result
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=30)
+        self.engine.shutdown()
+
+
+def cpu_seconds() -> float:
+    """User + system CPU time of this process (all its threads) so far."""
+    t = os.times()
+    return t.user + t.system
 
 
 def idle_cpu(seconds: float) -> float:
@@ -193,7 +221,7 @@ async def client_main(url: str, prompts: list[list[int]], new_tokens: int) -> di
     assert total == len(prompts) * new_tokens, total
     ttfts = sorted(r[1] for r in results)
     return {"wall_s": round(wall, 3), "output_tokens": total, "output_tok_per_s": round(total / wall, 2),
-            "median_ttft_s": round(ttfts[len(ttfts) // 2], 3)}
+            "median_ttft_s": round(ttfts[len(ttfts) // 2], 3), "client_process_cpu_s": round(cpu_seconds(), 2)}
 
 
 def main() -> None:
@@ -204,6 +232,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--rounds", type=int, default=2, help="offline and server runs, alternated")
     parser.add_argument("--idle-seconds", type=float, default=10.0)
     parser.add_argument("--out", default=None)
     parser.add_argument("--client", default=None, help=argparse.SUPPRESS)  # internal: the load-generating child
@@ -215,13 +244,22 @@ def main() -> None:
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     load_before = os.getloadavg()
-    offline, prompts = run_offline(args)
-    served = run_server(args, prompts)
+    offline = Offline(args)
+    served = Served(args)
+    served.run(offline.prompts[:2])  # warm
+    rounds = []
+    for _ in range(args.rounds):  # alternate, so both settings see the same drift in machine load
+        rounds.append({"offline": offline.run(offline.prompts), "server": served.run(offline.prompts)})
+        rounds[-1]["server_over_offline"] = round(
+            rounds[-1]["server"]["output_tok_per_s"] / rounds[-1]["offline"]["output_tok_per_s"], 3)
+    idle = idle_cpu(args.idle_seconds)
+    served.stop()
     result = {
         "workload": {"requests": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
                      "greedy": True, "ignore_eos": True, **engine_kwargs(args)},
-        "offline": offline, "server": served,
-        "server_over_offline": round(served["output_tok_per_s"] / offline["output_tok_per_s"], 3),
+        "rounds": rounds,
+        "median_server_over_offline": statistics.median(r["server_over_offline"] for r in rounds),
+        "idle_cpu_percent": idle,
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
