@@ -8,7 +8,6 @@ gloo and each node contributes `tensor_parallel_size // nnodes` host devices.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 import time
@@ -16,7 +15,7 @@ import time
 import jax
 import numpy as np
 
-from jaxllm.distributed.watchdog import Watchdog, die
+from jaxllm.distributed.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +49,8 @@ def initialize(nnodes: int, node_rank: int, master_addr: str, master_port: int, 
     watchdog.arm(f"node {node_rank}: could not reach {who} at {address} within {timeout:.0f}s")
     started = time.perf_counter()
     try:
-        with _one_line_when_a_node_dies(node_rank):
-            jax.distributed.initialize(address, nnodes, node_rank, initialization_timeout=max(int(timeout), 1),
-                                       heartbeat_timeout_seconds=max(int(timeout), 10))
+        jax.distributed.initialize(address, nnodes, node_rank, initialization_timeout=max(int(timeout), 1),
+                                   heartbeat_timeout_seconds=max(int(timeout), 10))
         # the first collective sets up gloo's connections, which gives up after 30 s: line the nodes up at a
         # barrier with our own timeout first, then do it, rather than during loading where one may lag
         logger.info("node %d: connected to %s in %.1fs", node_rank, address, time.perf_counter() - started)
@@ -68,33 +66,6 @@ def initialize(nnodes: int, node_rank: int, master_addr: str, master_port: int, 
                               f"{timeout:.0f}s ({first[:200]})") from None
     finally:
         watchdog.disarm()
-
-
-@contextlib.contextmanager
-def _one_line_when_a_node_dies(node_rank: int):
-    """JAX's coordination client aborts the process with a page of C++ log when it loses the coordinator
-    or a peer; its `missed_heartbeat_callback` (not exposed by `jax.distributed.initialize`) lets us exit
-    with one line instead. Private API, so guarded: without it the process still exits non-zero."""
-    try:
-        from jax._src.lib import _jax
-        real = _jax.get_distributed_runtime_client
-    except (ImportError, AttributeError):
-        yield
-        return
-
-    def on_lost(status=None, *_):
-        first = str(status).strip().splitlines()[0][:200] if status else "no heartbeat"
-        die(f"node {node_rank}: lost contact with the other nodes ({first})")
-
-    def client(*args, **kwargs):
-        kwargs.setdefault("missed_heartbeat_callback", on_lost)
-        return real(*args, **kwargs)
-
-    _jax.get_distributed_runtime_client = client
-    try:
-        yield
-    finally:
-        _jax.get_distributed_runtime_client = real
 
 
 def _barrier(name: str, timeout: float) -> None:

@@ -102,6 +102,7 @@ class StepLeader:
         self._watchdog = Watchdog(timeout, "jaxllm-leader-watchdog")
         threading.Thread(target=self._heartbeats, name="jaxllm-heartbeat", daemon=True).start()
         atexit.register(self.close)
+        logger.info("node 0: driving %d follower node(s)", jax.process_count() - 1)
 
     def execute(self, out: SchedulerOutput, grammar=None) -> RunnerOutput:
         bucket, inputs, sampling = self.runner.prepare(out, grammar)
