@@ -97,10 +97,6 @@ def _global_min():
     return sharding, compiled
 
 
-def is_leader() -> bool:
-    return jax.process_index() == 0
-
-
 def initialize_from_args(args) -> None:
     """`initialize` from `EngineArgs` (validated first)."""
     check_node_args(args.nnodes, args.node_rank, args.master_port, args.tensor_parallel_size,
