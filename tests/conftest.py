@@ -47,3 +47,20 @@ def llm():
     from jaxllm import LLM
 
     return LLM(**TEST_ENGINE, kv_cache_memory_bytes=kv_bytes(TEST_KV_BLOCKS))
+
+
+@pytest.fixture(scope="session")
+def server():
+    """One OpenAI server (default model, TEST_ENGINE shapes) shared by the server test modules."""
+    from tests.inprocess_server import InProcessServer
+
+    s = InProcessServer()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    import openai
+
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)

@@ -7,73 +7,22 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import openai
 import pytest
 
-from jaxllm import EngineArgs, RequestOutputKind, SamplingParams
-from jaxllm.engine.async_llm import AsyncLLM
-from jaxllm.entrypoints.openai.api_server import build_app
-from jaxllm.entrypoints.openai.launcher import GracefulServer
+from jaxllm import RequestOutputKind, SamplingParams
+from jaxllm.bench.server_process import free_port
 from jaxllm.runner.model_runner import compilation_count
-from tests.conftest import TEST_ENGINE, TEST_KV_BLOCKS, kv_bytes
+from tests.conftest import TEST_ENGINE
+from tests.inprocess_server import MODEL
 from tests.test_cli_and_examples import ENGINE_FLAGS
 
-MODEL = "smol"
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class InProcessServer:
-    """uvicorn on a thread of the test process, so tests can look inside the engine."""
-
-    def __init__(self):
-        import uvicorn
-
-        args = {k: v for k, v in TEST_ENGINE.items() if k != "progress"}
-        self.engine = AsyncLLM(EngineArgs(**args, kv_cache_memory_bytes=kv_bytes(TEST_KV_BLOCKS)),
-                               served_model_name=MODEL, progress=False)
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        app = build_app(self.engine, served_model_names=[MODEL])
-        self.server = GracefulServer(uvicorn.Config(app, port=self.port, log_level="warning", lifespan="off"),
-                                     self.engine)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        while not self.server.started:
-            time.sleep(0.05)
-
-    @property
-    def core(self):
-        return self.engine.client.core
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
-        self.engine.shutdown()
-
-
-@pytest.fixture(scope="module")
-def server():
-    s = InProcessServer()
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
 
 
 def metric(text: str, name: str) -> float:

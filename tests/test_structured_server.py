@@ -8,7 +8,7 @@ import jsonschema
 import openai
 import pytest
 
-from tests.test_server import MODEL, client, server  # noqa: F401 (module-scoped fixtures: this module's own server)
+from tests.inprocess_server import MODEL
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
           "properties": {"name": {"type": "string", "maxLength": 20},
