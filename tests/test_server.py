@@ -121,6 +121,17 @@ def test_chat_streams_n2_with_logprobs_and_usage(client):
     assert reply.choices[0].finish_reason in ("stop", "length") and "Paris" not in reply.choices[0].message.content
 
 
+def test_user_and_priority_reach_the_scheduler(server, client, monkeypatch):
+    """`user` feeds the `fair` policy and `priority` the `priority` policy: both must reach the Request."""
+    seen = []
+    add = server.core.add_request
+    monkeypatch.setattr(server.core, "add_request",
+                        lambda *a, **kw: (seen.append((kw.get("user"), kw.get("priority"))), add(*a, **kw))[1])
+    client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, user="tenant-a", extra_body={"priority": 3})
+    client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, user="tenant-b")
+    assert seen == [("tenant-a", 3), ("tenant-b", 0)]
+
+
 def test_models_tokenize_detokenize_version_health(server, client):
     assert [m.id for m in client.models.list()] == [MODEL]
     tokens = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world"}).json()

@@ -83,9 +83,10 @@ def _replica_main(index: int, args: EngineArgs, env: dict[str, str], conn, progr
             if kind == "abort":
                 outputs += [o for rid in payload if (o := core.abort_request(rid)) is not None]
                 continue
-            request_id, ids, params, prompt, priority, arrival = payload
+            request_id, ids, params, prompt, priority, arrival, user = payload
             try:
-                core.add_request(request_id, ids, params, prompt=prompt, priority=priority, arrival_time=arrival)
+                core.add_request(request_id, ids, params, prompt=prompt, priority=priority, arrival_time=arrival,
+                                 user=user)
             except ValueError as e:
                 outputs.append(failed_output(request_id, ids, params, prompt, str(e)))
         if core.has_unfinished_requests():
@@ -161,7 +162,8 @@ class DataParallelClient:
 
     # ---- the interface -------------------------------------------------------------------
 
-    def add_request(self, request_id, prompt_token_ids, params, *, prompt=None, priority=0, arrival_time=None):
+    def add_request(self, request_id, prompt_token_ids, params, *, prompt=None, priority=0, arrival_time=None,
+                    user=None):
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         with self._lock:
             replica = self._least_loaded()
@@ -172,7 +174,7 @@ class DataParallelClient:
             replica.in_flight[request_id] = (prompt_token_ids, params)
             replica.routed_since_push += 1
             self._owner[request_id] = replica.index
-        self._send(replica, ("add", (request_id, prompt_token_ids, params, prompt, priority, arrival_time)))
+        self._send(replica, ("add", (request_id, prompt_token_ids, params, prompt, priority, arrival_time, user)))
 
     def abort(self, request_ids: Iterable[str]) -> None:
         by_replica: dict[int, list[str]] = {}
@@ -281,11 +283,11 @@ class DataParallelEngine:
         self.client.info.validate_prompt(prompt_token_ids)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params=None, *, prompt=None, priority=0,
-                    arrival_time=None) -> None:
+                    arrival_time=None, user=None) -> None:
         from jaxllm.sampling_params import SamplingParams
 
         self.client.add_request(request_id, prompt_token_ids, params if params is not None else SamplingParams(),
-                                prompt=prompt, priority=priority, arrival_time=arrival_time)
+                                prompt=prompt, priority=priority, arrival_time=arrival_time, user=user)
 
     def step(self) -> list:
         """The outputs of the next step any replica finished (waits for one), and any others already in."""

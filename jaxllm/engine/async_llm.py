@@ -119,7 +119,8 @@ class AsyncLLM:
         return text, self.tokenizer.encode(text)
 
     async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, *, priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       request_id: str | None = None, *, priority: int = 0,
+                       user: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request. Bad input raises ValueError before anything is queued."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -135,7 +136,7 @@ class AsyncLLM:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._bind_loop()
         stream = self._streams[request_id] = RequestStream(params.output_kind)
-        self.client.add_request(request_id, token_ids, params, prompt=text, priority=priority,
+        self.client.add_request(request_id, token_ids, params, prompt=text, priority=priority, user=user,
                                 arrival_time=time.monotonic())
         finished = False
         try:

@@ -62,7 +62,8 @@ class EngineCoreClient(Protocol):
     info: EngineInfo
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                    prompt: str | None = None, priority: int = 0, arrival_time: float | None = None) -> None: ...
+                    prompt: str | None = None, priority: int = 0, arrival_time: float | None = None,
+                    user: str | None = None) -> None: ...
 
     def abort(self, request_ids: Iterable[str]) -> None: ...
 
@@ -106,9 +107,10 @@ class InProcessClient:
 
     # ---- the interface -------------------------------------------------------------------
 
-    def add_request(self, request_id, prompt_token_ids, params, *, prompt=None, priority=0, arrival_time=None):
+    def add_request(self, request_id, prompt_token_ids, params, *, prompt=None, priority=0, arrival_time=None,
+                    user=None):
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
-        self._commands.put(("add", (request_id, prompt_token_ids, params, prompt, priority, arrival_time)))
+        self._commands.put(("add", (request_id, prompt_token_ids, params, prompt, priority, arrival_time, user)))
 
     def abort(self, request_ids: Iterable[str]) -> None:
         self._commands.put(("abort", list(request_ids)))
@@ -157,9 +159,9 @@ class InProcessClient:
             if kind == "abort":
                 outputs += [o for rid in payload if (o := self.core.abort_request(rid)) is not None]
                 continue
-            request_id, ids, params, prompt, priority, arrival = payload
+            request_id, ids, params, prompt, priority, arrival, user = payload
             try:
                 self.core.add_request(request_id, ids, params, prompt=prompt, priority=priority,
-                                      arrival_time=arrival)
+                                      arrival_time=arrival, user=user)
             except ValueError as e:
                 outputs.append(failed_output(request_id, ids, params, prompt, str(e)))

@@ -28,7 +28,7 @@ class OpenAIServingChat(OpenAIServing):
         constraint = self.output_constraint(request)
         params = self.chat_sampling_params(request, len(prompt["prompt_token_ids"]), constraint.params)
         request_id = request_id or random_id("chatcmpl")
-        outputs = self.generate_all(request_id, [prompt], [params], request.priority)
+        outputs = self.generate_all(request_id, [prompt], [params], request.priority, request.user)
         echo = self.echo_text(request)
         if request.stream:
             return self.stream(request, request_id, prompt, outputs, echo, constraint.tool_call)

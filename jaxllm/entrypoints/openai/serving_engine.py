@@ -131,11 +131,11 @@ class OpenAIServing:
         logger.info("request %s: prompt %r, params %s", request_id, text, params)
 
     def generate_all(self, request_id: str, prompts: list[dict], params: list[SamplingParams],
-                     priority: int) -> AsyncIterator[tuple[int, RequestOutput]]:
+                     priority: int, user: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
         """One engine request per prompt, merged: yields (prompt index, output) as they come."""
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             self.log_request(f"{request_id}-{i}", prompt.get("prompt") or prompt["prompt_token_ids"], p)
-        streams = [self.engine.generate(prompt, p, f"{request_id}-{i}", priority=priority)
+        streams = [self.engine.generate(prompt, p, f"{request_id}-{i}", priority=priority, user=user)
                    for i, (prompt, p) in enumerate(zip(prompts, params))]
         return merge_async_iterators(streams)
 
