@@ -9,7 +9,6 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,14 +17,9 @@ import httpx
 import pytest
 
 from tests.conftest import TEST_ENGINE, TEST_KV_BLOCKS, kv_bytes
+from jaxllm.bench.server_process import free_port
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "The three primary colors are"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -7,21 +7,15 @@ whose leader dies mid-run exits non-zero within its timeout instead of hanging i
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
+from jaxllm.bench.server_process import free_port
 from tests.conftest import TEST_ENGINE, kv_bytes
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 TIMEOUT_S = 20
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def node_env() -> dict:
