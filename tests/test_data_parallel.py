@@ -16,8 +16,8 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import TEST_ENGINE, TEST_KV_BLOCKS, kv_bytes
 from jaxllm.bench.server_process import free_port
+from tests.conftest import TEST_ENGINE, TEST_KV_BLOCKS, kv_bytes
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "The three primary colors are"]
 
