@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterable
 
 from jaxllm.engine.args import EngineArgs
-from jaxllm.engine.core_client import DeadHandler, EngineInfo, OutputHandler, failed_output
+from jaxllm.engine.core_client import DeadHandler, EngineInfo, OutputHandler, apply_command, failed_output
 
 logger = logging.getLogger("jaxllm")
 
@@ -80,15 +80,7 @@ def _replica_main(index: int, args: EngineArgs, env: dict[str, str], conn, progr
                 return
             if kind == "stop":
                 return
-            if kind == "abort":
-                outputs += [o for rid in payload if (o := core.abort_request(rid)) is not None]
-                continue
-            request_id, ids, params, prompt, priority, arrival, user = payload
-            try:
-                core.add_request(request_id, ids, params, prompt=prompt, priority=priority, arrival_time=arrival,
-                                 user=user)
-            except ValueError as e:
-                outputs.append(failed_output(request_id, ids, params, prompt, str(e)))
+            outputs += apply_command(core, kind, payload)
         if core.has_unfinished_requests():
             outputs += core.step()
         now = time.monotonic()

@@ -81,6 +81,18 @@ def failed_output(request_id: str, prompt_token_ids: list[int], params: Sampling
     return RequestOutput(request_id, prompt, prompt_token_ids, samples, finished=True, error=error)
 
 
+def apply_command(core, kind: str, payload) -> list[RequestOutput]:
+    """Apply one "add" or "abort" command to an `EngineCore`; a refused request becomes a failed output."""
+    if kind == "abort":
+        return [o for rid in payload if (o := core.abort_request(rid)) is not None]
+    request_id, ids, params, prompt, priority, arrival, user = payload
+    try:
+        core.add_request(request_id, ids, params, prompt=prompt, priority=priority, arrival_time=arrival, user=user)
+    except ValueError as e:
+        return [failed_output(request_id, ids, params, prompt, str(e))]
+    return []
+
+
 class InProcessClient:
     """One `EngineCore` stepping on a daemon thread of this process.
 
@@ -156,12 +168,4 @@ class InProcessClient:
             block = False
             if kind == "stop":
                 return outputs
-            if kind == "abort":
-                outputs += [o for rid in payload if (o := self.core.abort_request(rid)) is not None]
-                continue
-            request_id, ids, params, prompt, priority, arrival, user = payload
-            try:
-                self.core.add_request(request_id, ids, params, prompt=prompt, priority=priority,
-                                      arrival_time=arrival, user=user)
-            except ValueError as e:
-                outputs.append(failed_output(request_id, ids, params, prompt, str(e)))
+            outputs += apply_command(self.core, kind, payload)
