@@ -1,0 +1,1 @@
+"""Bridges to serving frameworks outside jaxllm (optional extras: `pip install jaxllm[ray]`)."""

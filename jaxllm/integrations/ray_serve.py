@@ -1,0 +1,172 @@
+"""Ray Serve: jaxllm replicas behind Ray's HTTP proxy, answering the routes of `jaxllm serve`.
+
+Each replica is one `AsyncLLM` (one engine on its own devices) serving the very FastAPI app
+of `jaxllm serve` (`api_server.build_app`). Ray Serve starts the replicas where their
+resources are free, routes each HTTP request to one of them, scales their number
+(`num_replicas`, or `autoscaling_config` on ongoing requests) and replaces a replica whose
+health check fails.
+
+    from ray import serve
+    from jaxllm.integrations.ray_serve import build_app
+
+    serve.run(build_app({"max_num_seqs": 64}, num_replicas=2))   # http://127.0.0.1:8000/v1/...
+
+or from a shell: `serve run jaxllm.integrations.ray_serve:build_app num_replicas=2 max_num_seqs=64`.
+
+Routing is Ray's default (power of two choices on each replica's ongoing requests). Ray's
+prefix-cache-aware router (`PrefixCacheAffinityRouter`) cannot help here: Ray picks the replica
+for an HTTP request from its headers alone, before the body (the prompt) is read, and that router
+matches prompts. See docs/scaling.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from typing import Any
+
+from ray import serve
+from ray.serve.config import RequestRouterConfig
+
+from jaxllm.engine.args import EngineArgs
+
+REPLICA_HEADER = "x-jaxllm-replica"
+
+
+@serve.ingress()
+class JaxLLMDeployment:
+    """One replica: an `AsyncLLM` and the OpenAI app of `jaxllm serve` over it."""
+
+    async def __init__(self, engine_args: EngineArgs, served_model_name: str | None = None,
+                       api_key: str | None = None):
+        import jax
+
+        from jaxllm.engine.async_llm import AsyncLLM
+
+        # On CPU a replica sees tensor_parallel_size host devices; on GPU Ray has already narrowed
+        # CUDA_VISIBLE_DEVICES to the replica's num_gpus.
+        jax.config.update("jax_num_cpu_devices", engine_args.tensor_parallel_size)
+        self.replica_id = serve.get_replica_context().replica_id.unique_id
+        self.served_model_name = served_model_name
+        self.api_key = api_key
+        # loading and compiling take minutes on CPU: keep the replica's event loop free meanwhile
+        self.engine = await asyncio.to_thread(AsyncLLM, engine_args, served_model_name=served_model_name)
+
+    def __serve_build_asgi_app__(self):
+        from jaxllm.entrypoints.openai.api_server import build_app as build_openai_app
+
+        names = [self.served_model_name] if self.served_model_name else None
+        app = build_openai_app(self.engine, served_model_names=names, api_key=self.api_key)
+        app.add_middleware(ReplicaHeader, replica_id=self.replica_id)
+        return app
+
+    def check_health(self) -> None:
+        """Ray's periodic health check: a replica whose engine died is replaced."""
+        self.engine.check_health()
+
+    def __del__(self):
+        """Replica teardown (scale-down, redeploy, `serve.shutdown()`): end streams, stop the engine."""
+        self.engine.stop_accepting("the replica is shutting down")
+        self.engine.abort_all()
+        self.engine.shutdown()
+
+
+class ReplicaHeader:
+    """Tags every response with `x-jaxllm-replica: <Ray Serve replica id>`: which replica served it.
+
+    A plain ASGI middleware, like the API-key one: it must not wrap `receive`, which streams use
+    to see disconnects.
+    """
+
+    def __init__(self, app, replica_id: str):
+        self.app = app
+        self.header = (REPLICA_HEADER.encode(), replica_id.encode())
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def send_tagged(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", []), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, send_tagged)
+
+
+def build_app(engine_args: EngineArgs | dict[str, Any] | None = None, *, num_replicas: int | str | None = None,
+              autoscaling_config: dict | str | None = None, num_cpus: float = 1, num_gpus: float = 0,
+              max_ongoing_requests: int = 256, request_router: RequestRouterConfig | None = None,
+              served_model_name: str | None = None, api_key: str | None = None,
+              name: str = "jaxllm") -> serve.Application:
+    """A Ray Serve application of jaxllm replicas; run it with `serve.run(app)` or `serve run`.
+
+    engine_args: `EngineArgs`, or a dict of its fields (vLLM's names). A dict may also carry every
+        keyword below, as `serve run jaxllm.integrations.ray_serve:build_app key=value ...` passes
+        them (strings are converted to each field's type; autoscaling_config as JSON).
+    num_replicas: a fixed count (default 1), or "auto"; exclusive with autoscaling_config.
+    autoscaling_config: Ray's dict, e.g. {"min_replicas": 1, "max_replicas": 4,
+        "target_ongoing_requests": 32}: replicas are added while each has more requests in
+        flight than the target. An engine batches, so the target should be near max_num_seqs.
+    num_cpus / num_gpus: what one replica reserves. On GPU use num_gpus=tensor_parallel_size;
+        Ray then gives each replica its own GPUs (CUDA_VISIBLE_DEVICES).
+    max_ongoing_requests: requests Ray lets into one replica at once (the rest queue at the
+        proxy); keep it above max_num_seqs so the engine's batch can fill.
+    request_router: Ray's `RequestRouterConfig` (default: Ray's power-of-two router).
+    """
+    if engine_args is None or isinstance(engine_args, dict):
+        settings = dict(engine_args or {})
+        options = {k: settings.pop(k) for k in list(settings) if k in DEPLOYMENT_OPTIONS}
+        keywords = dict(num_replicas=num_replicas, autoscaling_config=autoscaling_config, num_cpus=num_cpus,
+                        num_gpus=num_gpus, max_ongoing_requests=max_ongoing_requests,
+                        request_router=request_router, served_model_name=served_model_name, api_key=api_key,
+                        name=name)
+        keywords.update({k: _parse_option(k, v) for k, v in options.items()})
+        return build_app(engine_args_from_dict(settings), **keywords)
+    if num_replicas is not None and autoscaling_config is not None:
+        raise ValueError("give num_replicas or autoscaling_config, not both")
+    options = dict(num_replicas=num_replicas, autoscaling_config=autoscaling_config,
+                   request_router_config=request_router)
+    deployment = serve.deployment(JaxLLMDeployment, name=name).options(
+        max_ongoing_requests=max_ongoing_requests, ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
+        **{k: v for k, v in options.items() if v is not None})  # None: Ray's default
+    return deployment.bind(engine_args, served_model_name, api_key)
+
+
+DEPLOYMENT_OPTIONS = {"num_replicas": int, "autoscaling_config": json.loads, "num_cpus": float,
+                      "num_gpus": float, "max_ongoing_requests": int, "request_router": None,
+                      "served_model_name": str, "api_key": str, "name": str}
+
+
+def _parse_option(key: str, value: Any) -> Any:
+    parse = DEPLOYMENT_OPTIONS[key]
+    if not isinstance(value, str) or parse is None or (key == "num_replicas" and value == "auto"):
+        return value
+    return parse(value)
+
+
+def engine_args_from_dict(settings: dict[str, Any]) -> EngineArgs:
+    """`EngineArgs(**settings)`, with string values (from a command line) turned into each field's type."""
+    fields = {f.name: f for f in dataclasses.fields(EngineArgs)}
+    unknown = sorted(set(settings) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown engine setting(s) {unknown}; EngineArgs has {sorted(fields)}, "
+                         f"the deployment takes {sorted(DEPLOYMENT_OPTIONS)}")
+    return EngineArgs(**{k: _parse_field(fields[k], v) for k, v in settings.items()})
+
+
+def _parse_field(field: dataclasses.Field, value: Any) -> Any:
+    if not isinstance(value, str):
+        return value
+    if value.lower() == "none" and "None" in field.type:
+        return None
+    if field.type == "bool":
+        if value.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(f"{field.name} must be true or false, got {value!r}")
+        return value.lower() in ("true", "1")
+    kind = {"int": int, "int | None": int, "float": float}.get(field.type, str)
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"{field.name} must be {kind.__name__}, got {value!r}") from None

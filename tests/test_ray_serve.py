@@ -1,0 +1,98 @@
+"""jaxllm as a Ray Serve deployment, for real: a local Ray cluster, two replicas of the default
+model behind Ray's HTTP proxy, the same OpenAI routes as `jaxllm serve`. Ray is an optional
+extra (`pip install jaxllm[ray]`), so CI, which does not install it, skips this module."""
+
+import asyncio
+import time
+
+import pytest
+
+serve = pytest.importorskip("ray.serve")
+
+import httpx  # noqa: E402
+import openai  # noqa: E402
+import psutil  # noqa: E402
+import ray  # noqa: E402
+
+from jaxllm import SamplingParams  # noqa: E402
+from jaxllm.bench.server_process import free_port  # noqa: E402
+from jaxllm.integrations.ray_serve import REPLICA_HEADER, build_app, engine_args_from_dict  # noqa: E402
+from tests.conftest import TEST_ENGINE, TEST_KV_BLOCKS, kv_bytes  # noqa: E402
+
+MODEL = "smol"
+ENGINE = {**{k: v for k, v in TEST_ENGINE.items() if k != "progress"}, "kv_cache_memory_bytes": kv_bytes(TEST_KV_BLOCKS)}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A local Ray cluster serving two replicas; yields the base URL and the cluster's process ids."""
+    port = free_port()
+    ray.init(num_cpus=2, object_store_memory=100 * 2**20, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    serve.run(build_app(ENGINE, num_replicas=2, served_model_name=MODEL), name="jaxllm", route_prefix="/")
+    processes = psutil.Process().children(recursive=True)
+    yield f"http://127.0.0.1:{port}", processes
+    if ray.is_initialized():  # test_teardown_leaves_no_ray_processes did not get to it
+        serve.shutdown()
+        ray.shutdown()
+
+
+def test_greedy_completions_equal_llm_generate(cluster, llm):
+    url, _ = cluster
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+    prompts = ["The capital of France is", "Once upon a time"]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    expected = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
+    got = client.completions.create(model=MODEL, prompt=prompts, temperature=0, max_tokens=16,
+                                    extra_body={"ignore_eos": True})
+    assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == expected
+    streamed = client.completions.create(model=MODEL, prompt=prompts[0], temperature=0, max_tokens=16,
+                                         extra_body={"ignore_eos": True}, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == expected[0]
+
+
+def test_concurrent_requests_reach_both_replicas(cluster):
+    url, _ = cluster
+
+    async def send_all():
+        async with httpx.AsyncClient(base_url=url, timeout=300) as http:
+            body = {"model": MODEL, "prompt": "Count: one, two,", "max_tokens": 8, "temperature": 0}
+            return await asyncio.gather(*(http.post("/v1/completions", json=body) for _ in range(16)))
+
+    responses = asyncio.run(send_all())
+    assert [r.status_code for r in responses] == [200] * 16
+    assert len({r.json()["choices"][0]["text"] for r in responses}) == 1  # greedy: every replica agrees
+    assert len({r.headers[REPLICA_HEADER] for r in responses}) == 2
+
+
+def test_bad_request_gets_openai_error(cluster):
+    url, _ = cluster
+    r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 100_000})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == "max_tokens" and "maximum context length is 512" in error["message"]
+    assert httpx.post(url + "/v1/completions", json={"model": "nope", "prompt": "hi"}).status_code == 404
+    assert httpx.get(url + "/health").status_code == 200  # the replicas still serve
+
+
+def test_dict_settings_as_serve_run_passes_them():
+    args = engine_args_from_dict({"max_num_seqs": "8", "enable_prefix_caching": "false", "max_model_len": "none"})
+    assert (args.max_num_seqs, args.enable_prefix_caching, args.max_model_len) == (8, False, None)
+    with pytest.raises(ValueError, match="max_num_seqs must be int"):
+        engine_args_from_dict({"max_num_seqs": "eight"})
+    with pytest.raises(ValueError, match="unknown engine setting"):
+        engine_args_from_dict({"max_num_seq": 8})
+    with pytest.raises(ValueError, match="not both"):
+        build_app({"num_replicas": "2", "autoscaling_config": '{"min_replicas": 1, "max_replicas": 2}'})
+
+
+def test_teardown_leaves_no_ray_processes(cluster):
+    """Last in the module: shut the cluster down and check every process it started is gone."""
+    _, processes = cluster
+    assert any("raylet" in " ".join(p.cmdline()) for p in processes if p.is_running())
+    started = time.monotonic()
+    serve.shutdown()  # the replicas' __del__ stops their engines
+    ray.shutdown()
+    _, alive = psutil.wait_procs(processes, timeout=30)
+    assert not alive, [p.cmdline() for p in alive]
+    assert time.monotonic() - started < 30
