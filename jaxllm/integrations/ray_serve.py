@@ -11,7 +11,7 @@ health check fails.
 
     serve.run(build_app({"max_num_seqs": 64}, num_replicas=2))   # http://127.0.0.1:8000/v1/...
 
-or from a shell: `serve run jaxllm.integrations.ray_serve:build_app num_replicas=2 max_num_seqs=64`.
+or from a shell: `serve run jaxllm.integrations.ray_serve:app_builder num_replicas=2 max_num_seqs=64`.
 
 Routing is Ray's default (power of two choices on each replica's ongoing requests). Ray's
 prefix-cache-aware router (`PrefixCacheAffinityRouter`) cannot help here: Ray picks the replica
@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 from typing import Any
 
 from ray import serve
@@ -32,6 +33,8 @@ from ray.serve.config import RequestRouterConfig
 from jaxllm.engine.args import EngineArgs
 
 REPLICA_HEADER = "x-jaxllm-replica"
+
+logger = logging.getLogger("ray.serve")  # Ray writes it to the replica's log
 
 
 @serve.ingress()
@@ -70,6 +73,7 @@ class JaxLLMDeployment:
         self.engine.stop_accepting("the replica is shutting down")
         self.engine.abort_all()
         self.engine.shutdown()
+        logger.info("replica %s: engine stopped", self.replica_id)
 
 
 class ReplicaHeader:
@@ -103,8 +107,8 @@ def build_app(engine_args: EngineArgs | dict[str, Any] | None = None, *, num_rep
     """A Ray Serve application of jaxllm replicas; run it with `serve.run(app)` or `serve run`.
 
     engine_args: `EngineArgs`, or a dict of its fields (vLLM's names). A dict may also carry every
-        keyword below, as `serve run jaxllm.integrations.ray_serve:build_app key=value ...` passes
-        them (strings are converted to each field's type; autoscaling_config as JSON).
+        keyword below, as `serve run` passes them to `app_builder` (strings are converted to each
+        field's type; autoscaling_config as JSON).
     num_replicas: a fixed count (default 1), or "auto"; exclusive with autoscaling_config.
     autoscaling_config: Ray's dict, e.g. {"min_replicas": 1, "max_replicas": 4,
         "target_ongoing_requests": 32}: replicas are added while each has more requests in
@@ -132,6 +136,12 @@ def build_app(engine_args: EngineArgs | dict[str, Any] | None = None, *, num_rep
         max_ongoing_requests=max_ongoing_requests, ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
         **{k: v for k, v in options.items() if v is not None})  # None: Ray's default
     return deployment.bind(engine_args, served_model_name, api_key)
+
+
+def app_builder(args: dict[str, Any]) -> serve.Application:
+    """For `serve run jaxllm.integrations.ray_serve:app_builder key=value ...` (and Serve config
+    files' `import_path`), which call a builder with one dict: engine settings and deployment options."""
+    return build_app(args)
 
 
 DEPLOYMENT_OPTIONS = {"num_replicas": int, "autoscaling_config": json.loads, "num_cpus": float,
