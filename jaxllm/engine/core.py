@@ -74,7 +74,8 @@ class EngineCore:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
         self.seed = args.seed
-        self.runner = ModelRunner(self.loaded, self.config, mesh)
+        executables = os.path.join(cache_folder, "jaxllm-executables") if cache_folder else None
+        self.runner = ModelRunner(self.loaded, self.config, mesh, executable_dir=executables)
         block_size = self.config.cache.block_size
         self.kv = KVCacheManager(self.runner.num_blocks, block_size, self.config.cache.enable_prefix_caching)
         capacity = self.kv.num_usable_blocks * block_size
@@ -97,11 +98,12 @@ class EngineCore:
         sched = self.config.scheduler
         logger.info(
             "model %s (%s, %s) loaded in %.1fs; KV cache %d blocks x %d = %d tokens; max_model_len %d, "
-            "max_num_seqs %d, max_num_batched_tokens %d; %d buckets compiled in %.1fs (cache: %s); ready in %.1fs",
+            "max_num_seqs %d, max_num_batched_tokens %d; %d buckets ready in %.1fs (%d loaded compiled; cache: %s); "
+            "ready in %.1fs",
             self.loaded.name, arch.architecture, self.loaded.dtype.name, loaded_at - started,
             self.kv.num_usable_blocks, block_size, capacity, sched.max_model_len, sched.max_num_seqs,
             sched.max_num_batched_tokens, len(self.runner.buckets), self.runner.compile_seconds,
-            cache_folder or "off", self.startup_seconds,
+            self.runner.loaded_buckets, cache_folder or "off", self.startup_seconds,
         )
 
     # ---- requests --------------------------------------------------------------------

@@ -53,9 +53,19 @@ def kv_cache_budget(config: CacheConfig) -> int:
     return max(int(config.gpu_memory_utilization * limit) - in_use - ACCELERATOR_HEADROOM_BYTES, 0)
 
 
+def _stable(num_blocks: int, significant_bits: int = 4) -> int:
+    """Round down to `significant_bits` binary digits (losing under 1/8 of the blocks): free memory drifts
+    from run to run, and every distinct block count is a distinct compiled shape, missing the compile caches."""
+    drop = max(num_blocks.bit_length() - significant_bits, 0)
+    return num_blocks >> drop << drop
+
+
 def num_kv_blocks(arch: ModelArch, config: CacheConfig, dtype, mesh: Mesh) -> int:
     per_block = bytes_per_block(arch, config.block_size, dtype, mesh.shape["model"])
-    return agree_min(kv_cache_budget(config) // per_block)  # multi-host: one compiled cache shape everywhere
+    blocks = kv_cache_budget(config) // per_block
+    if config.kv_cache_memory_bytes is None:  # a budget taken from free memory: keep the shape stable
+        blocks = _stable(blocks)
+    return agree_min(blocks)  # multi-host: one compiled cache shape everywhere
 
 
 def allocate_kv_cache(arch: ModelArch, num_blocks: int, block_size: int, dtype, mesh: Mesh) -> KVCache:

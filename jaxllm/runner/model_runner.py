@@ -1,6 +1,7 @@
 """SchedulerOutput → padded device batch → one compiled step (forward + KV write + sampling).
 
-Every bucket is compiled ahead of time at start-up (`warm_up`); `execute` only ever calls
+Every bucket is compiled ahead of time at start-up (`warm_up`), or loaded from the
+executable cache (`executable_cache.py`) without tracing; `execute` only ever calls
 those executables, so no step compiles — a shape the buckets do not cover is a bug and
 fails loudly instead of recompiling. The KV cache is donated to each step and updated in
 place. One device→host transfer per step brings back the sampled tokens (and logprobs).
@@ -23,6 +24,7 @@ from jaxllm.engine.scheduler import SchedulerOutput
 from jaxllm.model import CausalLM, KVCache, StepInputs
 from jaxllm.parallel.mesh import replicated
 from jaxllm.runner.buckets import Bucket, make_buckets, pick_bucket
+from jaxllm.runner.executable_cache import ExecutableCache, abstract_signature, environment_fingerprint, fingerprint
 from jaxllm.runner.input_batch import InputBatch
 from jaxllm.runner.kv_cache import allocate_kv_cache, num_kv_blocks
 from jaxllm.runner.sampler import SamplerOutput, SamplingInputs, sample
@@ -72,7 +74,9 @@ class StepStats:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, mesh: Mesh):
+    """`executable_dir`: where compiled steps are stored and found (None: compile every bucket each start)."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, mesh: Mesh, executable_dir: str | None = None):
         self.loaded = loaded
         self.config = config
         self.mesh = mesh
@@ -93,14 +97,38 @@ class ModelRunner:
         self.model = CausalLM(arch, loaded.dtype, attention, scan_layers=scan)
         self.params = loaded.params if scan else unstack_layers(loaded.params, arch.num_layers)
         loaded.params = None  # the runner owns the weights now (the stacked copy can go)
-        self._step_fn = jax.jit(self._step, donate_argnums=(1,))
+        self._executables = ExecutableCache(executable_dir)
+        self._key = self._step_key(attention)
+        self._step_fn = jax.jit(self._named_step(), donate_argnums=(1,))
         self._compiled: dict[Bucket, object] = {}
         self.compile_seconds = 0.0
+        self.loaded_buckets = 0  # how many of them came from the executable cache
         self.stats = StepStats()
 
     def _step(self, params, cache: KVCache, inputs: StepInputs, sampling: SamplingInputs):
         logits, cache = self.model.apply({"params": params}, cache, inputs)
         return sample(logits, sampling), cache
+
+    def _step_key(self, attention: str) -> str:
+        """Everything but the shapes that decides the step's graph (see executable_cache.py)."""
+        kernel = False
+        if jax.default_backend() == "cpu":  # build and register the C++ kernel now: a loaded executable calls it
+            from pallas_kernels.ragged_paged_attention import cpu
+
+            kernel = cpu.available()
+        model = self.model
+        return fingerprint(environment_fingerprint(), model.arch, str(model.dtype), attention, model.scan_layers,
+                           kernel)
+
+    def _named_step(self):
+        """The step under a name carrying its key: JAX's persistent cache then never serves it under a key of ours
+        it has not seen (executable_cache.py says why that matters)."""
+
+        def step(params, cache, inputs, sampling):
+            return self._step(params, cache, inputs, sampling)
+
+        step.__name__ = step.__qualname__ = f"jaxllm_step_{self._key[:16]}"
+        return step
 
     def _abstract_inputs(self, bucket: Bucket):
         """Shapes of one bucket's inputs, replicated over the mesh."""
@@ -110,22 +138,33 @@ class ModelRunner:
         return jax.tree.map(spec, inputs), jax.tree.map(spec, sampling)
 
     def warm_up(self, progress: bool = True) -> float:
-        """Compile every bucket now (from JAX's persistent cache when it has them). Returns seconds."""
+        """Load or compile every bucket now. Returns seconds.
+
+        A bucket in the executable cache is deserialized; the others are traced and lowered one at
+        a time (that holds the GIL) and compiled side by side in threads (XLA's compiler does not).
+        """
         from tqdm.auto import tqdm
 
         start = time.perf_counter()
         todo = [b for b in self.buckets if b not in self._compiled]
-        # tracing holds the GIL, XLA's compiler does not: trace one bucket at a time, compile them side by side
+        args = {b: (self.params, self.cache, *self._abstract_inputs(b)) for b in todo}
+        keys = {b: fingerprint(self._key, abstract_signature(args[b])) for b in todo}
         with ThreadPoolExecutor(max(1, min(len(todo), os.cpu_count() or 1))) as pool, \
                 tqdm(total=len(todo), desc="Compiling buckets", disable=not progress, unit="bucket") as bar:
+            loads = {b: pool.submit(self._executables.load, keys[b]) for b in todo}
             futures = {}
             for bucket in todo:
-                lowered = self._step_fn.lower(self.params, self.cache, *self._abstract_inputs(bucket))
-                futures[bucket] = pool.submit(lowered.compile)
+                if (loaded := loads[bucket].result()) is not None:
+                    self._compiled[bucket] = loaded
+                    bar.update()
+                    continue
+                lowered = self._step_fn.lower(*args[bucket])
+                futures[bucket] = pool.submit(self._executables.compile_and_store, keys[bucket], lowered)
                 futures[bucket].add_done_callback(lambda _: bar.update())
             for bucket, future in futures.items():
                 self._compiled[bucket] = future.result()
         self.compile_seconds = time.perf_counter() - start
+        self.loaded_buckets = len(todo) - len(futures)
         return self.compile_seconds
 
     def execute(self, out: SchedulerOutput, grammar=None) -> RunnerOutput:

@@ -1,0 +1,130 @@
+"""Compiled step executables on disk, so a warm start skips tracing and lowering.
+
+JAX's persistent compilation cache is keyed by the lowered HLO: to find an executable in
+it, every bucket must first be traced and lowered again (~1.5 s a bucket on a 2-core CPU,
+most of a warm start). This cache is keyed instead by everything that decides the step's
+graph, known before tracing: jaxllm's and the kernels' source files, the versions of
+jax/jaxlib/flax/numpy, the backend and its devices, XLA flags and JAX's settings, the
+model's static configuration, and the shapes, dtypes and shardings of every argument.
+A hit deserializes the executable (~0.2 s); anything else misses and compiles as before.
+
+Only freshly compiled executables are stored: on CPU, an executable that JAX loaded from its
+own cache serializes without its object code (jaxlib 0.10; it fails at run time with
+"Function ... not found"), so a compile served by JAX's cache is not written here. The step
+function is named after the fingerprint (`ModelRunner`), so a fingerprint this cache has
+not seen is a module JAX's cache has not seen either, and compiles fresh.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import logging
+import os
+import pickle
+import tempfile
+import threading
+from pathlib import Path
+
+import jax
+from jax.experimental import serialize_executable
+
+logger = logging.getLogger(__name__)
+
+_PACKAGES = ("jax", "jaxlib", "flax", "numpy")
+_SOURCE_SUFFIXES = (".py", ".cc", ".h")
+_ROOTS = ("jaxllm", "pallas_kernels")
+_FORMAT = b"jaxllm-executable-1"
+
+_served_by_jax_cache = threading.local()  # per compiling thread: did JAX's persistent cache answer?
+
+
+def _on_event(event: str, **kwargs) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _served_by_jax_cache.hit = True
+
+
+jax.monitoring.register_event_listener(_on_event)
+
+
+def _source_digest() -> bytes:
+    """One hash of every source file of jaxllm and the kernels (any edit may change the graph)."""
+    import jaxllm
+    import pallas_kernels
+
+    digest = hashlib.sha256()
+    for package in (jaxllm, pallas_kernels):
+        root = Path(package.__file__).parent
+        for path in sorted(root.rglob("*")):
+            if path.suffix in _SOURCE_SUFFIXES and "__pycache__" not in path.parts:
+                digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.digest()
+
+
+def environment_fingerprint() -> str:
+    """What every executable of this process shares: code, versions, backend, devices, flags, settings."""
+    backend = jax.devices()[0].client
+    parts = [
+        _FORMAT, _source_digest(),
+        *(f"{p}=={importlib.metadata.version(p)}".encode() for p in _PACKAGES),
+        f"{backend.platform} {backend.platform_version}".encode(),
+        repr([(d.id, d.device_kind, d.process_index) for d in jax.devices()]).encode(),
+        os.environ.get("XLA_FLAGS", "").encode(),
+        repr(sorted((k, repr(v)) for k, v in jax.config.values.items())).encode(),
+    ]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()
+
+
+def fingerprint(*parts) -> str:
+    """A short key from `repr` of each part (the environment fingerprint, the model, the arguments' shapes...)."""
+    return hashlib.sha256("\0".join(map(repr, parts)).encode()).hexdigest()[:32]
+
+
+def abstract_signature(args) -> str:
+    """Tree structure, shapes, dtypes and shardings of a call's arguments (arrays or ShapeDtypeStructs)."""
+    leaves, tree = jax.tree.flatten(args)
+    return repr(tree) + repr([(x.shape, str(x.dtype), str(getattr(x, "sharding", None))) for x in leaves])
+
+
+class ExecutableCache:
+    """`key` → a `jax.stages.Compiled`, one file per key in `folder` (None: nothing is stored or found)."""
+
+    def __init__(self, folder: str | os.PathLike | None):
+        self.folder = Path(folder) if folder else None
+
+    def _path(self, key: str) -> Path:
+        return self.folder / f"{key}.bin"
+
+    def load(self, key: str):
+        """The stored executable, or None (absent, unreadable or from another jaxlib: all mean compile)."""
+        if self.folder is None:
+            return None
+        path = self._path(key)
+        try:
+            blob = path.read_bytes()
+        except OSError:
+            return None
+        try:
+            payload, in_tree, out_tree = pickle.loads(blob)
+            return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+        except Exception as e:  # a truncated file or an incompatible blob: recompile and overwrite it
+            logger.warning("cached executable %s unreadable (%s: %s); compiling", path.name, type(e).__name__, e)
+            return None
+
+    def compile_and_store(self, key: str, lowered):
+        """Compile `lowered`; store the executable when it was compiled here (not served by JAX's cache)."""
+        _served_by_jax_cache.hit = False
+        compiled = lowered.compile()
+        if self.folder is not None and not _served_by_jax_cache.hit:
+            self.store(key, compiled)
+        return compiled
+
+    def store(self, key: str, compiled) -> None:
+        try:
+            blob = pickle.dumps(serialize_executable.serialize(compiled))
+            self.folder.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=self.folder, suffix=".partial", delete=False) as f:
+                f.write(blob)
+            os.replace(f.name, self._path(key))  # atomic: a concurrent reader never sees half a file
+        except Exception as e:  # a read-only or full disk costs the next start its compile, nothing else
+            logger.warning("could not store the compiled step %s: %s", key, e)
