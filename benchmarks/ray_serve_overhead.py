@@ -22,7 +22,7 @@ import time
 import httpx
 import psutil
 
-# the tests' shapes (their compiled buckets are in the cache) and a 256-block KV cache (about 35 MB),
+# the tests' shapes (their compiled buckets are in the cache) and a 256-block KV cache (180 MB),
 # not one sized from the machine's free memory
 ENGINE = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 512, "dtype": "float32",
           "kv_cache_memory_bytes": 256 * 2 * 30 * 16 * 3 * 64 * 4}

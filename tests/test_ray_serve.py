@@ -14,18 +14,19 @@ import openai  # noqa: E402
 import psutil  # noqa: E402
 import ray  # noqa: E402
 
-from jaxllm import SamplingParams  # noqa: E402
 from jaxllm.bench.server_process import free_port  # noqa: E402
 from jaxllm.integrations.ray_serve import REPLICA_HEADER, build_app, engine_args_from_dict  # noqa: E402
+from tests import test_server  # noqa: E402
 from tests.conftest import TEST_ENGINE, TEST_KV_BLOCKS, kv_bytes  # noqa: E402
+from tests.inprocess_server import MODEL  # noqa: E402
 
-MODEL = "smol"
-ENGINE = {**{k: v for k, v in TEST_ENGINE.items() if k != "progress"}, "kv_cache_memory_bytes": kv_bytes(TEST_KV_BLOCKS)}
+ENGINE = {**{k: v for k, v in TEST_ENGINE.items() if k != "progress"},
+          "kv_cache_memory_bytes": kv_bytes(TEST_KV_BLOCKS)}
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A local Ray cluster serving two replicas; yields the base URL and the cluster's process ids."""
+    """A local Ray cluster serving two replicas; yields the base URL and the processes Ray started."""
     port = free_port()
     ray.init(num_cpus=2, object_store_memory=100 * 2**20, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
@@ -37,18 +38,11 @@ def cluster():
         ray.shutdown()
 
 
-def test_greedy_completions_equal_llm_generate(cluster, llm):
+def test_greedy_outputs_equal_llm_generate(cluster, llm):
+    """`jaxllm serve`'s own check (completions, chat, a streamed chat), through Ray."""
     url, _ = cluster
-    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
-    prompts = ["The capital of France is", "Once upon a time"]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    expected = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
-    got = client.completions.create(model=MODEL, prompt=prompts, temperature=0, max_tokens=16,
-                                    extra_body={"ignore_eos": True})
-    assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == expected
-    streamed = client.completions.create(model=MODEL, prompt=prompts[0], temperature=0, max_tokens=16,
-                                         extra_body={"ignore_eos": True}, stream=True)
-    assert "".join(c.choices[0].text for c in streamed if c.choices) == expected[0]
+    test_server.test_greedy_text_equals_llm_generate(openai.OpenAI(base_url=url + "/v1", api_key="unused",
+                                                                   max_retries=0), llm)
 
 
 def test_concurrent_requests_reach_both_replicas(cluster):
