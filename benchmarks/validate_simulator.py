@@ -108,7 +108,8 @@ def main() -> None:
                                        engine["max_model_len"]), num_blocks=engine["num_blocks"],
                        block_size=engine["block_size"], enable_prefix_caching=engine["enable_prefix_caching"])
     trace_sets = traces(engine["max_model_len"])
-    simulated = {name: simulate(trace, config, cost_model_step_time(cost, config)).to_json()
+    latency = cost.request_latency_s if args.real == "server" else 0.0  # the front-end exists only there
+    simulated = {name: simulate(trace, config, cost_model_step_time(cost, config), request_latency_s=latency).to_json()
                  for name, trace in trace_sets.items()}
     workdir = Path(tempfile.mkdtemp(prefix="validate-sim-"))
     paths = {}

@@ -14,6 +14,7 @@ from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.request import Request
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.sampling_params import SamplingParams
+from jaxllm.sim.calibrate import fit_host_overhead
 from jaxllm.sim.costmodel import CostModel, StepShape, fit_cost_model
 from jaxllm.sim.engine_run import run_trace_on_engine
 from jaxllm.sim.simulator import SimConfig, cost_model_step_time, simulate
@@ -84,6 +85,18 @@ def test_too_long_prompts_fail_like_the_engine_refuses_them():
     assert "max_model_len=256" in result.records[0].error
 
 
+def test_request_latency_delays_each_request_into_the_engine():
+    trace = synthesize(4, request_rate=0.5, input_len=LengthDist(20), output_len=LengthDist(5), seed=3)  # never overlap
+    config = squeezed_config()
+    step_time = cost_model_step_time(COST, config)
+    plain, served = (simulate(trace, config, step_time, request_latency_s=d) for d in (0.0, 0.25))
+    for a, b in zip(plain.records, served.records):
+        assert b.ttft == pytest.approx(a.ttft + 0.25) and b.itl == pytest.approx(a.itl)
+    assert served.duration == pytest.approx(plain.duration + 0.25)
+    with pytest.raises(ValueError, match="request_latency_s"):
+        simulate(trace, config, step_time, request_latency_s=-1)
+
+
 def test_cost_model_fit_recovers_known_coefficients():
     rng = np.random.default_rng(0)
     truth = CostModel([1, 2, 4, 8, 16, 32, 64], [0.002 * (1 + i) for i in range(7)], per_context_token_s=3e-6,
@@ -99,6 +112,16 @@ def test_cost_model_fit_recovers_known_coefficients():
     assert fitted.per_seq_s == pytest.approx(5e-4, rel=0.2)
     assert fitted.fit["mean_abs_rel_error"] < 0.02
     assert fitted.base(128) > fitted.base(64)  # extrapolates to larger buckets
+
+
+def test_host_overhead_fit_ignores_steps_slowed_by_other_work():
+    rng = np.random.default_rng(1)
+    seqs = rng.integers(1, 9, 200).astype(float)
+    residual = 0.004 + 0.001 * seqs + rng.normal(0, 0.0002, 200)
+    residual[::10] += rng.uniform(0.2, 0.5, 20)  # one step in ten stalled 200-500 ms by a neighbour
+    per_step, per_seq = fit_host_overhead(seqs, residual)
+    assert per_step == pytest.approx(0.004, abs=0.001)
+    assert per_seq == pytest.approx(0.001, abs=0.0002)
 
 
 def test_matches_a_real_engine_run_step_for_step(llm):

@@ -79,6 +79,20 @@ class EngineArgs:
                 group.add_argument(flag, type=kind, default=f.default, metavar=f.name.upper())
         parser.add_argument("--model", default=None, help="model path or HF repo (default: SmolLM2-135M-Instruct)")
 
+    def to_cli_args(self) -> list[str]:
+        """The command-line flags that give these arguments again (for a child `jaxllm serve`)."""
+        flags = []
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if value == f.default:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            if f.type == "bool":
+                flags.append(flag if value else "--no-" + flag[2:])
+            else:
+                flags += [flag, str(value)]
+        return flags
+
     @classmethod
     def from_cli_args(cls, namespace: argparse.Namespace) -> EngineArgs:
         return cls(**{f.name: getattr(namespace, f.name) for f in dataclasses.fields(cls)})

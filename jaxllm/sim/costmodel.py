@@ -14,6 +14,11 @@ Form (fitted by `jaxllm calibrate`):
 - `attention_pairs` = Σ new tokens × KV length: the quadratic attention work of prefill chunks.
 - `num_seqs`: per-sequence host work (input assembly, sampling, scheduler and output bookkeeping).
 
+Besides the step time, `request_latency_s` is the serving front-end's share of each request
+(HTTP, tokenization, hand-off to the engine loop, the first streamed chunk): the simulator
+lets a request reach the scheduler that long after it was sent. `jaxllm calibrate` fits it on
+a `jaxllm serve` run; 0 describes the offline engine.
+
 Coefficients are fitted by least squares on relative error and kept non-negative. No JAX here.
 """
 
@@ -64,6 +69,7 @@ class CostModel:
     per_context_token_s: float = 0.0
     per_attention_pair_s: float = 0.0
     per_seq_s: float = 0.0
+    request_latency_s: float = 0.0  # serving front-end, per request (see the module docstring)
     fit: dict = field(default_factory=dict)  # fit error and sample counts
     engine: dict = field(default_factory=dict)  # the engine it was measured on
     form: str = FORM

@@ -6,7 +6,8 @@ real `Scheduler.update` applies one dummy token per sampling request. Output len
 the trace and are forced as a real replay forces them (min_tokens = max_tokens = output_len,
 EOS ignored), so every scheduling decision — batching, chunked prefill, preemption, prefix-cache
 hits — is the engine's. Requests arrive when the clock passes their arrival time, between steps,
-as they reach a running engine. Nothing is random: the result depends on the trace and the seed
+as they reach a running engine — `request_latency_s` after they were sent, the serving
+front-end's share (`CostModel.request_latency_s`); latencies count from the send. Nothing is random: the result depends on the trace and the seed
 (which fixes made-up prompt tokens, hence prefix-cache hits) only.
 """
 
@@ -103,8 +104,10 @@ def record_token(record: RequestRecord, now: float, previous: float) -> None:
 
 
 def simulate(trace: list[TraceRequest], config: SimConfig, step_time: StepTime, *, seed: int = 0,
-             oracle_output_len: bool = False, record_steps: bool = False) -> SimResult:
+             oracle_output_len: bool = False, record_steps: bool = False, request_latency_s: float = 0.0) -> SimResult:
     """Run `trace` (sorted by arrival) to completion; `oracle_output_len` tells policies each true output length."""
+    if request_latency_s < 0:
+        raise ValueError(f"request_latency_s must be >= 0, got {request_latency_s}")
     sched_cfg = config.scheduler
     kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
     if kv.num_usable_blocks * config.block_size < sched_cfg.max_model_len:
@@ -131,13 +134,16 @@ def simulate(trace: list[TraceRequest], config: SimConfig, step_time: StepTime, 
         index[id(request)] = i
         scheduler.add_request(request)
 
+    def reaches_engine(i: int) -> float:
+        return trace[i].arrival_time + request_latency_s
+
     clock = trace[0].arrival_time if trace else 0.0
     start = clock
     next_arrival = 0
     while next_arrival < len(trace) or scheduler.num_unfinished:
         if not scheduler.num_unfinished:  # idle: jump to the next arrival
-            clock = max(clock, trace[next_arrival].arrival_time)
-        while next_arrival < len(trace) and trace[next_arrival].arrival_time <= clock:
+            clock = max(clock, reaches_engine(next_arrival))
+        while next_arrival < len(trace) and reaches_engine(next_arrival) <= clock:
             arrive(next_arrival)
             next_arrival += 1
         out = scheduler.schedule()
