@@ -95,6 +95,9 @@ class EngineCore:
         self._next_seed = 0
         self.structured = StructuredOutputManager(self.tokenizer, arch.vocab_size, self.eos_token_ids)
         self.startup_seconds = time.perf_counter() - started
+        # where start-up went (benchmarks/startup.py): weights, tokenizer, kv_cache, step_key, buckets, total
+        self.startup_phases = {**self.loaded.load_seconds, **self.runner.startup_seconds,
+                               "total": self.startup_seconds}
         sched = self.config.scheduler
         logger.info(
             "model %s (%s, %s) loaded in %.1fs; KV cache %d blocks x %d = %d tokens; max_model_len %d, "

@@ -3,7 +3,7 @@
 JAX's persistent compilation cache is keyed by the lowered HLO: to find an executable in
 it, every bucket must first be traced and lowered again (~1.5 s a bucket on a 2-core CPU,
 most of a warm start). This cache is keyed instead by everything that decides the step's
-graph, known before tracing: jaxllm's and the kernels' source files, the versions of
+graph, known before tracing: the source files the step can be built from, the versions of
 jax/jaxlib/flax/numpy, the backend and its devices, XLA flags and JAX's settings, the
 model's static configuration, and the shapes, dtypes and shardings of every argument.
 A hit deserializes the executable (~0.2 s); anything else misses and compiles as before.
@@ -33,7 +33,9 @@ logger = logging.getLogger(__name__)
 
 _PACKAGES = ("jax", "jaxlib", "flax", "numpy")
 _SOURCE_SUFFIXES = (".py", ".cc", ".h")
-_ROOTS = ("jaxllm", "pallas_kernels")
+# host-only subpackages, left out of the source hash so that editing them keeps compiled steps valid;
+# everything else (a new subpackage included) may feed the step's graph and is hashed
+_HOST_ONLY = {"entrypoints", "bench", "sim", "metrics", "integrations"}
 _FORMAT = b"jaxllm-executable-1"
 
 _served_by_jax_cache = threading.local()  # per compiling thread: did JAX's persistent cache answer?
@@ -48,7 +50,7 @@ jax.monitoring.register_event_listener(_on_event)
 
 
 def _source_digest() -> bytes:
-    """One hash of every source file of jaxllm and the kernels (any edit may change the graph)."""
+    """One hash of the source files of jaxllm (but its host-only parts) and of the kernels."""
     import jaxllm
     import pallas_kernels
 
@@ -56,7 +58,8 @@ def _source_digest() -> bytes:
     for package in (jaxllm, pallas_kernels):
         root = Path(package.__file__).parent
         for path in sorted(root.rglob("*")):
-            if path.suffix in _SOURCE_SUFFIXES and "__pycache__" not in path.parts:
+            parts = path.relative_to(root).parts
+            if path.suffix in _SOURCE_SUFFIXES and "__pycache__" not in parts and parts[0] not in _HOST_ONLY:
                 digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.digest()
 

@@ -84,8 +84,10 @@ class ModelRunner:
         self.block_size = cache_cfg.block_size
         self.max_blocks_per_seq = -(-sched_cfg.max_model_len // self.block_size)
         kv_dtype = cache_cfg.kv_dtype(loaded.dtype)
+        started = time.perf_counter()
         self.num_blocks = num_kv_blocks(arch, cache_cfg, kv_dtype, mesh)
         self.cache = allocate_kv_cache(arch, self.num_blocks, self.block_size, kv_dtype, mesh)
+        self.startup_seconds = {"kv_cache": time.perf_counter() - started}  # phases, for the start-up report
         self.buckets = make_buckets(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs)
         largest = self.buckets[-1]
         self.batch = InputBatch(largest.num_tokens, largest.num_seqs, self.max_blocks_per_seq,
@@ -98,7 +100,9 @@ class ModelRunner:
         self.params = loaded.params if scan else unstack_layers(loaded.params, arch.num_layers)
         loaded.params = None  # the runner owns the weights now (the stacked copy can go)
         self._executables = ExecutableCache(executable_dir)
+        started = time.perf_counter()
         self._key = self._step_key(attention)
+        self.startup_seconds["step_key"] = time.perf_counter() - started
         self._step_fn = jax.jit(self._named_step(), donate_argnums=(1,))
         self._compiled: dict[Bucket, object] = {}
         self.compile_seconds = 0.0
@@ -163,7 +167,7 @@ class ModelRunner:
                 futures[bucket].add_done_callback(lambda _: bar.update())
             for bucket, future in futures.items():
                 self._compiled[bucket] = future.result()
-        self.compile_seconds = time.perf_counter() - start
+        self.compile_seconds = self.startup_seconds["buckets"] = time.perf_counter() - start
         self.loaded_buckets = len(todo) - len(futures)
         return self.compile_seconds
 

@@ -15,7 +15,8 @@ and makes random weights.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,7 @@ class LoadedModel:
     params: Any
     tokenizer: Any  # a transformers tokenizer, or None when the source has none
     dtype: Any
+    load_seconds: dict[str, float] = field(default_factory=dict)  # "weights", "tokenizer" (start-up report)
 
 
 def _resolve_source(model: str | None) -> Path:
@@ -87,6 +89,7 @@ def load_model(
 ) -> LoadedModel:
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
+    started = time.perf_counter()
     jdtype = resolve_dtype(dtype)
     path = _resolve_source(model)
     name = DEFAULT_MODEL_NAME if model is None else str(model)
@@ -123,6 +126,7 @@ def load_model(
     else:
         params = params_from_hf_tensors(arch, jdtype, hf.SafetensorsReader(path), mesh, str(path))
 
+    weights_loaded = time.perf_counter()
     if tokenizer is not None:
         tok = _load_tokenizer(tokenizer)
     elif gguf_file is not None:
@@ -131,4 +135,6 @@ def load_model(
         tok = None
     else:
         tok = _load_tokenizer(path)
-    return LoadedModel(name=name, arch=arch, hf_config=hf_config, params=params, tokenizer=tok, dtype=jdtype)
+    seconds = {"weights": weights_loaded - started, "tokenizer": time.perf_counter() - weights_loaded}
+    return LoadedModel(name=name, arch=arch, hf_config=hf_config, params=params, tokenizer=tok, dtype=jdtype,
+                       load_seconds=seconds)
