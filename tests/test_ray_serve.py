@@ -3,6 +3,7 @@ model behind Ray's HTTP proxy, the same OpenAI routes as `jaxllm serve`. Ray is 
 extra (`pip install jaxllm[ray]`), so CI, which does not install it, skips this module."""
 
 import asyncio
+import re
 import time
 
 import pytest
@@ -67,6 +68,28 @@ def test_bad_request_gets_openai_error(cluster):
     assert error["param"] == "max_tokens" and "maximum context length is 512" in error["message"]
     assert httpx.post(url + "/v1/completions", json={"model": "nope", "prompt": "hi"}).status_code == 404
     assert httpx.get(url + "/health").status_code == 200  # the replicas still serve
+
+
+def test_abandoned_stream_is_aborted_on_its_replica(cluster):
+    """A client that leaves mid-stream: Ray's proxy passes the disconnect on, the replica aborts the
+    request and frees its KV blocks (400 more tokens would keep it busy for a minute)."""
+    url, _ = cluster
+    body = {"model": MODEL, "prompt": "Tell me a story", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+        replica = response.headers[REPLICA_HEADER]
+        for i, _ in enumerate(response.iter_lines()):
+            if i == 3:
+                break
+    deadline = time.monotonic() + 20
+    while True:  # /metrics answers for whichever replica Ray picks: wait for ours to report idle
+        page = httpx.get(url + "/metrics")
+        busy = [test_server.metric(page.text, f"jaxllm:{name}")
+                for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")]
+        aborted = re.search(r'^jaxllm:request_success_total{[^}]*finished_reason="abort"[^}]*} (\S+)$', page.text, re.M)
+        if page.headers[REPLICA_HEADER] == replica and busy == [0, 0, 0] and aborted and float(aborted[1]) >= 1:
+            break
+        assert time.monotonic() < deadline, f"replica {replica} still busy, or it did not abort the stream"
+        time.sleep(0.1)
 
 
 def test_dict_settings_as_serve_run_passes_them():
