@@ -99,6 +99,10 @@ def test_dict_settings_as_serve_run_passes_them():
         engine_args_from_dict({"max_num_seqs": "eight"})
     with pytest.raises(ValueError, match="unknown engine setting"):
         engine_args_from_dict({"max_num_seq": 8})
+    with pytest.raises(ValueError, match="num_replicas must be int"):
+        build_app({"num_replicas": "two"})
+    with pytest.raises(ValueError, match="nnodes must be 1"):
+        build_app({"nnodes": 2})
     with pytest.raises(ValueError, match="not both"):
         build_app({"num_replicas": "2", "autoscaling_config": '{"min_replicas": 1, "max_replicas": 2}'})
 

@@ -70,6 +70,8 @@ class JaxLLMDeployment:
 
     def __del__(self):
         """Replica teardown (scale-down, redeploy, `serve.shutdown()`): end streams, stop the engine."""
+        if not hasattr(self, "engine"):  # the engine failed to start: nothing to stop
+            return
         self.engine.stop_accepting("the replica is shutting down")
         self.engine.abort_all()
         self.engine.shutdown()
@@ -130,6 +132,8 @@ def build_app(engine_args: EngineArgs | dict[str, Any] | None = None, *, num_rep
         return build_app(engine_args_from_dict(settings), **keywords)
     if num_replicas is not None and autoscaling_config is not None:
         raise ValueError("give num_replicas or autoscaling_config, not both")
+    if engine_args.nnodes > 1:
+        raise ValueError("a Ray Serve replica runs on one node: nnodes must be 1 (scale out with more replicas)")
     options = dict(num_replicas=num_replicas, autoscaling_config=autoscaling_config,
                    request_router_config=request_router)
     deployment = serve.deployment(JaxLLMDeployment, name=name).options(
@@ -153,7 +157,11 @@ def _parse_option(key: str, value: Any) -> Any:
     parse = DEPLOYMENT_OPTIONS[key]
     if not isinstance(value, str) or parse is None or (key == "num_replicas" and value == "auto"):
         return value
-    return parse(value)
+    try:
+        return parse(value)
+    except ValueError:
+        expected = "JSON" if parse is json.loads else parse.__name__
+        raise ValueError(f"{key} must be {expected}, got {value!r}") from None
 
 
 def engine_args_from_dict(settings: dict[str, Any]) -> EngineArgs:
