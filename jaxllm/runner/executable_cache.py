@@ -33,9 +33,12 @@ logger = logging.getLogger(__name__)
 
 _PACKAGES = ("jax", "jaxlib", "flax", "numpy")
 _SOURCE_SUFFIXES = (".py", ".cc", ".h")
-# host-only subpackages, left out of the source hash so that editing them keeps compiled steps valid;
-# everything else (a new subpackage included) may feed the step's graph and is hashed
-_HOST_ONLY = {"entrypoints", "bench", "sim", "metrics", "integrations"}
+# subpackages that only feed the step arrays (whose shapes, dtypes and shardings are in the key) or never
+# reach it: left out of the source hash, so that editing them keeps compiled steps valid. Everything else
+# (the model, the runner and its sampler, the kernels, sharding, top-level settings, any new subpackage)
+# may change the graph and is hashed.
+_HOST_ONLY = {"engine", "weights", "structured", "distributed", "entrypoints", "bench", "sim", "metrics",
+              "integrations"}
 _FORMAT = b"jaxllm-executable-1"
 
 _served_by_jax_cache = threading.local()  # per compiling thread: did JAX's persistent cache answer?

@@ -11,12 +11,21 @@ rotary convention; they are permuted back to the rotate-half layout here.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import mmap
+import os
 import struct
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
+from jaxllm.weights.default import cache_dir
+
+logger = logging.getLogger(__name__)
 
 # GGUF architecture → transformers architecture (Mistral GGUFs say "llama")
 GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -55,6 +64,7 @@ def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+TOKENIZER_CACHE_FORMAT = 1
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 # GGUF metadata value types: fixed-size scalars by struct format; 8 is a string, 9 an array
@@ -226,9 +236,41 @@ class GGUFFile:
         """The tokenizer and chat template stored in the file, built without torch.
 
         transformers' own GGUF reader imports torch; its tokenizer converter does not, so the
-        metadata is read here and handed to that converter.
+        metadata is read here and handed to that converter. Converting costs seconds at every
+        start (importing the converter scans every transformers model package), so the result
+        is kept in jaxllm's cache folder, keyed by the file and the library versions.
         """
+        from tokenizers import Tokenizer
         from transformers import PreTrainedTokenizerFast
+
+        cached = self._tokenizer_cache_path()
+        try:
+            saved = json.loads(cached.read_text())
+            return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(saved["tokenizer"]), **saved["kwargs"])
+        except (OSError, ValueError, KeyError, TypeError):  # absent or unreadable: convert again
+            pass
+        backend, kwargs = self._convert_tokenizer()
+        try:
+            text = json.dumps({"tokenizer": backend.to_str(), "kwargs": kwargs})
+            cached.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=cached.parent, suffix=".partial", delete=False) as f:
+                f.write(text)
+            os.replace(f.name, cached)
+        except (OSError, TypeError) as e:  # a read-only cache or a setting JSON cannot hold: convert every time
+            logger.debug("tokenizer of %s not cached: %s", self.path, e)
+        return PreTrainedTokenizerFast(tokenizer_object=backend, **kwargs)
+
+    def _tokenizer_cache_path(self) -> Path:
+        import tokenizers
+        import transformers
+
+        stat = self.path.stat()
+        key = hashlib.sha256(repr((str(self.path.resolve()), stat.st_size, stat.st_mtime_ns, transformers.__version__,
+                                   tokenizers.__version__, TOKENIZER_CACHE_FORMAT)).encode()).hexdigest()[:32]
+        return cache_dir() / "tokenizers" / f"{key}.json"
+
+    def _convert_tokenizer(self):
+        """(a `tokenizers.Tokenizer`, the `PreTrainedTokenizerFast` settings) from the file's metadata."""
         from transformers.integrations.gguf.gguf_tokenizer_mapping import (
             GGUF_TOKENIZER_MAPPING,
             convert_gguf_tokenizer,
@@ -247,4 +289,4 @@ class GGUFFile:
             token_id = md.get(f"tokenizer.ggml.{key}")
             config[special] = tokens["tokens"][token_id] if token_id is not None else None
         backend, extra = convert_gguf_tokenizer(self.gguf_architecture, tokens)
-        return PreTrainedTokenizerFast(tokenizer_object=backend, **config, **extra)
+        return backend, {**config, **extra}

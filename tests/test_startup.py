@@ -1,0 +1,103 @@
+"""Start-up: compiled steps reloaded from disk give the same tokens; the executable cache's edges;
+the in-house GGUF header reader against the `gguf` package's; the cached GGUF tokenizer against a
+fresh conversion; stable KV block counts."""
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.runner.executable_cache import ExecutableCache, abstract_signature, fingerprint
+from jaxllm.runner.kv_cache import _stable
+from tests.conftest import TEST_ENGINE, TEST_KV_BLOCKS, kv_bytes
+
+
+def test_a_second_engine_loads_every_bucket_compiled_and_generates_the_same(llm):
+    """The session engine compiled (or loaded) its buckets; a second one with its settings loads all of them."""
+    second = LLM(**TEST_ENGINE, kv_cache_memory_bytes=kv_bytes(TEST_KV_BLOCKS))
+    runner = second.engine.runner
+    assert runner.loaded_buckets == len(runner.buckets)
+    prompts = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ids = lambda outs: [o.outputs[0].token_ids for o in outs]  # noqa: E731
+    assert ids(second.generate(prompts, params, use_tqdm=False)) == ids(llm.generate(prompts, params, use_tqdm=False))
+
+
+def _step(x, state):
+    return jnp.tanh(x @ x.T).sum(0) + state, state * 2  # `state` is donated, as the engine's KV cache is
+
+
+def test_executable_round_trip_keeps_results_and_donation(tmp_path):
+    cache = ExecutableCache(tmp_path)
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(64, 64)), jnp.float32)
+    fn = jax.jit(_step, donate_argnums=(1,))
+    key = fingerprint("test", abstract_signature((x, x[0])))
+    assert cache.load(key) is None
+    fresh = cache.compile_and_store(key, fn.lower(x, x[0]))
+    expected = jax.device_get(fresh(x, jnp.ones(64)))
+    loaded = cache.load(key)
+    assert loaded is not None
+    state = jnp.ones(64)
+    got = jax.device_get(loaded(x, state))
+    np.testing.assert_array_equal(got[0], expected[0])
+    np.testing.assert_array_equal(got[1], expected[1])
+    assert state.is_deleted()  # still donated
+
+
+def test_unreadable_executable_means_compile_not_crash(tmp_path, caplog):
+    cache = ExecutableCache(tmp_path)
+    (tmp_path / "k.bin").write_bytes(b"not an executable")
+    with caplog.at_level(logging.WARNING):
+        assert cache.load("k") is None
+    assert "unreadable" in caplog.text
+    assert ExecutableCache(None).load("k") is None  # caching off: always compile
+
+
+def test_signature_tells_shapes_dtypes_and_trees_apart():
+    a = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+    signatures = {abstract_signature(args) for args in [
+        (a,), (jax.ShapeDtypeStruct((4, 9), jnp.float32),), (jax.ShapeDtypeStruct((4, 8), jnp.bfloat16),),
+        ((a,),), ({"k": a},),
+    ]}
+    assert len(signatures) == 5
+
+
+def test_gguf_header_matches_the_gguf_package():
+    gguf = pytest.importorskip("gguf")
+    from jaxllm.weights.default import default_model_path
+    from jaxllm.weights.gguf import GGUFFile
+
+    path = default_model_path()
+    ours, theirs = GGUFFile(path), gguf.GGUFReader(str(path))
+    assert ours.metadata == {k: f.contents() for k, f in theirs.fields.items() if not k.startswith("GGUF.")}
+    assert len(ours._tensors) == len(theirs.tensors)
+    for tensor in theirs.tensors:
+        raw = ours._raw(tensor.name)
+        assert raw.dtype == tensor.data.dtype and raw.shape == tensor.data.shape
+        np.testing.assert_array_equal(raw, tensor.data)
+
+
+def test_kv_block_counts_from_free_memory_are_stable():
+    assert [_stable(n) for n in (1, 15, 16, 17, 33, 2911, 2900)] == [1, 15, 16, 16, 32, 2816, 2816]
+    assert all(_stable(n) > n * 7 / 8 for n in range(1, 5000))
+
+
+def test_cached_gguf_tokenizer_is_the_converted_one(tmp_path, monkeypatch):
+    from jaxllm.weights.default import default_model_path
+    from jaxllm.weights.gguf import GGUFFile
+
+    monkeypatch.setenv("JAXLLM_CACHE", str(tmp_path))
+    gguf_file = GGUFFile(default_model_path())
+    converted = gguf_file.tokenizer()
+    assert gguf_file._tokenizer_cache_path().is_file()
+    cached = gguf_file.tokenizer()
+    chat = [{"role": "user", "content": "Hi <|im_end|> there"}]
+    for text in ["Hello, world!", "  spaces\tand\nnewlines ", "naïve café 日本語 🙂", "<|im_start|>user"]:
+        assert cached.encode(text) == converted.encode(text)
+    assert cached.apply_chat_template(chat, tokenize=False) == converted.apply_chat_template(chat, tokenize=False)
+    assert (cached.bos_token, cached.eos_token, cached.pad_token) == \
+        (converted.bos_token, converted.eos_token, converted.pad_token)
+    assert cached.get_vocab() == converted.get_vocab()
