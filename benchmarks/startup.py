@@ -4,10 +4,11 @@
 Each start runs in a fresh subprocess doing what `jaxllm generate` does (parse the CLI flags,
 build the `LLM`, chat-template the prompt, generate `--max-tokens` greedy tokens, print), with
 its compilation cache folder (`--compilation-cache-dir`: JAX's persistent cache and jaxllm's
-compiled steps) set to a folder of this script's:
-- `cold`: a new empty folder each round (the C++ attention kernel's build stays cached, as
-  after `pip install`; weights are on disk);
-- `warm`: the folder a first, unreported start filled.
+compiled steps) and jaxllm's cache folder (`JAXLLM_CACHE`: the converted GGUF tokenizer) set
+to folders of this script's:
+- `cold`: new empty folders each round (the weights are on disk, and the C++ attention
+  kernel's one-time build, `JAXLLM_CACHE_DIR`, stays where it is);
+- `warm`: the folders a first, unreported start filled.
 Cold and warm rounds alternate, so a load spike on a shared machine hits both alike.
 
 Per start it reports `wall_s` (spawn to exit, what a user waits), `ready_s` (spawn to
@@ -57,9 +58,12 @@ def child(cache_dir: str, spawned: float, max_tokens: int, engine_flags: list[st
 
 
 def start(cache_dir: str, max_tokens: int, engine_flags: list[str]) -> dict:
+    """One start whose caches all live under `cache_dir`."""
+    env = {**os.environ, "JAXLLM_CACHE": os.path.join(cache_dir, "jaxllm")}
     spawned = time.time()
-    cmd = [sys.executable, __file__, CHILD, cache_dir, repr(spawned), str(max_tokens), *engine_flags]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    cmd = [sys.executable, __file__, CHILD, os.path.join(cache_dir, "xla"), repr(spawned), str(max_tokens),
+           *engine_flags]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.time() - spawned
     if done.returncode:
         raise RuntimeError(f"start-up run failed:\n{done.stderr[-3000:]}")
