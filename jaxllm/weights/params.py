@@ -37,7 +37,7 @@ def _tiny_inputs(arch: ModelArch, dtype) -> tuple[KVCache, StepInputs]:
 
 def abstract_params(arch: ModelArch, dtype) -> tuple[Params, Params]:
     """(tree of ShapeDtypeStruct, tree of PartitionSpec) — computed without allocating anything."""
-    model = CausalLM(arch, dtype, attention_backend="reference")
+    model = CausalLM(arch, dtype, attention_backend="reference", matmul_backend="reference")
     boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), *_tiny_inputs(arch, dtype))["params"])
     return nn.unbox(boxed), nn.get_partition_spec(boxed)
 
@@ -101,7 +101,10 @@ def params_from_hf_tensors(arch: ModelArch, dtype, get_tensor: GetTensor, mesh: 
                 raise ValueError(f"{source}: tensor shapes {got} do not make {path[-2]} {layer_shape} "
                                  f"for {arch.architecture}") from None
             values.append(value.astype(np_dtype, copy=False))
-        return jax.device_put(np.stack(values) if stacked else values[0], sharding)
+        host = np.stack(values) if stacked else values[0]
+        # each process places only its own shards: device_put onto a multi-host mesh would first all-gather
+        # the whole array to check that every host holds the same value (most of a multi-host load)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
     return jax.tree_util.tree_map_with_path(load, shapes, shardings)
 

@@ -31,6 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("absl", "jax._src", "orbax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
+        if getattr(args, "nnodes", 1) > 1:  # a multi-host node: its engine runs in a supervised child
+            from jaxllm.distributed.supervisor import supervise
+
+            status = supervise(args.node_rank, sys.argv[1:] if argv is None else argv)
+            if status is not None:
+                return status
         args.func(args)
     except (ValueError, FileNotFoundError, FileExistsError, NotImplementedError) as e:
         print(f"jaxllm {args.command}: error: {e}", file=sys.stderr)
