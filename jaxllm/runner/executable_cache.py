@@ -101,8 +101,9 @@ class ExecutableCache:
     def _path(self, key: str) -> Path:
         return self.folder / f"{key}.bin"
 
-    def load(self, key: str):
-        """The stored executable, or None (absent, unreadable or from another jaxlib: all mean compile)."""
+    def load(self, key: str, devices):
+        """The stored executable, loaded onto `devices` (those it was compiled for, in the mesh's order),
+        or None: absent, unreadable or from another jaxlib all mean compile."""
         if self.folder is None:
             return None
         path = self._path(key)
@@ -112,7 +113,8 @@ class ExecutableCache:
             return None
         try:
             payload, in_tree, out_tree = pickle.loads(blob)
-            return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+            return serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
+                                                             execution_devices=list(devices))
         except Exception as e:  # a truncated file or an incompatible blob: recompile and overwrite it
             logger.warning("cached executable %s unreadable (%s: %s); compiling", path.name, type(e).__name__, e)
             return None

@@ -120,9 +120,9 @@ class ModelRunner:
             from pallas_kernels.ragged_paged_attention import cpu
 
             kernel = cpu.available()
-        model = self.model
+        model, devices = self.model, [d.id for d in self.mesh.devices.flat]
         return fingerprint(environment_fingerprint(), model.arch, str(model.dtype), attention, model.scan_layers,
-                           kernel)
+                           kernel, self.mesh.shape, devices)
 
     def _named_step(self):
         """The step under a name carrying its key: JAX's persistent cache then never serves it under a key of ours
@@ -155,7 +155,7 @@ class ModelRunner:
         keys = {b: fingerprint(self._key, abstract_signature(args[b])) for b in todo}
         with ThreadPoolExecutor(max(1, min(len(todo), os.cpu_count() or 1))) as pool, \
                 tqdm(total=len(todo), desc="Compiling buckets", disable=not progress, unit="bucket") as bar:
-            loads = {b: pool.submit(self._executables.load, keys[b]) for b in todo}
+            loads = {b: pool.submit(self._executables.load, keys[b], self.mesh.devices.flat) for b in todo}
             futures = {}
             for bucket in todo:
                 if (loaded := loads[bucket].result()) is not None:
