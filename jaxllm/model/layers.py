@@ -13,6 +13,7 @@ gate/up) pieces for its own heads or columns, and no shard ever needs another's.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import flax.linen as nn
@@ -22,46 +23,67 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jaxllm.model.registry import ModelArch
+from pallas_kernels.stacked_matmul import stacked_matmul
 
 Dtype = Any
 INIT_STD = 0.02
 
 
-def linear(features: int, *, name: str, dtype: Dtype, bias: bool, shard: str) -> nn.Dense:
-    """A Dense layer whose kernel is `[in, out]`; `shard` is "column" (out over "model") or "row"."""
-    spec = (None, "model") if shard == "column" else ("model", None)
-    return nn.Dense(
-        features,
-        use_bias=bias,
-        dtype=dtype,
-        param_dtype=dtype,
-        kernel_init=nn.with_partitioning(nn.initializers.normal(INIT_STD), spec),
-        bias_init=nn.with_partitioning(nn.initializers.normal(INIT_STD), (spec[1],)),
-        name=name,
-    )
+@dataclass(frozen=True)
+class Stacking:
+    """Where a decoder layer's parameters live.
+
+    `num_layers` set (the scanned model): every parameter holds all layers, `[L, ...]`, and the
+    scan's body reads the layer it runs (its index rides in the carry). The body sees the whole
+    stack rather than a slice handed in by the scan, so that a projection can read its layer's
+    weights in place (`pallas_kernels.stacked_matmul`): XLA's CPU dot would copy the slice.
+    None (the unrolled model, and everything outside the layers): each module its own arrays.
+    """
+
+    num_layers: int | None = None
+    matmul_backend: str = "auto"
+
+    def param(self, module: nn.Module, name: str, init, spec: tuple, shape: tuple, dtype: Dtype) -> Array:
+        """The module's parameter as stored: `[L, *shape]` when stacked."""
+        if self.num_layers is None:
+            return module.param(name, nn.with_partitioning(init, spec), shape, dtype)
+        return module.param(name, nn.with_partitioning(init, (None, *spec)), (self.num_layers, *shape), dtype)
+
+    def at(self, value: Array, layer) -> Array:
+        """A small parameter's value for the running layer."""
+        if self.num_layers is None:
+            return value
+        return jax.lax.dynamic_index_in_dim(value, layer, axis=0, keepdims=False)
+
+    def matmul(self, x: Array, kernel: Array, layer) -> Array:
+        """`x @ kernel` for the running layer, contracting x's last axis with the kernel's input axis."""
+        if self.num_layers is None:
+            return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
+        return stacked_matmul(x, kernel, layer, backend=self.matmul_backend)
 
 
-class FusedLinear(nn.Module):
-    """`x @ W` with a kernel `[in, *out_shape]` whose axis `shard_axis` of `out_shape` is over "model".
+class Linear(nn.Module):
+    """`x @ W` with a kernel `[in, *out_shape]` (the layout stored: no step reshapes or transposes it).
 
-    The contraction runs straight on the stored layout (a dot_general over the first kernel
-    axis), so no step reshapes or transposes the weights.
+    Over the mesh axis "model": output axis `shard_axis` of `out_shape` (column-parallel), or
+    the input axis when `shard_axis` is None (row-parallel).
     """
 
     out_shape: tuple[int, ...]
-    shard_axis: int
+    shard_axis: int | None
     dtype: Dtype
     bias: bool
+    stacking: Stacking = Stacking()
 
     @nn.compact
-    def __call__(self, x: Float[Array, "T H"]) -> Array:
+    def __call__(self, x: Float[Array, "T H"], layer=None) -> Array:
         out_spec = tuple("model" if i == self.shard_axis else None for i in range(len(self.out_shape)))
-        init = nn.initializers.normal(INIT_STD)
-        kernel = self.param("kernel", nn.with_partitioning(init, (None, *out_spec)),
-                            (x.shape[-1], *self.out_shape), self.dtype)
-        y = jax.lax.dot_general(x.astype(self.dtype), kernel, (((x.ndim - 1,), (0,)), ((), ())))
+        in_spec = "model" if self.shard_axis is None else None
+        init, st = nn.initializers.normal(INIT_STD), self.stacking
+        kernel = st.param(self, "kernel", init, (in_spec, *out_spec), (x.shape[-1], *self.out_shape), self.dtype)
+        y = st.matmul(x.astype(self.dtype), kernel, layer)
         if self.bias:
-            y = y + self.param("bias", nn.with_partitioning(init, out_spec), self.out_shape, self.dtype)
+            y = y + st.at(st.param(self, "bias", init, out_spec, self.out_shape, self.dtype), layer)
         return y
 
 
@@ -70,10 +92,12 @@ class RMSNorm(nn.Module):
 
     eps: float
     dtype: Dtype
+    stacking: Stacking = Stacking()
 
     @nn.compact
-    def __call__(self, x: Float[Array, "... H"]) -> Float[Array, "... H"]:
-        weight = self.param("weight", nn.with_partitioning(nn.initializers.ones, (None,)), (x.shape[-1],), self.dtype)
+    def __call__(self, x: Float[Array, "... H"], layer=None) -> Float[Array, "... H"]:
+        st = self.stacking
+        weight = st.at(st.param(self, "weight", nn.initializers.ones, (None,), (x.shape[-1],), self.dtype), layer)
         xf = x.astype(jnp.float32)
         normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return weight * normed.astype(self.dtype)
@@ -107,14 +131,15 @@ class GatedMLP(nn.Module):
 
     arch: ModelArch
     dtype: Dtype
+    stacking: Stacking = Stacking()
 
     @nn.compact
-    def __call__(self, x: Float[Array, "T H"]) -> Float[Array, "T H"]:
-        inner, bias = self.arch.intermediate_size, self.arch.mlp_bias
-        gate_up = FusedLinear((2, inner), shard_axis=1, dtype=self.dtype, bias=bias, name="gate_up_proj")(x)
-        return linear(self.arch.hidden_size, name="down_proj", dtype=self.dtype, bias=bias, shard="row")(
-            nn.silu(gate_up[:, 0]) * gate_up[:, 1]
-        )
+    def __call__(self, x: Float[Array, "T H"], layer=None) -> Float[Array, "T H"]:
+        inner, bias, st = self.arch.intermediate_size, self.arch.mlp_bias, self.stacking
+        gate_up = Linear((2, inner), shard_axis=1, dtype=self.dtype, bias=bias, stacking=st, name="gate_up_proj")(x, layer)
+        down = Linear((self.arch.hidden_size,), shard_axis=None, dtype=self.dtype, bias=bias, stacking=st,
+                      name="down_proj")
+        return down(nn.silu(gate_up[:, 0]) * gate_up[:, 1], layer)
 
 
 def rotary_cos_sin(arch: ModelArch, positions: Int[Array, "T"], dtype: Dtype) -> tuple[Array, Array]:

@@ -6,12 +6,12 @@ keys and values into the cache by slot and attends through
 the layers, and each layer reads and writes its part in place, never copying it.
 
 Layers run one of two ways (`scan_layers`):
-- scanned (`nn.scan` over parameters stacked `[L, ...]` under "layers"), the default:
-  compile time does not grow with depth;
-- unrolled (a Python loop over "layers_0".."layers_{L-1}"), opt-in for CPU serving: XLA on
-  CPU copies each layer's weight slice out of a stacked array inside a loop before its
-  matmuls (measured: the copies took 3x the matmul time at batch 1), so there the unrolled
-  model decodes faster at small batches, for ~3x the compile time per bucket.
+- scanned (`nn.scan` with parameters stacked `[L, ...]` under "layers"), the default:
+  compile time does not grow with depth. The body gets the whole stacks and the layer index
+  (`layers.Stacking`): on CPU, decode-sized matmuls read their layer's weights in place
+  (`pallas_kernels.stacked_matmul`) where XLA would copy each slice out first;
+- unrolled (a Python loop over "layers_0".."layers_{L-1}"), opt-in: one array per layer,
+  ~3-4x the compile time per bucket.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 import pallas_kernels
-from jaxllm.model.layers import Dtype, Embed, FusedLinear, GatedMLP, RMSNorm, apply_rotary, linear, rotary_cos_sin
+from jaxllm.model.layers import Dtype, Embed, GatedMLP, Linear, RMSNorm, Stacking, apply_rotary, rotary_cos_sin
 from jaxllm.model.registry import ModelArch
 
 
@@ -49,20 +49,21 @@ class Attention(nn.Module):
     arch: ModelArch
     dtype: Dtype
     attention_backend: str
+    stacking: Stacking = Stacking()
 
     @nn.compact
     def __call__(self, x, cache: KVCache, layer, batch: StepInputs, cos, sin):
-        a = self.arch
+        a, st = self.arch, self.stacking
         num_tokens = x.shape[0]
         # one matmul for q, k and v: per KV head, its group of q heads, then its k, then its v
         group = a.num_heads // a.num_kv_heads
-        qkv = FusedLinear((a.num_kv_heads, group + 2, a.head_dim), shard_axis=0, dtype=self.dtype,
-                          bias=a.qkv_bias, name="qkv_proj")(x)
+        qkv = Linear((a.num_kv_heads, group + 2, a.head_dim), shard_axis=0, dtype=self.dtype, bias=a.qkv_bias,
+                     stacking=st, name="qkv_proj")(x, layer)
         q = qkv[:, :, :group].reshape(num_tokens, a.num_heads, a.head_dim)
         k, v = qkv[:, :, group], qkv[:, :, group + 1]
         if a.qk_norm:
-            q = RMSNorm(a.rms_norm_eps, self.dtype, name="q_norm")(q)
-            k = RMSNorm(a.rms_norm_eps, self.dtype, name="k_norm")(k)
+            q = RMSNorm(a.rms_norm_eps, self.dtype, st, name="q_norm")(q, layer)
+            k = RMSNorm(a.rms_norm_eps, self.dtype, st, name="k_norm")(k, layer)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         cache = KVCache(*pallas_kernels.write_kv(cache.k, cache.v, k, v, batch.slot_mapping, layer=layer))
         out = pallas_kernels.ragged_paged_attention(
@@ -70,7 +71,8 @@ class Attention(nn.Module):
             sm_scale=a.head_dim**-0.5, sliding_window=a.sliding_window, layer=layer, backend=self.attention_backend,
         )
         out = out.reshape(num_tokens, a.num_heads * a.head_dim)
-        return linear(a.hidden_size, name="o_proj", dtype=self.dtype, bias=a.o_bias, shard="row")(out), cache
+        o_proj = Linear((a.hidden_size,), shard_axis=None, dtype=self.dtype, bias=a.o_bias, stacking=st, name="o_proj")
+        return o_proj(out, layer), cache
 
 
 class DecoderLayer(nn.Module):
@@ -79,17 +81,18 @@ class DecoderLayer(nn.Module):
     arch: ModelArch
     dtype: Dtype
     attention_backend: str
+    stacking: Stacking = Stacking()
 
     @nn.compact
     def __call__(self, carry, batch: StepInputs, cos, sin):
         hidden, cache, layer = carry
-        eps = self.arch.rms_norm_eps
-        attn_out, cache = Attention(self.arch, self.dtype, self.attention_backend, name="self_attn")(
-            RMSNorm(eps, self.dtype, name="input_layernorm")(hidden), cache, layer, batch, cos, sin
+        eps, st = self.arch.rms_norm_eps, self.stacking
+        attn_out, cache = Attention(self.arch, self.dtype, self.attention_backend, st, name="self_attn")(
+            RMSNorm(eps, self.dtype, st, name="input_layernorm")(hidden, layer), cache, layer, batch, cos, sin
         )
         hidden = hidden + attn_out
-        mlp_in = RMSNorm(eps, self.dtype, name="post_attention_layernorm")(hidden)
-        hidden = hidden + GatedMLP(self.arch, self.dtype, name="mlp")(mlp_in)
+        mlp_in = RMSNorm(eps, self.dtype, st, name="post_attention_layernorm")(hidden, layer)
+        hidden = hidden + GatedMLP(self.arch, self.dtype, st, name="mlp")(mlp_in, layer)
         return (hidden, cache, layer + 1), None
 
 
@@ -100,6 +103,7 @@ class CausalLM(nn.Module):
     dtype: Dtype = jnp.float32
     attention_backend: str = "auto"
     scan_layers: bool = True
+    matmul_backend: str = "auto"  # pallas_kernels.stacked_matmul's, for the scanned layers
 
     @nn.compact
     def __call__(self, cache: KVCache, batch: StepInputs) -> tuple[Float[Array, "R V"], KVCache]:
@@ -109,14 +113,14 @@ class CausalLM(nn.Module):
         cos, sin = rotary_cos_sin(a, batch.positions, self.dtype)
         carry = (hidden, cache, jnp.int32(0))
         if self.scan_layers:
+            # parameters are stacked [L, ...] by the layers themselves (Stacking) and handed whole to the body
             layers = nn.scan(
                 DecoderLayer,
-                variable_axes={"params": 0},
-                split_rngs={"params": True},
+                variable_broadcast="params",
+                split_rngs={"params": False},
                 in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
                 length=a.num_layers,
-                metadata_params={nn.PARTITION_NAME: None},
-            )(a, self.dtype, self.attention_backend, name="layers")
+            )(a, self.dtype, self.attention_backend, Stacking(a.num_layers, self.matmul_backend), name="layers")
             carry, _ = layers(carry, batch, cos, sin)
         else:
             for i in range(a.num_layers):
@@ -126,5 +130,5 @@ class CausalLM(nn.Module):
         if a.tie_word_embeddings:
             logits = embed.attend(hidden)
         else:
-            logits = linear(a.vocab_size, name="lm_head", dtype=self.dtype, bias=False, shard="column")(hidden)
+            logits = Linear((a.vocab_size,), shard_axis=0, dtype=self.dtype, bias=False, name="lm_head")(hidden)
         return logits.astype(jnp.float32), cache

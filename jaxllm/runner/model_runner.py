@@ -94,9 +94,11 @@ class ModelRunner:
                                 sched_cfg.max_model_len, arch.vocab_size, self.block_size)
         scan = config.model.scan_layers
         attention = config.model.attention_backend
-        if attention == "auto" and mesh.size > 1 and jax.default_backend() == "cpu":
-            attention = "reference"  # the C++ kernel has no partitioning rule: XLA would all-gather the cache
-        self.model = CausalLM(arch, loaded.dtype, attention, scan_layers=scan)
+        matmul = "auto"
+        if mesh.size > 1 and jax.default_backend() == "cpu":  # the C++ kernels have no partitioning rules:
+            attention = "reference" if attention == "auto" else attention  # XLA would all-gather the cache
+            matmul = "reference"  # and the weights
+        self.model = CausalLM(arch, loaded.dtype, attention, scan_layers=scan, matmul_backend=matmul)
         self.params = loaded.params if scan else unstack_layers(loaded.params, arch.num_layers)
         loaded.params = None  # the runner owns the weights now (the stacked copy can go)
         self._executables = ExecutableCache(executable_dir)
@@ -115,14 +117,15 @@ class ModelRunner:
 
     def _step_key(self, attention: str) -> str:
         """Everything but the shapes that decides the step's graph (see executable_cache.py)."""
-        kernel = False
-        if jax.default_backend() == "cpu":  # build and register the C++ kernel now: a loaded executable calls it
+        kernels = (False, False)
+        if jax.default_backend() == "cpu":  # build and register the C++ kernels now: a loaded executable calls them
+            from pallas_kernels import stacked_matmul
             from pallas_kernels.ragged_paged_attention import cpu
 
-            kernel = cpu.available()
+            kernels = (cpu.available(), stacked_matmul.available())
         model, devices = self.model, [d.id for d in self.mesh.devices.flat]
         return fingerprint(environment_fingerprint(), model.arch, str(model.dtype), attention, model.scan_layers,
-                           kernel, self.mesh.shape, devices)
+                           model.matmul_backend, kernels, self.mesh.shape, devices)
 
     def _named_step(self):
         """The step under a name carrying its key: JAX's persistent cache then never serves it under a key of ours

@@ -8,87 +8,31 @@ einsums (measured slower than the reference; `benchmarks/NOTES.md`, "Decode atte
 A paged read is a pointer chase plus a few dot products per key: plain C++ does it at memory
 speed, as vLLM's CPU backend does.
 
-`cpu_kernel.cc` is compiled on first use with the system C++ compiler into a cache
-directory (`$JAXLLM_CACHE_DIR`, else `~/.cache/jaxllm`), keyed by the source, the compiler
-flags, jaxlib's version and the CPU, then registered with XLA. Without a compiler
+`cpu_kernel.cc` is compiled on first use (`pallas_kernels/cpu_ffi.py`). Without a compiler
 `available()` is False and "auto" dispatch keeps the jnp reference.
 """
 
 from __future__ import annotations
 
-import ctypes
-import functools
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-logger = logging.getLogger(__name__)
+from pallas_kernels import cpu_ffi
 
 TARGET = "jaxllm_ragged_paged_attention_cpu"
 SOURCE = Path(__file__).with_name("cpu_kernel.cc")
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC", "-fopenmp"]
-
-
-def _cpu_id() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "".join(line for line in f if line.startswith(("model name", "flags")))[:4096]
-    except OSError:
-        return platform.processor()
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("JAXLLM_CACHE_DIR") or Path.home() / ".cache" / "jaxllm") / "kernels"
-
-
-def _build() -> Path:
-    import jaxlib
-
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
-    if not compiler:
-        raise RuntimeError("no C++ compiler (set CXX)")
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(FLAGS).encode(), jaxlib.__version__.encode(),
-                                     _cpu_id().encode(), compiler.encode()])).hexdigest()[:16]
-    lib = _cache_dir() / f"ragged_paged_attention_cpu-{key}.so"
-    if lib.exists():
-        return lib
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
-        tmp_lib = Path(tmp) / lib.name
-        cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp_lib)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode:
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
-        os.replace(tmp_lib, lib)  # atomic: concurrent builders never load a half-written file
-    return lib
 
 
 def supports(k_cache) -> bool:
     return jnp.dtype(k_cache.dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
-@functools.cache
 def available() -> bool:
     """Build (once per machine) and register the kernel; False, with a warning, if that fails."""
-    # OpenMP workers sleep between calls instead of spinning: the CPU is shared with XLA's
-    # own threads (and, on a busy host, with other processes). Read when libgomp loads.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    try:
-        lib = ctypes.cdll.LoadLibrary(str(_build()))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.RaggedPagedAttentionCpu), platform="cpu")
-    except Exception as e:  # no compiler, no headers, a sandbox: the jnp reference still works
-        logger.warning("CPU attention kernel unavailable, using the jnp reference: %s", e)
-        return False
-    return True
+    return cpu_ffi.register(SOURCE, "RaggedPagedAttentionCpu", TARGET)
 
 
 def ragged_paged_attention_cpu(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale: float,

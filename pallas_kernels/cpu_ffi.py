@@ -1,0 +1,76 @@
+"""Building and registering jaxllm's C++ CPU kernels (XLA FFI custom calls).
+
+Each kernel is one C++ file compiled on first use with the system compiler into a cache
+directory (`$JAXLLM_CACHE_DIR`, else `~/.cache/jaxllm`), keyed by the source, the compiler
+flags, jaxlib's version and the CPU, then registered with XLA under a target name. Without a
+compiler `register` returns False (with a warning) and callers keep their jnp path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+
+logger = logging.getLogger(__name__)
+
+FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC", "-fopenmp"]
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "".join(line for line in f if line.startswith(("model name", "flags")))[:4096]
+    except OSError:
+        return platform.processor()
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("JAXLLM_CACHE_DIR") or Path.home() / ".cache" / "jaxllm") / "kernels"
+
+
+def build(source: Path) -> Path:
+    """The shared library of `source`, compiled now unless this machine already has it."""
+    import jaxlib
+
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if not compiler:
+        raise RuntimeError("no C++ compiler (set CXX)")
+    key = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(FLAGS).encode(), jaxlib.__version__.encode(),
+                                     _cpu_id().encode(), compiler.encode()])).hexdigest()[:16]
+    lib = _cache_dir() / f"{source.parent.name}-{source.stem}-{key}.so"
+    if lib.exists():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+        tmp_lib = Path(tmp) / lib.name
+        cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", str(tmp_lib)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+        os.replace(tmp_lib, lib)  # atomic: concurrent builders never load a half-written file
+    return lib
+
+
+@functools.cache
+def register(source: Path, symbol: str, target: str) -> bool:
+    """Build `source` (once per machine) and register its handler `symbol` as FFI `target`; False if that fails."""
+    # OpenMP workers sleep between calls instead of spinning: the CPU is shared with XLA's
+    # own threads (and, on a busy host, with other processes). Read when libgomp loads.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(build(source)))
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+    except Exception as e:  # no compiler, no headers, a sandbox: the jnp paths still work
+        logger.warning("CPU kernel %s unavailable, using the jnp path: %s", target, e)
+        return False
+    return True

@@ -1,0 +1,65 @@
+"""`x @ w[layer]` where `w` stacks every decoder layer's weights `[L, K, ...]`.
+
+The scanned model keeps each projection's weights stacked over layers and picks a layer
+inside the scan. XLA's CPU backend copies the picked `[K, ...]` slice out of the stack
+before its dot (a dot's operands must be buffers of their own): at a decode step's few
+rows, where the dot is bound by reading the weights, the copy doubles the bytes moved —
+measured 2x on the default model's matmul chain at one row (`benchmarks/NOTES.md`). The C++
+kernel (`cpu_kernel.cc`) reads the layer in place. It serves up to `MAX_ROWS` rows of
+float32; more rows make the dot compute-bound, where XLA's dot is faster despite the copy.
+
+Backends: "reference" (the slice and `dot_general`: every platform, the oracle), "cpu" (the
+kernel) and "auto" (the kernel when it applies and builds, else the reference). The kernel
+has no partitioning rule: a tensor-parallel model must use "reference".
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels import cpu_ffi
+
+BACKENDS = ("auto", "reference", "cpu")
+MAX_ROWS = 8
+TARGET = "jaxllm_stacked_matmul_cpu"
+SOURCE = Path(__file__).with_name("cpu_kernel.cc")
+
+
+def available() -> bool:
+    return cpu_ffi.register(SOURCE, "StackedMatmulCpu", TARGET)
+
+
+def kernel_applies(x, w) -> bool:
+    return (jax.default_backend() == "cpu" and x.shape[0] <= MAX_ROWS
+            and x.dtype == jnp.float32 and w.dtype == jnp.float32 and available())
+
+
+def stacked_matmul(x: Float[Array, "T K"], w: Float[Array, "L K *N"], layer: Int[Array, ""] | int,
+                   *, backend: str = "auto") -> Float[Array, "T *N"]:
+    """`x @ w[layer]`, contracting x's last axis with the layer's first."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "cpu" or (backend == "auto" and kernel_applies(x, w)):
+        return stacked_matmul_cpu(x, w, layer)
+    return stacked_matmul_reference(x, w, layer)
+
+
+def stacked_matmul_reference(x, w, layer):
+    one = jax.lax.dynamic_index_in_dim(w, layer, axis=0, keepdims=False)
+    return jax.lax.dot_general(x.astype(w.dtype), one, (((x.ndim - 1,), (0,)), ((), ())))
+
+
+def stacked_matmul_cpu(x, w, layer):
+    if not available():
+        raise RuntimeError("the CPU stacked-matmul kernel could not be built (see the warning above)")
+    if x.ndim != 2 or x.dtype != jnp.float32 or w.dtype != jnp.float32:
+        raise ValueError(f"the CPU kernel takes float32 x [T, K] and w [L, K, ...], got {x.dtype}{x.shape}, "
+                         f"{w.dtype}{w.shape}")
+    out = jax.ShapeDtypeStruct((x.shape[0], math.prod(w.shape[2:])), jnp.float32)
+    flat = jax.ffi.ffi_call(TARGET, out)(x, w, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)))
+    return flat.reshape(x.shape[0], *w.shape[2:])

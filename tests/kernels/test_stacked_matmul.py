@@ -1,0 +1,70 @@
+"""`x @ w[layer]` on a layer stack: the C++ CPU kernel and the reference against a float64 oracle.
+
+Every layer but the one picked is NaN, so a kernel that read outside its layer fails loudly;
+shapes are odd (K and N not multiples of a vector or a thread's share) and the layer index is
+traced, as in the scanned model.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import stacked_matmul
+from pallas_kernels.stacked_matmul import MAX_ROWS, stacked_matmul_cpu, stacked_matmul_reference
+
+
+def poisoned_stack(rng, layers, k, out_shape, layer):
+    w = np.full((layers, k, *out_shape), np.nan, np.float32)
+    w[layer] = rng.normal(0, 0.05, (k, *out_shape)).astype(np.float32)
+    return w
+
+
+@pytest.mark.parametrize("rows,k,out_shape", [(1, 576, (960,)), (3, 200, (3, 5, 7)), (MAX_ROWS, 131, (2, 257)),
+                                               (2, 1536, (576,))])
+def test_kernel_matches_the_oracle_and_reads_only_its_layer(rows, k, out_shape):
+    assert stacked_matmul.available(), "the C++ kernel must build here (a C++ compiler is a test requirement)"
+    rng = np.random.default_rng(rows * 1000 + k)
+    layers, layer = 5, int(rng.integers(0, 5))
+    w = poisoned_stack(rng, layers, k, out_shape, layer)
+    x = rng.normal(0, 1, (rows, k)).astype(np.float32)
+    want = np.tensordot(x.astype(np.float64), w[layer].astype(np.float64), axes=(1, 0))
+    for fn in (stacked_matmul_cpu, stacked_matmul_reference):
+        got = np.asarray(jax.jit(fn)(x, w, jnp.int32(layer)))
+        assert got.shape == (rows, *out_shape)
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
+
+
+def test_auto_picks_the_kernel_for_decode_rows_and_the_reference_above():
+    x_small, x_big = jnp.ones((MAX_ROWS, 64), jnp.float32), jnp.ones((MAX_ROWS + 1, 64), jnp.float32)
+    w = jnp.ones((2, 64, 8), jnp.float32)
+    hlo = lambda x: jax.jit(lambda x, w: stacked_matmul.stacked_matmul(x, w, 1)).lower(x, w).as_text()  # noqa: E731
+    assert "jaxllm_stacked_matmul_cpu" in hlo(x_small)
+    assert "jaxllm_stacked_matmul_cpu" not in hlo(x_big)
+    assert "jaxllm_stacked_matmul_cpu" not in hlo(x_small.astype(jnp.bfloat16))
+
+
+def test_inside_a_scan_over_layers():
+    rng = np.random.default_rng(7)
+    w = rng.normal(0, 0.05, (4, 48, 48)).astype(np.float32)
+    x = rng.normal(0, 1, (2, 48)).astype(np.float32)
+
+    def run(fn):
+        def body(h, layer):
+            return jnp.tanh(fn(h, w, layer)), None
+        return jax.jit(lambda x: jax.lax.scan(body, x, jnp.arange(4))[0])(x)
+
+    want = x.astype(np.float64)
+    for layer in range(4):
+        want = np.tanh(want @ w[layer])
+    for fn in (stacked_matmul_cpu, stacked_matmul_reference):
+        np.testing.assert_allclose(np.asarray(run(fn)), want, rtol=1e-4, atol=1e-5)
+
+
+def test_bad_input_is_refused():
+    with pytest.raises(ValueError, match="backend"):
+        stacked_matmul.stacked_matmul(jnp.ones((1, 4)), jnp.ones((2, 4, 4)), 0, backend="fast")
+    with pytest.raises(ValueError, match="float32"):
+        stacked_matmul_cpu(jnp.ones((1, 4), jnp.bfloat16), jnp.ones((2, 4, 4), jnp.bfloat16), 0)
