@@ -3,9 +3,11 @@
 Starts NNODES local processes (gloo on loopback, one CPU device each), builds the real
 `InputBatch` and buckets for the given engine shapes, and times what `StepLeader` does each
 step: pack the inputs, `broadcast_one_to_all` the header, then the packed bucket payload —
-light (no row uses penalties or masks) and full. Prints one JSON line per case.
+light (no row uses penalties or masks) and full. Prints one JSON line per case; `--output`
+also writes them all to a JSON file.
 
-    python benchmarks/multihost_broadcast.py --num-seqs 64 256
+    python benchmarks/multihost_broadcast.py --num-seqs 64 256 --steps 20 \
+        --output benchmarks/results/multihost_broadcast_cpu.json
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def node(rank: int, args) -> None:
     from jaxllm.runner.buckets import make_buckets
     from jaxllm.runner.input_batch import InputBatch
 
+    rows = []
     for num_seqs in args.num_seqs:
         runner = argparse.Namespace(buckets=[b for b in make_buckets(num_seqs, num_seqs) if b.num_seqs == num_seqs])
         largest = runner.buckets[-1]
@@ -53,13 +56,17 @@ def node(rank: int, args) -> None:
                 broadcast_one_to_all(buffer)
                 times.append(time.perf_counter() - started)
             assert is_full == full
+            rows.append({"num_seqs": num_seqs, "num_tokens": largest.num_tokens, "nnodes": args.nnodes,
+                         "payload": "full" if full else "light", "max_model_len": args.max_model_len,
+                         "vocab_size": args.vocab_size, "bytes_per_step": buffer.nbytes + HEADER_SIZE * 4,
+                         "ms_per_step_median": round(1000 * sorted(times)[len(times) // 2], 3),
+                         "ms_per_step_min": round(1000 * min(times), 3),
+                         "load_average": os.getloadavg()[0]})
             if rank == 0:
-                print(json.dumps({"num_seqs": num_seqs, "num_tokens": largest.num_tokens, "nnodes": args.nnodes,
-                                  "payload": "full" if full else "light", "max_model_len": args.max_model_len,
-                                  "vocab_size": args.vocab_size, "bytes_per_step": buffer.nbytes + HEADER_SIZE * 4,
-                                  "ms_per_step_median": round(1000 * sorted(times)[len(times) // 2], 3),
-                                  "ms_per_step_min": round(1000 * min(times), 3),
-                                  "load_average": os.getloadavg()[0]}), flush=True)
+                print(json.dumps(rows[-1]), flush=True)
+    if rank == 0 and args.output:
+        with open(args.output, "w") as f:
+            json.dump({"steps": args.steps, "results": rows}, f, indent=1)
     jax.distributed.shutdown()
 
 
@@ -70,6 +77,7 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument("--vocab-size", type=int, default=49152)  # SmolLM2
     parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--output", default=None, help="also write the results to this JSON file")
     parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
