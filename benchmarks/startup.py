@@ -53,6 +53,7 @@ def child(cache_dir: str, spawned: float, max_tokens: int, engine_flags: list[st
         "generate_s": done - ready,  # older trees (A/B runs) lack the phases
         "phases": getattr(engine, "startup_phases", {"total": engine.startup_seconds}),
         "buckets_loaded": getattr(engine.runner, "loaded_buckets", 0), "num_buckets": len(engine.runner.buckets),
+        "kv_blocks": engine.runner.num_blocks,
         "tokens": len(outputs[0].outputs[0].token_ids), "text": outputs[0].outputs[0].text,
     }))
 

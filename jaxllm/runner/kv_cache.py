@@ -19,8 +19,9 @@ from jaxllm.parallel.mesh import kv_cache_sharding
 
 logger = logging.getLogger(__name__)
 
-CPU_SHARE_OF_RAM = 0.15
+CPU_SHARE_OF_RAM = 0.15  # of the machine's RAM: a fixed share, so the cache (a compiled shape) is the same every run
 CPU_CAP_BYTES = 2 << 30
+CPU_SHARE_OF_FREE_RAM = 0.5  # but never more than this share of what is free now
 ACCELERATOR_HEADROOM_BYTES = 1 << 30  # activations, compiled code, allocator slack
 
 
@@ -30,15 +31,17 @@ def bytes_per_block(arch: ModelArch, block_size: int, dtype, num_shards: int = 1
     return 2 * arch.num_layers * block_size * heads * arch.head_dim * jnp.dtype(dtype).itemsize
 
 
-def _available_ram() -> int:
+def _ram() -> tuple[int, int]:
+    """(total, available) bytes of RAM."""
+    total = available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    available = int(line.split()[1]) * 1024
     except OSError:
         pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return total, available
 
 
 def kv_cache_budget(config: CacheConfig) -> int:
@@ -48,7 +51,8 @@ def kv_cache_budget(config: CacheConfig) -> int:
     device = jax.devices()[0]
     stats = device.memory_stats() if device.platform != "cpu" else None
     if not stats or "bytes_limit" not in stats:
-        return int(min(CPU_SHARE_OF_RAM * _available_ram(), CPU_CAP_BYTES))
+        total, available = _ram()
+        return int(min(CPU_SHARE_OF_RAM * total, CPU_CAP_BYTES, CPU_SHARE_OF_FREE_RAM * available))
     limit, in_use = stats["bytes_limit"], stats.get("bytes_in_use", 0)
     return max(int(config.gpu_memory_utilization * limit) - in_use - ACCELERATOR_HEADROOM_BYTES, 0)
 
