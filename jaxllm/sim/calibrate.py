@@ -1,17 +1,17 @@
 """Calibration (`jaxllm calibrate`): time real compiled steps on this machine and fit the cost model.
 
-Two passes over one loaded engine:
+Two passes over one loaded engine, and one over a server:
 
 1. **Device sweep**: synthetic `SchedulerOutput`s straight into `ModelRunner.execute` over a grid
    of (sequences, tokens per sequence, context) — pure decode batches at several context lengths,
    single prefill chunks of every bucket size at several starting positions, and mixed steps
-   (decodes plus one prefill chunk). Each point is timed as the fastest of a few runs after one
-   warm run (on a shared machine, other work only ever adds time). This fits the bucket bases and the context and attention terms.
+   (decodes plus one prefill chunk). Each point is timed as the fastest of a few rounds over the
+   whole sweep, after one warm run (`time_sweep`). This fits the bucket bases and the context and
+   attention terms.
 2. **Engine pass**: a short synthetic trace through the whole `EngineCore` (scheduling, input
    assembly, sampling, output bookkeeping), each step timed start to next start as the simulator
    counts it. The residual over the device model is fitted as a per-step plus per-sequence host
-   overhead, which the cost model then includes.
-
+   overhead (a median fit, `fit_host_overhead`), which the cost model then includes.
 3. **Server pass** (`calibrate_server`, on by default in the CLI): a light trace through a child
    `jaxllm serve` with the same engine flags, replayed by `jaxllm bench serve`'s client. What the
    server adds over the engine is fitted in two medians over requests: per step (the event loop
@@ -66,7 +66,7 @@ def sweep_points(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: 
     return points
 
 
-def _time_step(core, layout: list[tuple[int, int]], repeats: int) -> tuple[StepShape, float]:
+def _time_step(core, layout: list[tuple[int, int]], warm: bool) -> tuple[StepShape, float]:
     kv, rng = core.kv, np.random.default_rng(len(layout))
     vocab = core.loaded.arch.vocab_size
     requests, scheduled = [], []
@@ -79,16 +79,33 @@ def _time_step(core, layout: list[tuple[int, int]], repeats: int) -> tuple[StepS
             requests.append(request)
             scheduled.append(ScheduledRequest(request, n, start, kv.block_ids(request.request_id)))
         out = SchedulerOutput(step=-1, scheduled=scheduled)
-        core.runner.execute(out)  # warm: first use of this bucket's executable
-        times = []
-        for _ in range(repeats):
-            begin = time.perf_counter()
-            core.runner.execute(out)
-            times.append(time.perf_counter() - begin)
-        return StepShape.of(out), min(times)  # contention only ever adds time: the fastest run is the step
+        if warm:
+            core.runner.execute(out)  # first use of this bucket's executable
+        begin = time.perf_counter()
+        core.runner.execute(out)
+        return StepShape.of(out), time.perf_counter() - begin
     finally:
         for request in requests:
             kv.free(request, uncache=True)
+
+
+def time_sweep(core, points: list[list[tuple[int, int]]], repeats: int, progress: bool) -> list[tuple[StepShape, float]]:
+    """Each point's fastest time over `repeats` rounds of the whole sweep.
+
+    Rounds, not back-to-back repeats: on a shared machine other work only ever adds time, and a
+    neighbour's burst lasting seconds would spoil every repeat of the points it overlaps.
+    """
+    from tqdm.auto import tqdm
+
+    best: list[tuple[StepShape, float] | None] = [None] * len(points)
+    with tqdm(total=repeats * len(points), desc="Timing steps", disable=not progress, unit="step") as bar:
+        for round_ in range(repeats):
+            for i, layout in enumerate(points):
+                shape, seconds = _time_step(core, layout, warm=round_ == 0)
+                if best[i] is None or seconds < best[i][1]:
+                    best[i] = (shape, seconds)
+                bar.update()
+    return best
 
 
 def engine_pass_trace(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, seed: int = 0):
@@ -118,14 +135,10 @@ def fit_host_overhead(num_seqs: np.ndarray, residual: np.ndarray, iterations: in
 
 def calibrate(core, *, repeats: int = 5, progress: bool = True) -> CostModel:
     """Fit a cost model for `core`'s model, shapes and machine (see the module docstring)."""
-    from tqdm.auto import tqdm
-
     sched = core.config.scheduler
     capacity = core.kv.num_free_blocks * core.kv.block_size
     points = sweep_points(sched.max_num_seqs, sched.max_num_batched_tokens, sched.max_model_len, capacity)
-    samples = [_time_step(core, layout, repeats)
-               for layout in tqdm(points, desc="Timing steps", disable=not progress, unit="step")]
-    model = fit_cost_model(samples, sched.max_num_batched_tokens)
+    model = fit_cost_model(time_sweep(core, points, repeats, progress), sched.max_num_batched_tokens)
 
     trace = engine_pass_trace(sched.max_num_seqs, sched.max_num_batched_tokens, sched.max_model_len)
     run_trace_on_engine(core, engine_pass_trace(sched.max_num_seqs, sched.max_num_batched_tokens,
