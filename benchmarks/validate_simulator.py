@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -59,18 +60,34 @@ def engine_flags(engine: dict) -> list[str]:
             "--kv-cache-memory-bytes", str(kv_bytes_for(engine))]
 
 
-def real_server(trace_paths: dict[str, Path], engine: dict, workdir: Path) -> dict[str, dict]:
+def real_server(trace_paths: dict[str, Path], engine: dict, workdir: Path, rounds: int) -> dict[str, dict]:
+    """Per trace, the median over `rounds` runs of each metric (one run's TTFT on a busy trace can swing 2x
+    on a shared machine), each on a fresh server (an empty prefix cache, as simulated)."""
+    import httpx
+
     from jaxllm.bench.server_process import ServerProcess
 
     results = {}
-    for name, path in trace_paths.items():  # a fresh server per trace: an empty prefix cache, as simulated
-        with ServerProcess(engine_flags(engine), log_path=workdir / f"{path.stem}.server.log") as server:
-            out = workdir / f"{path.stem}.bench.json"
-            subprocess.run([sys.executable, "-m", "jaxllm.entrypoints.cli", "bench", "serve", "--base-url", server.url,
-                            "--dataset-name", "jsonl", "--dataset-path", str(path), "--output", str(out),
-                            "--disable-tqdm"], check=True)
-            results[name] = json.loads(out.read_text())
+    for name, path in trace_paths.items():
+        runs = []
+        for round_ in range(rounds):
+            with ServerProcess(engine_flags(engine), log_path=workdir / f"{path.stem}.{round_}.server.log") as server:
+                out = workdir / f"{path.stem}.{round_}.bench.json"
+                subprocess.run([sys.executable, "-m", "jaxllm.entrypoints.cli", "bench", "serve", "--base-url",
+                                server.url, "--dataset-name", "jsonl", "--dataset-path", str(path), "--output",
+                                str(out), "--disable-tqdm"], check=True)
+                run = json.loads(out.read_text())
+                run["num_preemptions"] = metric(httpx.get(server.url + "/metrics").text, "jaxllm:num_preemptions_total")
+                runs.append(run)
+        results[name] = {key: statistics.median(r[key] for r in runs)
+                         for key in ("duration", "mean_ttft_ms", "mean_tpot_ms", "num_preemptions")}
+        results[name]["rounds"] = {key: [r[key] for r in runs] for key in ("duration", "mean_ttft_ms", "mean_tpot_ms")}
     return results
+
+
+def metric(text: str, name: str) -> float:
+    """A Prometheus counter's value (summed over label sets) from /metrics text."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
 def real_engine(trace_sets: dict[str, list], engine: dict) -> dict[str, dict]:
@@ -99,6 +116,7 @@ def main() -> None:
     parser.add_argument("--cost", required=True, help="cost model from `jaxllm calibrate`")
     parser.add_argument("--real", choices=("server", "engine"), default="server")
     parser.add_argument("--num-blocks", type=int, default=128, help="KV pool (blocks) of both runs")
+    parser.add_argument("--rounds", type=int, default=3, help="real server runs per trace (medians are compared)")
     parser.add_argument("--out", default="benchmarks/results/validate_simulator", help="writes OUT.md and OUT.json")
     args = parser.parse_args()
 
@@ -116,9 +134,10 @@ def main() -> None:
     for i, (name, trace) in enumerate(trace_sets.items()):
         paths[name] = workdir / f"trace{i}.jsonl"
         save_trace(trace, paths[name])
-    real = real_server(paths, engine, workdir) if args.real == "server" else real_engine(trace_sets, engine)
+    real = real_server(paths, engine, workdir, args.rounds) if args.real == "server" else real_engine(trace_sets, engine)
 
-    label = "jaxllm serve + bench serve" if args.real == "server" else "offline EngineCore, real-time arrivals"
+    label = (f"jaxllm serve + bench serve, median of {args.rounds} runs" if args.real == "server"
+             else "offline EngineCore, real-time arrivals")
     lines = [f"Simulated vs real ({label}); cost model {os.path.basename(args.cost)} "
              f"(device fit mean error {cost.fit['mean_abs_rel_error']:.0%}), load average "
              f"{os.getloadavg()[0]:.1f} at the end.", "",
@@ -132,6 +151,9 @@ def main() -> None:
             lines.append(f"| {name} | {label_} | {s:.1f} | {r:.1f} | {err:+.1%} |")
         rows[name]["num_preemptions"] = {"simulated": simulated[name]["num_preemptions"],
                                          "real": real[name].get("num_preemptions")}
+        pre = rows[name]["num_preemptions"]
+        lines.append(f"| {name} | preemptions | {pre['simulated']} | {pre['real']:g} | |")
+        rows[name]["real_rounds"] = real[name].get("rounds")
     table = "\n".join(lines)
     print(table)
     out = Path(args.out)
