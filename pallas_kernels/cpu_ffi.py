@@ -1,7 +1,7 @@
 """Building and registering jaxllm's C++ CPU kernels (XLA FFI custom calls).
 
 Each kernel is one C++ file compiled on first use with the system compiler into a cache
-directory (`$JAXLLM_CACHE_DIR`, else `~/.cache/jaxllm`), keyed by the source, the compiler
+directory (`$JAXLLM_CACHE/kernels`, `$JAXLLM_CACHE` defaulting to `~/.cache/jaxllm` as everywhere in jaxllm), keyed by the source, the compiler
 flags, jaxlib's version and the CPU, then registered with XLA under a target name. Without a
 compiler `register` returns False (with a warning) and callers keep their jnp path.
 """
@@ -35,7 +35,8 @@ def _cpu_id() -> str:
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("JAXLLM_CACHE_DIR") or Path.home() / ".cache" / "jaxllm") / "kernels"
+    root = os.environ.get("JAXLLM_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxllm"
+    return Path(root) / "kernels"
 
 
 def build(source: Path) -> Path:
