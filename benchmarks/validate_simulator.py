@@ -26,9 +26,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-from jaxllm.config import SchedulerConfig
+from jaxllm.sim.calibrate import engine_args_for, sim_config_for
 from jaxllm.sim.costmodel import CostModel
-from jaxllm.sim.simulator import SimConfig, cost_model_step_time, simulate
+from jaxllm.sim.simulator import cost_model_step_time, simulate
 from jaxllm.sim.synth import LengthDist, synthesize
 from jaxllm.sim.trace import save_trace
 
@@ -52,12 +52,7 @@ def traces(max_model_len: int) -> dict[str, list]:
 
 
 def engine_flags(engine: dict) -> list[str]:
-    from jaxllm.sim.calibrate import kv_bytes_for
-
-    return ["--max-num-seqs", str(engine["max_num_seqs"]), "--max-num-batched-tokens",
-            str(engine["max_num_batched_tokens"]), "--max-model-len", str(engine["max_model_len"]),
-            "--block-size", str(engine["block_size"]), "--dtype", engine["dtype"],
-            "--kv-cache-memory-bytes", str(kv_bytes_for(engine))]
+    return engine_args_for(engine).to_cli_args()
 
 
 def real_server(trace_paths: dict[str, Path], engine: dict, workdir: Path, rounds: int) -> dict[str, dict]:
@@ -92,15 +87,10 @@ def metric(text: str, name: str) -> float:
 
 def real_engine(trace_sets: dict[str, list], engine: dict) -> dict[str, dict]:
     from jaxllm.bench.results import summarize
-    from jaxllm.engine.args import EngineArgs
     from jaxllm.engine.core import EngineCore
-    from jaxllm.sim.calibrate import kv_bytes_for
     from jaxllm.sim.engine_run import run_trace_on_engine
 
-    core = EngineCore(EngineArgs(max_num_seqs=engine["max_num_seqs"],
-                                 max_num_batched_tokens=engine["max_num_batched_tokens"],
-                                 max_model_len=engine["max_model_len"], block_size=engine["block_size"],
-                                 dtype=engine["dtype"], kv_cache_memory_bytes=kv_bytes_for(engine)), progress=False)
+    core = EngineCore(engine_args_for(engine), progress=False)
     results = {}
     for name, trace in trace_sets.items():
         core.kv.reset_prefix_cache()  # an empty prefix cache, as simulated
@@ -122,9 +112,7 @@ def main() -> None:
 
     cost = CostModel.load(args.cost)
     engine = {**cost.engine, "num_blocks": args.num_blocks}
-    config = SimConfig(SchedulerConfig(engine["max_num_seqs"], engine["max_num_batched_tokens"],
-                                       engine["max_model_len"]), num_blocks=engine["num_blocks"],
-                       block_size=engine["block_size"], enable_prefix_caching=engine["enable_prefix_caching"])
+    config = sim_config_for(engine)
     trace_sets = traces(engine["max_model_len"])
     latency = cost.request_latency_s if args.real == "server" else 0.0  # the front-end exists only there
     simulated = {name: simulate(trace, config, cost_model_step_time(cost, config), request_latency_s=latency).to_json()

@@ -32,12 +32,15 @@ from datetime import datetime, timezone
 import jax
 import numpy as np
 
+from jaxllm.config import SchedulerConfig
+from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.request import Request
 from jaxllm.runner.kv_cache import bytes_per_block
 from jaxllm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sim.costmodel import CostModel, StepShape, fit_cost_model
 from jaxllm.sim.engine_run import run_trace_on_engine
+from jaxllm.sim.simulator import SimConfig
 from jaxllm.sim.synth import LengthDist, synthesize
 
 logger = logging.getLogger("jaxllm")
@@ -182,8 +185,7 @@ def calibrate_server(model: CostModel, server_flags: list[str]) -> CostModel:
 
     from jaxllm.bench.server_process import ServerProcess
     from jaxllm.bench.serve import first_model, run
-    from jaxllm.config import SchedulerConfig
-    from jaxllm.sim.simulator import SimConfig, cost_model_step_time, simulate
+    from jaxllm.sim.simulator import cost_model_step_time, simulate
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     engine = model.engine
@@ -194,9 +196,7 @@ def calibrate_server(model: CostModel, server_flags: list[str]) -> CostModel:
     failed = [r.error for r in records if not r.success]
     if failed:
         raise RuntimeError(f"server pass: {len(failed)} requests failed, e.g. {failed[0]}")
-    config = SimConfig(SchedulerConfig(engine["max_num_seqs"], engine["max_num_batched_tokens"],
-                                       engine["max_model_len"]), num_blocks=engine["num_blocks"],
-                       block_size=engine["block_size"], enable_prefix_caching=engine["enable_prefix_caching"])
+    config = sim_config_for(engine)
 
     def simulated(m: CostModel):
         return simulate(trace, config, cost_model_step_time(m, config)).records
@@ -210,6 +210,20 @@ def calibrate_server(model: CostModel, server_flags: list[str]) -> CostModel:
     model.fit.update({"server_requests": len(records), "server_overhead_per_step_s": per_step,
                       "server_mean_ttft_rel_error": ttft_err, "server_mean_tpot_rel_error": tpot_err})
     return replace(model, request_latency_s=latency)
+
+
+def sim_config_for(engine: dict) -> SimConfig:
+    """The simulator's view of a calibrated engine (`CostModel.engine`)."""
+    return SimConfig(SchedulerConfig(engine["max_num_seqs"], engine["max_num_batched_tokens"], engine["max_model_len"]),
+                     num_blocks=engine["num_blocks"], block_size=engine["block_size"],
+                     enable_prefix_caching=engine["enable_prefix_caching"])
+
+
+def engine_args_for(engine: dict) -> EngineArgs:
+    """Engine arguments that rebuild a calibrated engine (`CostModel.engine`): its shapes and KV pool."""
+    return EngineArgs(max_num_seqs=engine["max_num_seqs"], max_num_batched_tokens=engine["max_num_batched_tokens"],
+                      max_model_len=engine["max_model_len"], block_size=engine["block_size"], dtype=engine["dtype"],
+                      enable_prefix_caching=engine["enable_prefix_caching"], kv_cache_memory_bytes=kv_bytes_for(engine))
 
 
 def kv_bytes_for(engine: dict) -> int:
