@@ -5,17 +5,23 @@
 // float32 or bfloat16, sequence i owns query rows cu_q_lens[i]:cu_q_lens[i+1], its last row
 // sits at position kv_lens[i]-1, its keys live in block_tables[i]. Rows of padding get zeros.
 //
-// Work unit: up to kTileRows query rows of one sequence, all heads. A unit walks its keys
-// block by block through the table, from the first block its rows need to the last, so every
-// K/V byte is read once per unit from its contiguous [B, Hkv, D] block (all heads at once),
-// and the rows of a prefill tile share each block while it is in cache. Softmax is online
-// (running max and sum per row and head) in float32. Units run in parallel (OpenMP).
+// Work units, spread over the cores with OpenMP, longest first:
+// - a decode row (a sequence with one query row, head_dim a multiple of 16): all heads, over
+//   its keys or, for a sequence long enough to unbalance the cores, over one slice of them
+//   (flash-decoding: the slices' softmax states are merged afterwards). Keys are scored 16 at
+//   a time with vector FMAs and a transpose-add reduction (`attend_group`).
+// - a tile of up to kTileRows query rows of one sequence (prefill), all heads, row by row.
+// Either walks its blocks through the table in order, so every K/V byte is read once per unit
+// from its contiguous [B, Hkv, D] block (all heads at once). Softmax is online (running max
+// and sum per row and head) in float32.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include <omp.h>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -140,36 +146,295 @@ void attend_tile(const float* q, const T* k_layer, const T* v_layer, const int32
   }
 }
 
+// --- Decode: one query row per unit, 16 keys at a time -------------------------------------
+//
+// A unit that scores one row (every decode sequence) takes this path when head_dim is a
+// multiple of 16. For each KV head and each group of up to 16 keys of a block it forms, per
+// query head, 16 vectors of partial dot products (one per key, FMAs over head_dim) and folds
+// them with a transpose-add tree into one vector holding the 16 scores: 45 shuffle/add ops per
+// 16 scores instead of 16 horizontal sums (~128 ops). Values accumulate from the same 16 rows
+// with the G heads' accumulators kept in registers per 16-float chunk. Rows past a group's
+// last valid key re-read its last valid row and get probability 0, so no unused (possibly
+// NaN) cache row is ever read.
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+constexpr int kGroup = 16;
+constexpr int64_t kMaxHeadDim = 256;  // the decode path's limit (scratch on the stack)
+
+inline f32x16 load16(const float* p) {
+  f32x16 r;
+  std::memcpy(&r, p, sizeof r);
+  return r;
+}
+inline f32x16 load16(const uint16_t* p) {  // bfloat16 -> float32: widen and shift into the high half
+  u16x16 r;
+  std::memcpy(&r, p, sizeof r);
+  return (f32x16)(__builtin_convertvector(r, u32x16) << 16);
+}
+
+// The 16 lane-sums of p[0..15], lane t = sum of p[t]: four levels of (two shuffles, one add).
+inline f32x16 reduce16(const f32x16* p) {
+  f32x16 a[8], b[4], c[2];
+  for (int i = 0; i < 8; ++i)  // [p(2i) halves summed | p(2i+1) halves summed]
+    a[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; ++i)  // 4 lanes per key
+    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; ++i)  // 2 lanes per key
+    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+struct HeadState {  // one KV head's G query heads: scaled queries, running max/sum, accumulators
+  const float* q;   // [G, D]
+  float* m;         // [G]
+  float* l;         // [G]
+  float* acc;       // [G, D]
+};
+
+// Keys k[row(t)], t < 16, row(t) = min(t, nk - 1) rows of `stride` elements apart; FULL: nk == 16.
+template <bool FULL, typename T>
+inline void attend_group(const HeadState& st, const T* k, const T* v, int64_t stride, int nk, int64_t G,
+                         int64_t D, float soft_cap) {
+  alignas(64) float p[8 * kGroup];  // probabilities [G, 16] (G <= 8 here; see the caller)
+  const int64_t C = D / 16;
+  auto row = [&](int t) { return (FULL ? t : std::min(t, nk - 1)) * stride; };
+  for (int64_t g = 0; g < G; ++g) {
+    f32x16 part[kGroup] = {};
+    for (int64_t c = 0; c < C; ++c) {
+      const f32x16 qv = load16(st.q + g * D + c * 16);
+#pragma GCC unroll 16
+      for (int t = 0; t < kGroup; ++t) part[t] += qv * load16(k + row(t) + c * 16);
+    }
+    alignas(64) float s[kGroup];
+    const f32x16 sv = reduce16(part);
+    std::memcpy(s, &sv, sizeof s);
+    if (soft_cap > 0.f)
+      for (int t = 0; t < kGroup; ++t) s[t] = soft_cap * std::tanh(s[t] / soft_cap);
+    if (!FULL)
+      for (int t = nk; t < kGroup; ++t) s[t] = kMask;
+    float mx = st.m[g];
+    for (int t = 0; t < kGroup; ++t) mx = std::max(mx, s[t]);
+    const float alpha = std::exp(st.m[g] - mx);
+    float* pg = p + g * kGroup;
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int t = 0; t < kGroup; ++t) {
+      pg[t] = std::exp(s[t] - mx);
+      sum += pg[t];
+    }
+    st.l[g] = st.l[g] * alpha + sum;
+    st.m[g] = mx;
+    if (alpha != 1.f)
+      for (int64_t d = 0; d < D; ++d) st.acc[g * D + d] *= alpha;
+  }
+  for (int64_t c = 0; c < C; ++c) {
+    f32x16 vr[kGroup];
+#pragma GCC unroll 16
+    for (int t = 0; t < kGroup; ++t) vr[t] = load16(v + row(t) + c * 16);
+    for (int64_t g = 0; g < G; ++g) {
+      f32x16 a = load16(st.acc + g * D + c * 16);
+      const float* pg = p + g * kGroup;
+#pragma GCC unroll 16
+      for (int t = 0; t < kGroup; ++t) a += pg[t] * vr[t];
+      std::memcpy(st.acc + g * D + c * 16, &a, sizeof a);
+    }
+  }
+}
+
+// bfloat16 rows: widen the group's 16 K and V rows once into float32 (L1-resident), then score
+// them as float32, instead of widening every row once per query head.
+template <bool FULL>
+inline void attend_group_bf16(const HeadState& st, const uint16_t* k, const uint16_t* v, int64_t stride, int nk,
+                              int64_t G, int64_t D, float soft_cap) {
+  alignas(64) float kf[kGroup * kMaxHeadDim], vf[kGroup * kMaxHeadDim];
+  for (int t = 0; t < kGroup; ++t) {
+    const int64_t r = (FULL ? t : std::min(t, nk - 1)) * stride;
+    for (int64_t c = 0; c < D; c += 16) {
+      const f32x16 kv = load16(k + r + c), vv = load16(v + r + c);
+      std::memcpy(kf + t * D + c, &kv, sizeof kv);
+      std::memcpy(vf + t * D + c, &vv, sizeof vv);
+    }
+  }
+  attend_group<FULL>(st, kf, vf, D, nk, G, D, soft_cap);
+}
+
+template <bool FULL>
+inline void attend_group_any(const HeadState& st, const float* k, const float* v, int64_t stride, int nk, int64_t G,
+                             int64_t D, float soft_cap) {
+  attend_group<FULL>(st, k, v, stride, nk, G, D, soft_cap);
+}
+template <bool FULL>
+inline void attend_group_any(const HeadState& st, const uint16_t* k, const uint16_t* v, int64_t stride, int nk,
+                             int64_t G, int64_t D, float soft_cap) {
+  attend_group_bf16<FULL>(st, k, v, stride, nk, G, D, soft_cap);
+}
+
+// One decode row over keys [key_lo, key_hi): the unnormalised softmax state into `st`
+// ([Hq, D] accumulators, then [Hq] running maxima, then [Hq] sums).
+template <typename T>
+void attend_decode(const float* q_row, const T* k_layer, const T* v_layer, const int32_t* table, const Shape& sh,
+                   int64_t key_lo, int64_t key_hi, float sm_scale, float soft_cap, float* st,
+                   std::vector<float>& scratch) {
+  const int64_t D = sh.head_dim, Hq = sh.q_heads, Hkv = sh.kv_heads, B = sh.block_size, G = Hq / Hkv;
+  scratch.resize(Hq * D);
+  float* qs = scratch.data();  // [Hq, D], scaled
+  for (int64_t i = 0; i < Hq * D; ++i) qs[i] = q_row[i] * sm_scale;
+  float* acc = st;
+  float* m = acc + Hq * D;
+  float* l = m + Hq;
+  std::fill(acc, acc + Hq * D, 0.f);
+  std::fill(m, m + Hq, kMask);
+  std::fill(l, l + Hq, 0.f);
+
+  const int64_t blk_lo = key_lo / B, blk_hi = std::min<int64_t>((key_hi - 1) / B, sh.max_blocks - 1);
+  const int64_t block_elems = B * Hkv * D, stride = Hkv * D;
+  auto prefetch = [&](int64_t b) {  // blocks are scattered: ask for them before they are read
+    if (b > blk_hi) return;
+    const int64_t block = table[b];
+    if (block < 0 || block >= sh.num_blocks) return;
+    for (int64_t e = 0; e < block_elems; e += 64 / sizeof(T)) {
+      __builtin_prefetch(k_layer + block * block_elems + e);
+      __builtin_prefetch(v_layer + block * block_elems + e);
+    }
+  };
+  for (int64_t b = blk_lo; b < blk_lo + kPrefetch; ++b) prefetch(b);
+  for (int64_t b = blk_lo; b <= blk_hi; ++b) {
+    prefetch(b + kPrefetch);
+    const int64_t block = table[b];
+    if (block < 0 || block >= sh.num_blocks) continue;  // a bad table entry reads nothing
+    const T* kb = k_layer + block * block_elems;
+    const T* vb = v_layer + block * block_elems;
+    const int64_t t_lo = std::max<int64_t>(0, key_lo - b * B), t_hi = std::min<int64_t>(B, key_hi - b * B);
+    for (int64_t t0 = t_lo; t0 < t_hi; t0 += kGroup) {
+      const int nk = static_cast<int>(std::min<int64_t>(kGroup, t_hi - t0));
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const HeadState hs{qs + h * G * D, m + h * G, l + h * G, acc + h * G * D};
+        const T* kr = kb + t0 * stride + h * D;
+        const T* vr = vb + t0 * stride + h * D;
+        if (nk == kGroup)
+          attend_group_any<true>(hs, kr, vr, stride, nk, G, D, soft_cap);
+        else
+          attend_group_any<false>(hs, kr, vr, stride, nk, G, D, soft_cap);
+      }
+    }
+  }
+}
+
+// out[Hq, D] from the softmax states of the n slices of one row (each as attend_decode writes it).
+inline void merge_states(const float* states, int64_t n, int64_t Hq, int64_t D, float* out) {
+  const int64_t size = Hq * (D + 2);
+  for (int64_t h = 0; h < Hq; ++h) {
+    float mx = kMask;
+    for (int64_t i = 0; i < n; ++i) mx = std::max(mx, states[i * size + Hq * D + h]);
+    float l = 0.f;
+    float* o = out + h * D;
+    std::fill(o, o + D, 0.f);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* st = states + i * size;
+      const float w = std::exp(st[Hq * D + h] - mx);  // a slice with no keys has l = 0
+      l += w * st[Hq * D + Hq + h];
+      for (int64_t d = 0; d < D; ++d) o[d] += w * st[h * D + d];
+    }
+    const float inv = l > 0.f ? 1.f / l : 0.f;
+    for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+  }
+}
+
+struct Unit {
+  int64_t seq, row, nrows, pos;  // rows [row, row + nrows) of sequence seq, the first at position pos
+  int64_t key_lo, key_hi;        // decode rows: the keys this unit reads
+  int64_t slice;                 // decode rows split over several units: this one's state slot; else -1
+  int64_t cost;                  // keys x rows, to start the longest units first
+  bool decode() const { return key_hi > key_lo; }
+};
+
+// A decode row is split into slices of at least kMinSliceKeys keys when it holds more than
+// 1 / (kSlicesPerThread * threads) of all the batch's keys: a few long sequences (a batch of
+// one, a skewed batch) then still use every core. Merging costs one [Hq, D] pass per slice.
+constexpr int64_t kMinSliceKeys = 512;
+constexpr int64_t kSlicesPerThread = 4;
+
 template <typename T>
 void run(const float* q, const T* k, const T* v, const int32_t* kv_lens, const int32_t* tables,
          const int32_t* cu, int64_t num_seqs, int64_t layer, const Shape& sh, int64_t num_tokens,
          float sm_scale, int32_t window, float soft_cap, float* out) {
-  std::memset(out, 0, sizeof(float) * num_tokens * sh.q_heads * sh.head_dim);
-  // Units: (sequence, tile of rows), flattened so OpenMP can balance them.
-  std::vector<int64_t> seq_of, row_of, nrows_of, pos_of;
+  const int64_t Hq = sh.q_heads, D = sh.head_dim, B = sh.block_size;
+  std::memset(out, 0, sizeof(float) * num_tokens * Hq * D);
+  const bool decode_path = D % 16 == 0 && D <= kMaxHeadDim && Hq / sh.kv_heads <= 8;
+  std::vector<Unit> units;
+  std::vector<int64_t> split_rows, split_first;  // per split row: its query row, its first slot
+  int64_t total_keys = 0;
   for (int64_t i = 0; i < num_seqs; ++i) {
     const int64_t start = cu[i], q_len = std::max<int64_t>(0, std::min<int64_t>(cu[i + 1], num_tokens) - start);
     const int64_t kv_len = kv_lens[i];
     if (q_len <= 0 || kv_len <= 0 || q_len > kv_len) continue;
-    for (int64_t r = 0; r < q_len; r += kTileRows) {
-      seq_of.push_back(i);
-      row_of.push_back(start + r);
-      nrows_of.push_back(std::min<int64_t>(kTileRows, q_len - r));
-      pos_of.push_back(kv_len - q_len + r);
+    if (decode_path && q_len == 1) {
+      const int64_t key_lo = window > 0 ? std::max<int64_t>(0, kv_len - window) : 0;
+      units.push_back({i, start, 1, kv_len - 1, key_lo, kv_len, -1, kv_len - key_lo});
+    } else {
+      for (int64_t r = 0; r < q_len; r += kTileRows) {
+        const int64_t nrows = std::min<int64_t>(kTileRows, q_len - r), pos = kv_len - q_len + r;
+        units.push_back({i, start + r, nrows, pos, 0, 0, -1, nrows * (pos + nrows)});
+      }
     }
   }
-  const int64_t layer_elems = sh.num_blocks * sh.block_size * sh.kv_heads * sh.head_dim;
+  for (const Unit& w : units) total_keys += w.cost;
+  const int64_t threads = omp_get_max_threads();
+  const int64_t slice_keys = (std::max(kMinSliceKeys, total_keys / (kSlicesPerThread * threads)) + B - 1) / B * B;
+  int64_t slots = 0;
+  for (size_t u = 0, n = units.size(); u < n; ++u) {
+    const Unit whole = units[u];
+    if (!whole.decode() || threads == 1 || whole.key_hi - whole.key_lo <= slice_keys) continue;
+    split_rows.push_back(whole.row);
+    split_first.push_back(slots);
+    // slices start on block boundaries, so a 16-key group never spans two slices' blocks
+    for (int64_t lo = whole.key_lo, first = 1; lo < whole.key_hi; first = 0) {
+      const int64_t hi = std::min(whole.key_hi, (lo + slice_keys) / B * B);
+      const Unit piece{whole.seq, whole.row, 1, whole.pos, lo, hi, slots++, hi - lo};
+      if (first)
+        units[u] = piece;
+      else
+        units.push_back(piece);
+      lo = hi;
+    }
+  }
+  split_first.push_back(slots);
+  std::stable_sort(units.begin(), units.end(), [](const Unit& a, const Unit& b) { return a.cost > b.cost; });
+
+  const int64_t layer_elems = sh.num_blocks * B * sh.kv_heads * D, state_size = Hq * (D + 2);
   const T* k_layer = k + layer * layer_elems;
   const T* v_layer = v + layer * layer_elems;
-  const int64_t units = static_cast<int64_t>(seq_of.size());
+  std::vector<float> states(slots * state_size);
+  const int64_t n_units = static_cast<int64_t>(units.size()), n_split = static_cast<int64_t>(split_rows.size());
 #pragma omp parallel
   {
-    std::vector<float> scratch;
+    std::vector<float> scratch, state;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t u = 0; u < units; ++u) {
-      attend_tile(q, k_layer, v_layer, tables + seq_of[u] * sh.max_blocks, sh, row_of[u], nrows_of[u],
-                  pos_of[u], sm_scale, window, soft_cap, out, scratch);
+    for (int64_t u = 0; u < n_units; ++u) {
+      const Unit& w = units[u];
+      const int32_t* table = tables + w.seq * sh.max_blocks;
+      if (!w.decode()) {
+        attend_tile(q, k_layer, v_layer, table, sh, w.row, w.nrows, w.pos, sm_scale, window, soft_cap, out, scratch);
+      } else if (w.slice >= 0) {
+        attend_decode(q + w.row * Hq * D, k_layer, v_layer, table, sh, w.key_lo, w.key_hi, sm_scale, soft_cap,
+                      states.data() + w.slice * state_size, scratch);
+      } else {
+        state.resize(state_size);
+        attend_decode(q + w.row * Hq * D, k_layer, v_layer, table, sh, w.key_lo, w.key_hi, sm_scale, soft_cap,
+                      state.data(), scratch);
+        merge_states(state.data(), 1, Hq, D, out + w.row * Hq * D);
+      }
     }
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n_split; ++i)
+      merge_states(states.data() + split_first[i] * state_size, split_first[i + 1] - split_first[i], Hq, D,
+                   out + split_rows[i] * Hq * D);
   }
 }
 

@@ -114,6 +114,25 @@ def test_bfloat16_cache_float32_queries(backend, group, block_size, head_dim):
          q_dtype=np.float32)
 
 
+# --- the C++ CPU kernel's decode path: rows split over threads, and its fallbacks ----------
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("sliding_window,soft_cap", [(None, None), (700, 30.0)])
+def test_cpu_decode_rows_split_into_slices(dtype, sliding_window, soft_cap):
+    """Decode rows long enough to be split into slices (flash-decoding, on >= 2 threads) beside
+    short ones; slices start mid-block under the window, and the last block has a tail."""
+    batch = make_batch(np.random.default_rng(1), [1] * 5, [2100, 37, 1, 1333, 603], num_q_heads=9, num_kv_heads=3,
+                       head_dim=64, block_size=16, dtype=jnp.dtype(dtype), sliding_window=sliding_window)
+    out = _compiled("cpu", 64 ** -0.5, sliding_window, soft_cap)(*batch.args())
+    _check(batch, out, dtype, sm_scale=64 ** -0.5, sliding_window=sliding_window, soft_cap=soft_cap)
+
+
+@pytest.mark.parametrize("group,head_dim", [(2, 40), (12, 64)])
+def test_cpu_decode_fallback_layouts(group, head_dim):
+    """Head dims that are not a multiple of 16 and groups wider than 8 take the row-tile path."""
+    _run("cpu", ["decode", "mixed"], group=group, block_size=16, head_dim=head_dim, dtype="float32")
+
+
 # --- the Pallas kernel (interpret mode): a covering subset --------------------------------
 
 PALLAS_CONFIGS = [  # every GQA ratio, block size, head dim and dtype appears; all kinds run
