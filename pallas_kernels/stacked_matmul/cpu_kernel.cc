@@ -1,11 +1,18 @@
-// x @ w[layer] for a few rows of x, reading the layer's weights in place inside the stacked
-// [L, K, ...] array: an XLA FFI custom call (see __init__.py for why XLA's own dot cannot).
+// x @ w[layer], reading the layer's weights in place inside the stacked [L, K, ...] array:
+// an XLA FFI custom call (see __init__.py for why XLA's own dot cannot).
 //
 // x [T, K] float32, w [L, K, N...] float32 (trailing dims flattened to N), layer [1] int32,
-// out [T, N] float32. Decode steps have few rows, so the product is bound by reading the
-// weights: each thread takes a contiguous range of K and streams its rows of w front to back
-// (whole rows: the hardware prefetcher follows them), accumulating T partial output rows in
-// its own buffer; the partial sums are then added up, each thread a share of the outputs.
+// out [T, N] float32. Two regimes:
+// - few rows (decode of a tiny batch, T <= kStreamRows): bound by reading the weights. Each
+//   thread takes a contiguous range of K and streams its rows of w front to back (whole rows:
+//   the hardware prefetcher follows them), accumulating T partial output rows in its own
+//   buffer; the partial sums are then added up, each thread a share of the outputs.
+// - more rows: bound by arithmetic. Threads split N into panels of kPanel columns; a panel's
+//   K x kPanel weights are copied once into a contiguous buffer that stays in L2 (read straight
+//   from w, K rows kPanel floats apart by N floats, they would all fall into a few cache sets),
+//   then every tile of kTileRows rows of x is multiplied against it with the tile's outputs held
+//   in registers: one broadcast of x and two vector FMAs per (row, k). The next panel's rows are
+//   prefetched while the first tile runs (measured 3-13 % faster from 8 to 128 rows).
 
 #include <algorithm>
 #include <cstdint>
@@ -21,20 +28,56 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kMinRowsPerThread = 64;  // fewer K rows than this per thread: not worth a thread
+constexpr int64_t kStreamRows = 4;         // up to this many rows of x: the streaming regime (measured crossover)
+constexpr int64_t kPanel = 32;             // columns of w per packed panel (two vectors of 16 floats)
+constexpr int kTileRows = 8;               // rows of x per register tile: 16 accumulators
 
-ffi::Error Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> layer,
-                ffi::ResultBuffer<ffi::F32> out) {
-  auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() < 3 || wd[1] != xd[1])
-    return ffi::Error::InvalidArgument("stacked_matmul_cpu: x must be [T, K] and w [L, K, ...]");
-  const int64_t rows = xd[0], k_dim = xd[1], num_layers = wd[0];
-  int64_t n = 1;
-  for (size_t i = 2; i < wd.size(); ++i) n *= wd[i];
-  const int64_t l = layer.typed_data()[0];
-  if (l < 0 || l >= num_layers) return ffi::Error::InvalidArgument("stacked_matmul_cpu: layer out of range");
-  const float* wl = w.typed_data() + l * k_dim * n;
-  const float* xp = x.typed_data();
-  float* y = out->typed_data();
+typedef float Vec16 __attribute__((vector_size(64)));  // AVX-512 register; split by the compiler elsewhere
+
+inline Vec16 Load(const float* p) {
+  Vec16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// y[r, 0:kPanel] = x[r, :] @ panel for r < ROWS; panel is [K, kPanel] contiguous. With `next` (the
+// next panel's first column in w, rows n floats apart), its rows are prefetched along the way.
+template <int ROWS>
+inline void Tile(const float* x, int64_t k_dim, const float* panel, float* y, int64_t ldy, const float* next,
+                 int64_t n) {
+  Vec16 lo[ROWS], hi[ROWS];
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r) lo[r] = hi[r] = Vec16{};
+  for (int64_t k = 0; k < k_dim; ++k) {
+    if (next) {
+      __builtin_prefetch(next + k * n);
+      __builtin_prefetch(next + k * n + 16);
+    }
+    const Vec16 b0 = Load(panel + k * kPanel), b1 = Load(panel + k * kPanel + 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < ROWS; ++r) {
+      const float a = x[r * k_dim + k];
+      lo[r] += a * b0;
+      hi[r] += a * b1;
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r) {
+    std::memcpy(y + r * ldy, &lo[r], sizeof(Vec16));
+    std::memcpy(y + r * ldy + 16, &hi[r], sizeof(Vec16));
+  }
+}
+
+template <int ROWS = kTileRows>
+void TileRemainder(int rows, const float* x, int64_t k_dim, const float* panel, float* y, int64_t ldy,
+                   const float* next, int64_t n) {
+  if constexpr (ROWS > 0) {
+    if (rows == ROWS) return Tile<ROWS>(x, k_dim, panel, y, ldy, next, n);
+    TileRemainder<ROWS - 1>(rows, x, k_dim, panel, y, ldy, next, n);
+  }
+}
+
+void Stream(const float* xp, int64_t rows, int64_t k_dim, const float* wl, int64_t n, float* y) {
   const int threads = static_cast<int>(
       std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), k_dim / kMinRowsPerThread)));
   std::vector<float> partial(static_cast<size_t>(threads - 1) * rows * n);
@@ -61,6 +104,49 @@ ffi::Error Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ff
       for (int64_t e = e0; e < e1; ++e) y[e] += src[e];
     }
   }
+}
+
+void Panels(const float* xp, int64_t rows, int64_t k_dim, const float* wl, int64_t n, float* y) {
+  const int64_t panels = (n + kPanel - 1) / kPanel;
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), panels)));
+#pragma omp parallel num_threads(threads)
+  {
+    const int id = omp_get_thread_num(), team = omp_get_num_threads();
+    std::vector<float> panel(static_cast<size_t>(k_dim) * kPanel, 0.0f);
+    float edge[kTileRows * kPanel];  // a last panel narrower than kPanel is computed here, then copied out
+    for (int64_t p = panels * id / team; p < panels * (id + 1) / team; ++p) {
+      const int64_t c0 = p * kPanel, cols = std::min(kPanel, n - c0);
+      for (int64_t k = 0; k < k_dim; ++k) std::memcpy(panel.data() + k * kPanel, wl + k * n + c0, sizeof(float) * cols);
+      for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
+        const int tile = static_cast<int>(std::min<int64_t>(kTileRows, rows - r0));
+        const float* x = xp + r0 * k_dim;
+        const float* next = r0 == 0 && c0 + kPanel < n ? wl + c0 + kPanel : nullptr;  // while the first tile runs
+        if (cols == kPanel) {
+          TileRemainder(tile, x, k_dim, panel.data(), y + r0 * n + c0, n, next, n);
+        } else {
+          TileRemainder(tile, x, k_dim, panel.data(), edge, kPanel, next, n);
+          for (int r = 0; r < tile; ++r) std::memcpy(y + (r0 + r) * n + c0, edge + r * kPanel, sizeof(float) * cols);
+        }
+      }
+    }
+  }
+}
+
+ffi::Error Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> layer,
+                ffi::ResultBuffer<ffi::F32> out) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() < 3 || wd[1] != xd[1])
+    return ffi::Error::InvalidArgument("stacked_matmul_cpu: x must be [T, K] and w [L, K, ...]");
+  const int64_t rows = xd[0], k_dim = xd[1], num_layers = wd[0];
+  int64_t n = 1;
+  for (size_t i = 2; i < wd.size(); ++i) n *= wd[i];
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= num_layers) return ffi::Error::InvalidArgument("stacked_matmul_cpu: layer out of range");
+  const float* wl = w.typed_data() + l * k_dim * n;
+  if (rows <= kStreamRows)
+    Stream(x.typed_data(), rows, k_dim, wl, n, out->typed_data());
+  else
+    Panels(x.typed_data(), rows, k_dim, wl, n, out->typed_data());
   return ffi::Error::Success();
 }
 

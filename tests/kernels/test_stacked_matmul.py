@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import stacked_matmul
-from pallas_kernels.stacked_matmul import MAX_ROWS, stacked_matmul_cpu, stacked_matmul_reference
+from pallas_kernels.stacked_matmul import stacked_matmul_cpu, stacked_matmul_reference
 
 
 def poisoned_stack(rng, layers, k, out_shape, layer):
@@ -22,8 +22,11 @@ def poisoned_stack(rng, layers, k, out_shape, layer):
     return w
 
 
-@pytest.mark.parametrize("rows,k,out_shape", [(1, 576, (960,)), (3, 200, (3, 5, 7)), (MAX_ROWS, 131, (2, 257)),
-                                               (2, 1536, (576,))])
+# rows 1-4 stream the weights; more multiply packed 32-column panels in 8-row tiles: cover both,
+# a last panel narrower than 32 columns (257, 105) and a last tile shorter than 8 rows (13, 37)
+@pytest.mark.parametrize("rows,k,out_shape", [(1, 576, (960,)), (3, 200, (3, 5, 7)), (8, 131, (2, 257)),
+                                               (2, 1536, (576,)), (13, 64, (105,)), (37, 576, (3, 2, 64)),
+                                               (64, 100, (96,))])
 def test_kernel_matches_the_oracle_and_reads_only_its_layer(rows, k, out_shape):
     assert stacked_matmul.available(), "the C++ kernel must build here (a C++ compiler is a test requirement)"
     rng = np.random.default_rng(rows * 1000 + k)
@@ -37,13 +40,12 @@ def test_kernel_matches_the_oracle_and_reads_only_its_layer(rows, k, out_shape):
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
 
 
-def test_auto_picks_the_kernel_for_decode_rows_and_the_reference_above():
-    x_small, x_big = jnp.ones((MAX_ROWS, 64), jnp.float32), jnp.ones((MAX_ROWS + 1, 64), jnp.float32)
+def test_auto_picks_the_kernel_for_float32_and_the_reference_otherwise():
     w = jnp.ones((2, 64, 8), jnp.float32)
-    hlo = lambda x: jax.jit(lambda x, w: stacked_matmul.stacked_matmul(x, w, 1)).lower(x, w).as_text()  # noqa: E731
-    assert "jaxllm_stacked_matmul_cpu" in hlo(x_small)
-    assert "jaxllm_stacked_matmul_cpu" not in hlo(x_big)
-    assert "jaxllm_stacked_matmul_cpu" not in hlo(x_small.astype(jnp.bfloat16))
+    hlo = lambda x, w: jax.jit(lambda x, w: stacked_matmul.stacked_matmul(x, w, 1)).lower(x, w).as_text()  # noqa: E731
+    for rows in (1, 512):
+        assert "jaxllm_stacked_matmul_cpu" in hlo(jnp.ones((rows, 64), jnp.float32), w)
+    assert "jaxllm_stacked_matmul_cpu" not in hlo(jnp.ones((4, 64), jnp.bfloat16), w.astype(jnp.bfloat16))
 
 
 def test_inside_a_scan_over_layers():
