@@ -36,6 +36,22 @@ def engine_args(args) -> dict:
                 scan_layers=args.scan_layers)
 
 
+def fitted_engine(args):
+    """`LLM()` with a KV cache that holds every sequence of the largest batch whole: a peer that allocates
+    its own cache per sequence is not preempted either (CPU's default budget, 2 GiB, holds ~45k tokens)."""
+    from jaxllm import LLM
+    from jaxllm.runner.kv_cache import bytes_per_block
+
+    llm = LLM(progress=False, **engine_args(args))
+    runner = llm.engine.runner
+    needed = max(args.batches) * -(-(args.input_len + args.output_len) // runner.block_size)
+    if runner.num_blocks > needed:
+        return llm
+    per_block = bytes_per_block(runner.loaded.arch, runner.block_size, runner.cache.k.dtype)
+    del llm, runner
+    return LLM(progress=False, kv_cache_memory_bytes=(needed + 1) * per_block, **engine_args(args))
+
+
 def startup(args, cache_dir: str) -> dict:
     """Seconds from a fresh interpreter to a ready `LLM()`, and its compile share."""
     code = ("import json, time; t = time.perf_counter(); from jaxllm import LLM; "
@@ -49,14 +65,21 @@ def startup(args, cache_dir: str) -> dict:
 
 
 def roofline(arch, dtype_bytes: int, batch: int, input_len: int, output_len: int, ceiling: dict) -> dict:
-    """Best output tok/s for the workload: compute time and weight/KV read time, whichever is larger."""
+    """Best output tok/s for the workload: compute time and weight/KV read time, whichever is larger.
+
+    FLOPs: every token of the prompt and of the output but the last goes through the layers' matmuls,
+    the LM head runs once per output token, and attention costs 4·context·Hq·D per token and layer.
+    Reads: one pass over the weights per decode step plus each sequence's K/V so far."""
     h, i, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
-    per_layer = h * (arch.num_heads + 2 * arch.num_kv_heads) * d + arch.num_heads * d * h + 3 * h * i
-    matmul_params = arch.num_layers * per_layer + arch.vocab_size * h
-    flops = 2 * matmul_params * batch * (input_len + output_len)
+    layer_params = arch.num_layers * (h * (arch.num_heads + 2 * arch.num_kv_heads) * d + arch.num_heads * d * h
+                                      + 3 * h * i)
+    head_params = arch.vocab_size * h
+    tokens = input_len + output_len - 1
+    attention = 4 * arch.num_layers * arch.num_heads * d * tokens * (tokens + 1) // 2
+    flops = batch * (2 * tokens * layer_params + 2 * output_len * head_params + attention)
     kv_per_token = 2 * arch.num_layers * arch.num_kv_heads * d * dtype_bytes
     kv_reads = sum(batch * (input_len + step) * kv_per_token for step in range(output_len))
-    read_bytes = output_len * matmul_params * dtype_bytes + kv_reads
+    read_bytes = output_len * (layer_params + head_params) * dtype_bytes + kv_reads
     compute_s = flops / (ceiling["matmul_float32_gflops"] * 1e9)
     memory_s = read_bytes / (ceiling["mem_read_gb_s"] * 1e9)
     return {"compute_s": round(compute_s, 3), "memory_s": round(memory_s, 3),
@@ -78,8 +101,6 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON file for the whole report")
     args = ap.parse_args()
 
-    from jaxllm import LLM
-
     report = {"workload": {k: getattr(args, k) for k in ("batches", "input_len", "output_len", "rounds")},
               "machine": offline.machine_info(), "ceilings": ceilings(), "engine_args": engine_args(args)}
     print(json.dumps(report["ceilings"]), file=sys.stderr)
@@ -88,7 +109,7 @@ def main() -> None:
             report["startup"] = {"cold_cache": startup(args, cache), "warm_cache": startup(args, cache)}
         print(json.dumps(report["startup"]), file=sys.stderr)
 
-    llm = LLM(progress=False, **engine_args(args))
+    llm = fitted_engine(args)
     loaded = llm.engine.runner.loaded
     arch, dtype_bytes = loaded.arch, np.dtype(loaded.dtype).itemsize
     prompts = offline.make_prompts(llm.get_tokenizer(), max(args.batches), args.input_len)
