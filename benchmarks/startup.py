@@ -12,8 +12,10 @@ to folders of this script's:
 Cold and warm rounds alternate, so a load spike on a shared machine hits both alike.
 
 Per start it reports `wall_s` (spawn to exit, what a user waits), `ready_s` (spawn to
-the engine ready, before the first token), the interpreter and import time, the engine's
-phases (`EngineCore.startup_phases`: weights, tokenizer, kv_cache, step_key, buckets), and
+the engine ready, before the first token), `cpu_s` (CPU seconds of all threads up to ready:
+on a shared machine, `cpu_s / cores` is the better guess of a quiet start), the interpreter
+and import time, the engine's phases (`EngineCore.startup_phases`: weights and tokenizer,
+read in a thread while kv_cache, step_key and buckets run; waiting_for_weights), and
 `generate_s`; then the median of each over the rounds, and the load average. Prints JSON;
 `--output` also writes it.
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -46,11 +49,13 @@ def child(cache_dir: str, spawned: float, max_tokens: int, engine_flags: list[st
                                       "--compilation-cache-dir", cache_dir, *engine_flags])
     llm = make_llm(args)
     ready = time.time()
+    usage = resource.getrusage(resource.RUSAGE_SELF)
     outputs = llm.chat([[{"role": "user", "content": "Hello"}]], sampling_params(args), use_tqdm=False)
     done = time.time()
     engine = llm.engine
     print(json.dumps({
         "interpreter_s": entered - spawned, "imports_s": imported - entered, "ready_s": ready - spawned,
+        "cpu_s": usage.ru_utime + usage.ru_stime,  # CPU seconds to ready, all threads: less swayed by load
         "generate_s": done - ready,  # older trees (A/B runs) lack the phases
         "phases": getattr(engine, "startup_phases", {"total": engine.startup_seconds}),
         "buckets_loaded": getattr(engine.runner, "loaded_buckets", 0), "num_buckets": len(engine.runner.buckets),
@@ -78,7 +83,7 @@ def start(cache_dir: str, max_tokens: int, engine_flags: list[str]) -> dict:
 
 
 def medians(runs: list[dict]) -> dict:
-    keys = ("wall_s", "ready_s", "interpreter_s", "imports_s", "generate_s")
+    keys = ("wall_s", "ready_s", "cpu_s", "interpreter_s", "imports_s", "generate_s")
     summary = {k: round(statistics.median(r[k] for r in runs), 2) for k in keys}
     summary["phases"] = {k: round(statistics.median(r["phases"][k] for r in runs), 2) for k in runs[0]["phases"]}
     return summary

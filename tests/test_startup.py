@@ -81,6 +81,19 @@ def test_gguf_header_matches_the_gguf_package():
         np.testing.assert_array_equal(raw, tensor.data)
 
 
+def test_steps_compiled_from_the_config_alone_fit_the_loaded_weights(default_model):
+    """An engine compiles from `ModelSource.abstract_params` while the weights load: the compiled steps are then
+    called with the loaded arrays, so both must agree on every shape, dtype and sharding."""
+    from jaxllm.parallel.mesh import make_mesh
+    from jaxllm.weights import open_model
+
+    source = open_model(None, dtype="float32")
+    assert source.arch == default_model.arch
+    assert abstract_signature(source.abstract_params(make_mesh())) == abstract_signature(default_model.params)
+    leaves = jax.tree.leaves(default_model.params)  # aligned host arrays: on CPU, placed without a copy
+    assert all(leaf.addressable_shards[0].data.unsafe_buffer_pointer() % 64 == 0 for leaf in leaves)
+
+
 def test_kv_block_counts_from_free_memory_are_stable():
     assert [_stable(n) for n in (1, 15, 16, 17, 33, 2911, 2900)] == [1, 15, 16, 16, 32, 2816, 2816]
     assert all(_stable(n) > n * 7 / 8 for n in range(1, 5000))

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jax
 
@@ -27,7 +28,7 @@ from jaxllm.parallel.mesh import make_mesh
 from jaxllm.runner.model_runner import ModelRunner, RunnerOutput
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.structured.manager import StructuredOutputManager
-from jaxllm.weights import load_model
+from jaxllm.weights import LoadedModel, open_model
 from jaxllm.weights.default import cache_dir
 
 logger = logging.getLogger("jaxllm")
@@ -63,30 +64,41 @@ class EngineCore:
             raise ValueError("data_parallel_size > 1 is not supported yet")
         initialize_from_args(args)  # multi-host: join the other nodes first (the mesh spans them all)
         mesh = make_mesh(args.tensor_parallel_size, args.data_parallel_size)
-        self.loaded = load_model(args.model, mesh=mesh, load_format=args.load_format, dtype=args.dtype,
-                                 tokenizer=args.tokenizer, seed=args.seed)
-        loaded_at = time.perf_counter()
-        arch = self.loaded.arch
+        source = open_model(args.model, load_format=args.load_format, dtype=args.dtype)
+        arch = source.arch
         self.config = args.create_engine_config(arch.max_position_embeddings, jax.default_backend())
+        self.seed = args.seed
+        executables = os.path.join(cache_folder, "jaxllm-executables") if cache_folder else None
+        # compiling needs only the weights' shapes: a thread reads the weights and the tokenizer meanwhile
+        # (unrolled layers, and multi-host starts, read them first)
+        overlap = self.config.model.scan_layers and jax.process_count() == 1
+        with ThreadPoolExecutor(1, thread_name_prefix="jaxllm-load") as pool:
+            reading = pool.submit(source.load, mesh, args.tokenizer, args.seed)
+            model = LoadedModel(source.name, arch, source.hf_config, source.abstract_params(mesh), None,
+                                source.dtype) if overlap else reading.result()
+            self.runner = ModelRunner(model, self.config, mesh, executable_dir=executables)
+            block_size = self.config.cache.block_size
+            self.kv = KVCacheManager(self.runner.num_blocks, block_size, self.config.cache.enable_prefix_caching)
+            capacity = self.kv.num_usable_blocks * block_size
+            if capacity < self.config.scheduler.max_model_len:
+                raise ValueError(
+                    f"the KV cache holds {capacity} tokens ({self.kv.num_usable_blocks} blocks), fewer than "
+                    f"max_model_len={self.config.scheduler.max_model_len}: raise kv_cache_memory_bytes or "
+                    f"gpu_memory_utilization, or lower max_model_len"
+                )
+            self.scheduler = Scheduler(self.config.scheduler, self.kv)
+            self.runner.warm_up(progress=progress)
+            waited = time.perf_counter()
+            self.loaded = reading.result()
+        waited = time.perf_counter() - waited
+        if overlap:
+            self.runner.set_params(self.loaded.params)
+            self.loaded.params = None  # the runner owns the weights now
         self.tokenizer = self.loaded.tokenizer
         eos = set(arch.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
-        self.seed = args.seed
-        executables = os.path.join(cache_folder, "jaxllm-executables") if cache_folder else None
-        self.runner = ModelRunner(self.loaded, self.config, mesh, executable_dir=executables)
-        block_size = self.config.cache.block_size
-        self.kv = KVCacheManager(self.runner.num_blocks, block_size, self.config.cache.enable_prefix_caching)
-        capacity = self.kv.num_usable_blocks * block_size
-        if capacity < self.config.scheduler.max_model_len:
-            raise ValueError(
-                f"the KV cache holds {capacity} tokens ({self.kv.num_usable_blocks} blocks), fewer than "
-                f"max_model_len={self.config.scheduler.max_model_len}: raise kv_cache_memory_bytes or "
-                f"gpu_memory_utilization, or lower max_model_len"
-            )
-        self.scheduler = Scheduler(self.config.scheduler, self.kv)
-        self.runner.warm_up(progress=progress)
         # multi-host: node 0 broadcasts every step to the followers (which run `distributed.follow` instead)
         multi_host_leader = jax.process_count() > 1 and jax.process_index() == 0
         self.step_leader = StepLeader(self.runner, args.distributed_timeout) if multi_host_leader else None
@@ -95,15 +107,16 @@ class EngineCore:
         self._next_seed = 0
         self.structured = StructuredOutputManager(self.tokenizer, arch.vocab_size, self.eos_token_ids)
         self.startup_seconds = time.perf_counter() - started
-        # where start-up went (benchmarks/startup.py): weights, tokenizer, kv_cache, step_key, buckets, total
+        # where start-up went (benchmarks/startup.py): weights, tokenizer (in a thread, beside the next three),
+        # kv_cache, step_key, buckets, waiting_for_weights (after the buckets), total
         self.startup_phases = {**self.loaded.load_seconds, **self.runner.startup_seconds,
-                               "total": self.startup_seconds}
+                               "waiting_for_weights": waited, "total": self.startup_seconds}
         sched = self.config.scheduler
         logger.info(
             "model %s (%s, %s) loaded in %.1fs; KV cache %d blocks x %d = %d tokens; max_model_len %d, "
             "max_num_seqs %d, max_num_batched_tokens %d; %d buckets ready in %.1fs (%d loaded compiled; cache: %s); "
             "ready in %.1fs",
-            self.loaded.name, arch.architecture, self.loaded.dtype.name, loaded_at - started,
+            self.loaded.name, arch.architecture, self.loaded.dtype.name, sum(self.loaded.load_seconds.values()),
             self.kv.num_usable_blocks, block_size, capacity, sched.max_model_len, sched.max_num_seqs,
             sched.max_num_batched_tokens, len(self.runner.buckets), self.runner.compile_seconds,
             self.runner.loaded_buckets, cache_folder or "off", self.startup_seconds,

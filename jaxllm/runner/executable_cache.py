@@ -52,6 +52,18 @@ def _on_event(event: str, **kwargs) -> None:
 jax.monitoring.register_event_listener(_on_event)
 
 
+# XLA CPU compiles a step's ~200-270 elementwise fusions through its MLIR fusion emitters and LLVM at -O2. The
+# older direct-to-LLVM emitters at -O1 compile the default model's buckets in ~30 % less CPU time (T=1: 4.1 ->
+# 2.5 s, T=16: 5.5 -> 3.5 s, T=512: 6.1 -> 4.4 s) with the same step time (T=1 ~40 ms, T=64 ~290 ms): the
+# matmuls and attention are library calls and C++ kernels that these options do not touch. benchmarks/NOTES.md.
+CPU_COMPILER_OPTIONS = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 1}
+
+
+def compiler_options() -> dict:
+    """XLA options the steps compile with on this backend (they are in this module's source, so in the key)."""
+    return dict(CPU_COMPILER_OPTIONS) if jax.default_backend() == "cpu" else {}
+
+
 def _source_digest() -> bytes:
     """One hash of the source files of jaxllm (but its host-only parts) and of the kernels."""
     import jaxllm
@@ -122,7 +134,7 @@ class ExecutableCache:
     def compile_and_store(self, key: str, lowered):
         """Compile `lowered`; store the executable when it was compiled here (not served by JAX's cache)."""
         _served_by_jax_cache.hit = False
-        compiled = lowered.compile()
+        compiled = lowered.compile(compiler_options())
         if self.folder is not None and not _served_by_jax_cache.hit:
             self.store(key, compiled)
         return compiled

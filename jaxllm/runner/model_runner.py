@@ -99,7 +99,7 @@ class ModelRunner:
             attention = "reference" if attention == "auto" else attention  # XLA would all-gather the cache
             matmul = "reference"  # and the weights
         self.model = CausalLM(arch, loaded.dtype, attention, scan_layers=scan, matmul_backend=matmul)
-        self.params = loaded.params if scan else unstack_layers(loaded.params, arch.num_layers)
+        self.set_params(loaded.params)
         loaded.params = None  # the runner owns the weights now (the stacked copy can go)
         self._executables = ExecutableCache(executable_dir)
         started = time.perf_counter()
@@ -110,6 +110,12 @@ class ModelRunner:
         self.compile_seconds = 0.0
         self.loaded_buckets = 0  # how many of them came from the executable cache
         self.stats = StepStats()
+
+    def set_params(self, params) -> None:
+        """The weights, stacked `[L, ...]` as loaders make them. `warm_up` needs only their shapes and shardings,
+        so an engine may build the runner on ShapeDtypeStructs and set the weights once read (scanned layers)."""
+        scan = self.config.model.scan_layers
+        self.params = params if scan else unstack_layers(params, self.loaded.arch.num_layers)
 
     def _step(self, params, cache: KVCache, inputs: StepInputs, sampling: SamplingInputs):
         logits, cache = self.model.apply({"params": params}, cache, inputs)
@@ -160,7 +166,7 @@ class ModelRunner:
                 tqdm(total=len(todo), desc="Compiling buckets", disable=not progress, unit="bucket") as bar:
             loads = {b: pool.submit(self._executables.load, keys[b], self.mesh.devices.flat) for b in todo}
             futures = {}
-            for bucket in todo:
+            for bucket in reversed(todo):  # largest first: the last compile to finish is a short one
                 if (loaded := loads[bucket].result()) is not None:
                     self._compiled[bucket] = loaded
                     bar.update()

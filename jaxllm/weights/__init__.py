@@ -9,7 +9,8 @@
 | `org/name` not on disk | an HF Hub repository, downloaded with `huggingface_hub` |
 
 `load_format="dummy"` reads only the config (any of the above, or a `config.json` file)
-and makes random weights.
+and makes random weights. `open_model` reads only the config, so an engine can compile its
+steps from `ModelSource.abstract_params` while `ModelSource.load` reads the weights.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import jax
 from jax.sharding import Mesh
 
 from jaxllm.config import LOAD_FORMATS, resolve_dtype
@@ -78,18 +80,60 @@ def _load_tokenizer(source: str | Path):
         return None
 
 
-def load_model(
-    model: str | None = None,
-    *,
-    mesh: Mesh,
-    load_format: str = "auto",
-    dtype: str = "auto",
-    tokenizer: str | None = None,
-    seed: int = 0,
-) -> LoadedModel:
+@dataclass
+class ModelSource:
+    """A model whose config has been read but whose weights have not: enough to build and compile the
+    steps (`abstract_params`) while `load` reads the weights, possibly in another thread."""
+
+    name: str
+    arch: ModelArch
+    hf_config: dict
+    dtype: Any
+    path: Path
+    format: str  # "gguf", "hf", "orbax", or "config" (a bare config.json, dummy weights only)
+    dummy: bool
+    gguf_file: Any = None
+
+    def abstract_params(self, mesh: Mesh) -> Any:
+        """The parameter tree as ShapeDtypeStructs carrying their shardings (what compiling needs)."""
+        shapes, specs = abstract_params(self.arch, self.dtype)
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
+                            param_shardings(specs, mesh))
+
+    def load(self, mesh: Mesh, tokenizer: str | None = None, seed: int = 0) -> LoadedModel:
+        """The weights, placed on `mesh`, and the tokenizer (`tokenizer` overrides the model's own)."""
+        started = time.perf_counter()
+        arch, jdtype, path = self.arch, self.dtype, self.path
+        if self.dummy:
+            from jaxllm.weights.dummy import dummy_params
+
+            params = dummy_params(arch, jdtype, mesh, seed)
+        elif self.format == "gguf":
+            params = params_from_hf_tensors(arch, jdtype, self.gguf_file.tensor, mesh, str(path))
+        elif self.format == "orbax":
+            shapes, specs = abstract_params(arch, jdtype)
+            params = orbax.restore_params(path, shapes, param_shardings(specs, mesh))
+        else:
+            params = params_from_hf_tensors(arch, jdtype, hf.SafetensorsReader(path), mesh, str(path))
+
+        weights_loaded = time.perf_counter()
+        if tokenizer is not None:
+            tok = _load_tokenizer(tokenizer)
+        elif self.gguf_file is not None:
+            tok = self.gguf_file.tokenizer()
+        elif self.format == "config":
+            tok = None
+        else:
+            tok = _load_tokenizer(path)
+        seconds = {"weights": weights_loaded - started, "tokenizer": time.perf_counter() - weights_loaded}
+        return LoadedModel(name=self.name, arch=arch, hf_config=self.hf_config, params=params, tokenizer=tok,
+                           dtype=jdtype, load_seconds=seconds)
+
+
+def open_model(model: str | None = None, *, load_format: str = "auto", dtype: str = "auto") -> ModelSource:
+    """Find the model and read its config (a GGUF: its header), nothing more."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
-    started = time.perf_counter()
     jdtype = resolve_dtype(dtype)
     path = _resolve_source(model)
     name = DEFAULT_MODEL_NAME if model is None else str(model)
@@ -112,29 +156,21 @@ def load_model(
         hf_config = gguf_file.hf_config()
     else:
         hf_config = hf.read_config(path)
-    arch = arch_from_hf_config(hf_config)
+    return ModelSource(name, arch_from_hf_config(hf_config), hf_config, jdtype, path, fmt, dummy, gguf_file)
 
-    if dummy:
-        from jaxllm.weights.dummy import dummy_params
 
-        params = dummy_params(arch, jdtype, mesh, seed)
-    elif fmt == "gguf":
-        params = params_from_hf_tensors(arch, jdtype, gguf_file.tensor, mesh, str(path))
-    elif fmt == "orbax":
-        shapes, specs = abstract_params(arch, jdtype)
-        params = orbax.restore_params(path, shapes, param_shardings(specs, mesh))
-    else:
-        params = params_from_hf_tensors(arch, jdtype, hf.SafetensorsReader(path), mesh, str(path))
-
-    weights_loaded = time.perf_counter()
-    if tokenizer is not None:
-        tok = _load_tokenizer(tokenizer)
-    elif gguf_file is not None:
-        tok = gguf_file.tokenizer()
-    elif fmt == "config":
-        tok = None
-    else:
-        tok = _load_tokenizer(path)
-    seconds = {"weights": weights_loaded - started, "tokenizer": time.perf_counter() - weights_loaded}
-    return LoadedModel(name=name, arch=arch, hf_config=hf_config, params=params, tokenizer=tok, dtype=jdtype,
-                       load_seconds=seconds)
+def load_model(
+    model: str | None = None,
+    *,
+    mesh: Mesh,
+    load_format: str = "auto",
+    dtype: str = "auto",
+    tokenizer: str | None = None,
+    seed: int = 0,
+) -> LoadedModel:
+    started = time.perf_counter()
+    source = open_model(model, load_format=load_format, dtype=dtype)
+    opened = time.perf_counter() - started
+    loaded = source.load(mesh, tokenizer, seed)
+    loaded.load_seconds["weights"] += opened
+    return loaded
