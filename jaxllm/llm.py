@@ -35,6 +35,10 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def reset_prefix_cache(self) -> bool:
+        """Drop every cached prompt prefix, e.g. between benchmark rounds; False while requests are running."""
+        return self.engine.reset_prefix_cache()
+
     # ---- generate --------------------------------------------------------------------
 
     def generate(

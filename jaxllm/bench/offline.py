@@ -73,7 +73,11 @@ def make_engine(args: argparse.Namespace, *, max_num_seqs: int, max_model_len: i
 
 
 def run_batch(llm, prompts: list[list[int]], output_len: int) -> float:
-    """Generate for all prompts at once; seconds of wall time. Checks every row got `output_len` tokens."""
+    """Generate for all prompts at once; seconds of wall time. Checks every row got `output_len` tokens.
+
+    The prefix cache is emptied first: runs repeat the same prompts, and a peer recomputes every
+    prompt, so a timed run must too."""
+    llm.reset_prefix_cache()
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy_params(output_len), use_tqdm=False)
     elapsed = time.perf_counter() - start

@@ -177,6 +177,12 @@ class DataParallelClient:
         for index, ids in by_replica.items():
             self._send(self.replicas[index], ("abort", ids))
 
+    def reset_prefix_cache(self) -> None:
+        """Every live replica forgets its cached prefixes before it takes the next request (pipes keep order)."""
+        for replica in self.replicas:
+            if replica.alive:
+                self._send(replica, ("reset_prefix_cache", None))
+
     def stats(self) -> list[dict]:
         return [r.stats for r in self.replicas]
 
@@ -292,6 +298,12 @@ class DataParallelEngine:
 
     def abort_request(self, request_id: str) -> None:
         self.client.abort([request_id])
+
+    def reset_prefix_cache(self) -> bool:
+        if any(r.in_flight for r in self.client.replicas):
+            return False
+        self.client.reset_prefix_cache()
+        return True
 
     def shutdown(self) -> None:
         self.client.shutdown()

@@ -199,6 +199,13 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (vLLM's name); False, doing nothing, while requests are in flight."""
+        if self.has_unfinished_requests():
+            return False
+        self.kv.reset_prefix_cache()
+        return True
+
     # ---- one step --------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

@@ -82,9 +82,13 @@ def failed_output(request_id: str, prompt_token_ids: list[int], params: Sampling
 
 
 def apply_command(core, kind: str, payload) -> list[RequestOutput]:
-    """Apply one "add" or "abort" command to an `EngineCore`; a refused request becomes a failed output."""
+    """Apply one "add", "abort" or "reset_prefix_cache" command to an `EngineCore`; a refused request becomes a
+    failed output."""
     if kind == "abort":
         return [o for rid in payload if (o := core.abort_request(rid)) is not None]
+    if kind == "reset_prefix_cache":
+        core.reset_prefix_cache()
+        return []
     request_id, ids, params, prompt, priority, arrival, user = payload
     try:
         core.add_request(request_id, ids, params, prompt=prompt, priority=priority, arrival_time=arrival, user=user)
