@@ -58,8 +58,6 @@ def engine_flags(engine: dict) -> list[str]:
 def real_server(trace_paths: dict[str, Path], engine: dict, workdir: Path, rounds: int) -> dict[str, dict]:
     """Per trace, the median over `rounds` runs of each metric (one run's TTFT on a busy trace can swing 2x
     on a shared machine), each on a fresh server (an empty prefix cache, as simulated)."""
-    import httpx
-
     from jaxllm.bench.server_process import ServerProcess
 
     results = {}
@@ -72,17 +70,12 @@ def real_server(trace_paths: dict[str, Path], engine: dict, workdir: Path, round
                                 server.url, "--dataset-name", "jsonl", "--dataset-path", str(path), "--output",
                                 str(out), "--disable-tqdm"], check=True)
                 run = json.loads(out.read_text())
-                run["num_preemptions"] = metric(httpx.get(server.url + "/metrics").text, "jaxllm:num_preemptions_total")
+                run["num_preemptions"] = server.metrics().get("jaxllm:num_preemptions_total", 0.0)
                 runs.append(run)
         results[name] = {key: statistics.median(r[key] for r in runs)
                          for key in ("duration", "mean_ttft_ms", "mean_tpot_ms", "num_preemptions")}
         results[name]["rounds"] = {key: [r[key] for r in runs] for key in ("duration", "mean_ttft_ms", "mean_tpot_ms")}
     return results
-
-
-def metric(text: str, name: str) -> float:
-    """A Prometheus counter's value (summed over label sets) from /metrics text."""
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
 def real_engine(trace_sets: dict[str, list], engine: dict) -> dict[str, dict]:
@@ -114,8 +107,9 @@ def main() -> None:
     engine = {**cost.engine, "num_blocks": args.num_blocks}
     config = sim_config_for(engine)
     trace_sets = traces(engine["max_model_len"])
-    latency = cost.request_latency_s if args.real == "server" else 0.0  # the front-end exists only there
-    simulated = {name: simulate(trace, config, cost_model_step_time(cost, config), request_latency_s=latency).to_json()
+    # the front end's per-request latency exists only there; an idle engine waking up in both
+    events = cost.event_costs() if args.real == "server" else {**cost.event_costs(), "request_latency_s": 0.0}
+    simulated = {name: simulate(trace, config, cost_model_step_time(cost, config), **events).to_json()
                  for name, trace in trace_sets.items()}
     workdir = Path(tempfile.mkdtemp(prefix="validate-sim-"))
     paths = {}

@@ -97,6 +97,20 @@ def test_request_latency_delays_each_request_into_the_engine():
         simulate(trace, config, step_time, request_latency_s=-1)
 
 
+def test_idle_wake_lengthens_only_the_first_step_after_idling():
+    config = squeezed_config()
+    step_time = cost_model_step_time(COST, config)
+    apart = synthesize(4, request_rate=0.5, input_len=LengthDist(20), output_len=LengthDist(5), seed=3)  # each idle
+    plain, woken = (simulate(apart, config, step_time, idle_wake_s=w) for w in (0.0, 0.1))
+    for a, b in zip(plain.records, woken.records):
+        assert b.ttft == pytest.approx(a.ttft + 0.1) and b.itl == pytest.approx(a.itl)
+    together = synthesize(4, request_rate=float("inf"), input_len=LengthDist(20), output_len=LengthDist(5), seed=3)
+    plain, woken = (simulate(together, config, step_time, idle_wake_s=w) for w in (0.0, 0.1))
+    assert woken.duration == pytest.approx(plain.duration + 0.1)  # one idle period: the start
+    with pytest.raises(ValueError, match="idle_wake_s"):
+        simulate(apart, config, step_time, idle_wake_s=-1)
+
+
 def test_cost_model_fit_recovers_known_coefficients():
     rng = np.random.default_rng(0)
     truth = CostModel([1, 2, 4, 8, 16, 32, 64], [0.002 * (1 + i) for i in range(7)], per_context_token_s=3e-6,

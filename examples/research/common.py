@@ -36,7 +36,7 @@ def run(trace, cost: CostModel, *, policy: str = "fcfs", max_num_seqs: int = 16,
                        num_blocks=num_blocks, block_size=cost.engine.get("block_size", 16),
                        enable_prefix_caching=prefix_caching)
     return simulate(trace, config, cost_model_step_time(cost, config), seed=seed, oracle_output_len=oracle_output_len,
-                    request_latency_s=cost.request_latency_s)
+                    **cost.event_costs())
 
 
 def capacity(cost: CostModel, *, prompt_len: int, output_len: int, max_num_seqs: int = 16,

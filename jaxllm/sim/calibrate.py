@@ -6,17 +6,21 @@ Two passes over one loaded engine, and one over a server:
    of (sequences, tokens per sequence, context) — pure decode batches at several context lengths,
    single prefill chunks of every bucket size at several starting positions, and mixed steps
    (decodes plus one prefill chunk). Each point is timed as the fastest of a few rounds over the
-   whole sweep, after one warm run (`time_sweep`). This fits the bucket bases and the context and
-   attention terms.
+   whole sweep, after one warm run (`time_sweep`). Rows sample greedily, as every replay does
+   (`forced_params`): a sampled row adds the random draw to the step. This fits the bucket bases
+   and the context and attention terms.
 2. **Engine pass**: a short synthetic trace through the whole `EngineCore` (scheduling, input
    assembly, sampling, output bookkeeping), each step timed start to next start as the simulator
    counts it. The residual over the device model is fitted as a per-step plus per-sequence host
    overhead (a median fit, `fit_host_overhead`), which the cost model then includes.
 3. **Server pass** (`calibrate_server`, on by default in the CLI): a light trace through a child
-   `jaxllm serve` with the same engine flags, replayed by `jaxllm bench serve`'s client. What the
-   server adds over the engine is fitted in two medians over requests: per step (the event loop
-   streaming to clients shares the CPU with the steps: real TPOT minus simulated) and per request
-   (`request_latency_s`: HTTP, tokenization, hand-off: real TTFT minus simulated).
+   `jaxllm serve` with the same engine flags, replayed by `jaxllm bench serve`'s client. Three
+   costs, each from its own evidence: per step, the median over requests of real minus simulated
+   TPOT (the event loop streaming to clients shares the CPU with the steps); per request,
+   `request_latency_s` = the client's mean TTFT minus the server's own (its /metrics histogram),
+   i.e. HTTP and the hand-offs, measured rather than fitted, so step-time errors cannot hide in it;
+   per idle period, `idle_wake_s` = the median over requests that found the engine idle of real
+   minus simulated TTFT (the first step after idling runs slower).
 
 The fit errors go into the JSON (`fit`).
 """
@@ -37,10 +41,9 @@ from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.request import Request
 from jaxllm.runner.kv_cache import bytes_per_block
 from jaxllm.engine.scheduler import ScheduledRequest, SchedulerOutput
-from jaxllm.sampling_params import SamplingParams
 from jaxllm.sim.costmodel import CostModel, StepShape, fit_cost_model
-from jaxllm.sim.engine_run import run_trace_on_engine
-from jaxllm.sim.simulator import SimConfig
+from jaxllm.sim.engine_run import forced_params, run_trace_on_engine
+from jaxllm.sim.simulator import SimConfig, cost_model_step_time, simulate
 from jaxllm.sim.synth import LengthDist, synthesize
 
 logger = logging.getLogger("jaxllm")
@@ -76,7 +79,7 @@ def _time_step(core, layout: list[tuple[int, int]], warm: bool) -> tuple[StepSha
     try:
         for i, (start, n) in enumerate(layout):
             tokens = rng.integers(1000, min(vocab, 30000), start + n).tolist()
-            request = Request(f"calibrate-{i}", tokens, SamplingParams(max_tokens=1))
+            request = Request(f"calibrate-{i}", tokens, forced_params(1))  # greedy, as every replay
             if not kv.allocate_slots(request, start + n):
                 raise ValueError(f"the KV pool is too small for calibration step {layout}")
             requests.append(request)
@@ -180,12 +183,11 @@ def server_pass_trace(max_model_len: int, seed: int = 3):
 
 
 def calibrate_server(model: CostModel, server_flags: list[str]) -> CostModel:
-    """Add the serving front-end's costs to `model` (see the module docstring, pass 3)."""
+    """Add the serving front-end's costs and the idle wake-up to `model` (the module docstring, pass 3)."""
     import asyncio
 
     from jaxllm.bench.server_process import ServerProcess
     from jaxllm.bench.serve import first_model, run
-    from jaxllm.sim.simulator import cost_model_step_time, simulate
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     engine = model.engine
@@ -193,23 +195,34 @@ def calibrate_server(model: CostModel, server_flags: list[str]) -> CostModel:
     with ServerProcess(server_flags) as server:
         name = first_model(server.url, {})
         records, _ = asyncio.run(run(trace, url=server.url + "/v1/completions", model=name, headers={}))
+        metrics = server.metrics()
     failed = [r.error for r in records if not r.success]
     if failed:
         raise RuntimeError(f"server pass: {len(failed)} requests failed, e.g. {failed[0]}")
     config = sim_config_for(engine)
 
     def simulated(m: CostModel):
-        return simulate(trace, config, cost_model_step_time(m, config)).records
+        return simulate(trace, config, cost_model_step_time(m, config), **m.event_costs()).records
 
+    # per step: the event loop streaming to clients shares the CPU with the steps
     per_step = float(np.median([r.tpot - s.tpot for r, s in zip(records, simulated(model))]))
     model = replace(model, bucket_base_s=[max(b + per_step, 0.0) for b in model.bucket_base_s])
-    latency = max(float(np.median([r.ttft - s.ttft for r, s in zip(records, simulated(model))])), 0.0)
-    check = simulate(trace, config, cost_model_step_time(model, config), request_latency_s=latency).records
+    # per request: the client's TTFT minus the server's own (arrival at its front to the first token out)
+    served_ttft = metrics["jaxllm:time_to_first_token_seconds_sum"] / metrics["jaxllm:time_to_first_token_seconds_count"]
+    model = replace(model, request_latency_s=max(float(np.mean([r.ttft for r in records])) - served_ttft, 0.0))
+    # the first step after idling: what requests that found the engine idle wait beyond the simulation
+    sim = simulated(model)
+    idle = [i for i, s in enumerate(sim) if all(p.start + p.latency <= s.start for p in sim[:i])]
+    wake = max(float(np.median([records[i].ttft - sim[i].ttft for i in idle])), 0.0) if idle else 0.0
+    model = replace(model, idle_wake_s=wake)
+
+    check = simulated(model)
     ttft_err = abs(sum(s.ttft for s in check) - sum(r.ttft for r in records)) / sum(r.ttft for r in records)
     tpot_err = abs(sum(s.tpot for s in check) - sum(r.tpot for r in records)) / sum(r.tpot for r in records)
     model.fit.update({"server_requests": len(records), "server_overhead_per_step_s": per_step,
-                      "server_mean_ttft_rel_error": ttft_err, "server_mean_tpot_rel_error": tpot_err})
-    return replace(model, request_latency_s=latency)
+                      "server_idle_arrivals": len(idle), "server_mean_ttft_rel_error": ttft_err,
+                      "server_mean_tpot_rel_error": tpot_err})
+    return model
 
 
 def sim_config_for(engine: dict) -> SimConfig:

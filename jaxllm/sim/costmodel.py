@@ -14,10 +14,15 @@ Form (fitted by `jaxllm calibrate`):
 - `attention_pairs` = Σ new tokens × KV length: the quadratic attention work of prefill chunks.
 - `num_seqs`: per-sequence host work (input assembly, sampling, scheduler and output bookkeeping).
 
-Besides the step time, `request_latency_s` is the serving front-end's share of each request
-(HTTP, tokenization, hand-off to the engine loop, the first streamed chunk): the simulator
-lets a request reach the scheduler that long after it was sent. `jaxllm calibrate` fits it on
-a `jaxllm serve` run; 0 describes the offline engine.
+Besides the step time, two per-event costs (both measured by `jaxllm calibrate`'s server pass):
+
+- `request_latency_s`: the serving front-end's share of each request (HTTP, hand-off to the
+  engine loop, streaming the first chunk back), measured as the client's mean TTFT minus the
+  server's own (its /metrics): the simulator lets a request reach the scheduler that long after
+  it was sent. 0 describes the offline engine.
+- `idle_wake_s`: how much longer the first step after the engine sat idle takes than the same
+  step back to back (measured on a 2-core VM: +20-50 ms on a ~130 ms prefill step after an idle
+  gap of 0.5 s or more; a machine effect — caches and clocks — not scheduling work).
 
 Coefficients are fitted by least squares on relative error and kept non-negative. No JAX here.
 """
@@ -70,6 +75,7 @@ class CostModel:
     per_attention_pair_s: float = 0.0
     per_seq_s: float = 0.0
     request_latency_s: float = 0.0  # serving front-end, per request (see the module docstring)
+    idle_wake_s: float = 0.0  # extra time of the first step after the engine was idle
     fit: dict = field(default_factory=dict)  # fit error and sample counts
     engine: dict = field(default_factory=dict)  # the engine it was measured on
     form: str = FORM
@@ -88,6 +94,10 @@ class CostModel:
                 + self.per_context_token_s * shape.context_tokens
                 + self.per_attention_pair_s * shape.attention_pairs
                 + self.per_seq_s * shape.num_seqs)
+
+    def event_costs(self) -> dict[str, float]:
+        """`simulate()`'s per-request and per-wake-up costs from this model."""
+        return {"request_latency_s": self.request_latency_s, "idle_wake_s": self.idle_wake_s}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")

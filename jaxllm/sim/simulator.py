@@ -104,10 +104,16 @@ def record_token(record: RequestRecord, now: float, previous: float) -> None:
 
 
 def simulate(trace: list[TraceRequest], config: SimConfig, step_time: StepTime, *, seed: int = 0,
-             oracle_output_len: bool = False, record_steps: bool = False, request_latency_s: float = 0.0) -> SimResult:
-    """Run `trace` (sorted by arrival) to completion; `oracle_output_len` tells policies each true output length."""
-    if request_latency_s < 0:
-        raise ValueError(f"request_latency_s must be >= 0, got {request_latency_s}")
+             oracle_output_len: bool = False, record_steps: bool = False, request_latency_s: float = 0.0,
+             idle_wake_s: float = 0.0) -> SimResult:
+    """Run `trace` (sorted by arrival) to completion; `oracle_output_len` tells policies each true output length.
+
+    `request_latency_s` and `idle_wake_s` are `CostModel`'s (see there): a request reaches the scheduler
+    that long after it was sent; the first step after the engine was idle takes that much longer.
+    """
+    for name, value in (("request_latency_s", request_latency_s), ("idle_wake_s", idle_wake_s)):
+        if value < 0:
+            raise ValueError(f"{name} must be >= 0, got {value}")
     sched_cfg = config.scheduler
     kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
     if kv.num_usable_blocks * config.block_size < sched_cfg.max_model_len:
@@ -140,9 +146,11 @@ def simulate(trace: list[TraceRequest], config: SimConfig, step_time: StepTime, 
     clock = trace[0].arrival_time if trace else 0.0
     start = clock
     next_arrival = 0
+    idle = True  # the engine has nothing to do before the first arrival
     while next_arrival < len(trace) or scheduler.num_unfinished:
         if not scheduler.num_unfinished:  # idle: jump to the next arrival
             clock = max(clock, reaches_engine(next_arrival))
+            idle = True
         while next_arrival < len(trace) and reaches_engine(next_arrival) <= clock:
             arrive(next_arrival)
             next_arrival += 1
@@ -153,7 +161,8 @@ def simulate(trace: list[TraceRequest], config: SimConfig, step_time: StepTime, 
             continue
         if steps is not None:
             steps.append([s.request.request_id for s in out.scheduled])
-        clock += step_time(out)
+        clock += step_time(out) + (idle_wake_s if idle else 0.0)
+        idle = False
         for request in scheduler.update(out, sampled):
             i = index[id(request)]
             record = records[i]

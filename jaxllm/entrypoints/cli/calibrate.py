@@ -43,6 +43,6 @@ def run(args) -> None:
           f"mean {fit['engine_mean_abs_rel_error']:.1%}, total time {fit['engine_total_rel_error']:.1%}")
     if args.server:
         print(f"server: +{fit['server_overhead_per_step_s'] * 1e3:.1f} ms per step, {model.request_latency_s * 1e3:.1f} ms "
-              f"per request; mean TTFT error {fit['server_mean_ttft_rel_error']:.1%}, "
+              f"per request, +{model.idle_wake_s * 1e3:.1f} ms on the first step after idling; mean TTFT error {fit['server_mean_ttft_rel_error']:.1%}, "
               f"mean TPOT error {fit['server_mean_tpot_rel_error']:.1%} on {fit['server_requests']} requests")
     print(f"wrote {args.out}")

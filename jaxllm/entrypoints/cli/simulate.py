@@ -67,8 +67,7 @@ def run(args) -> dict:
         raise ValueError(f"{args.trace}: the trace is empty")
     started = time.perf_counter()
     sim = simulate(trace, config, cost_model_step_time(cost, config), seed=args.seed,
-                   request_latency_s=cost.request_latency_s,
-                   oracle_output_len=args.oracle_output_len)
+                   **cost.event_costs(), oracle_output_len=args.oracle_output_len)
     wall = time.perf_counter() - started
     sched = config.scheduler
     result = {
