@@ -10,7 +10,8 @@
 //   its keys or, for a sequence long enough to unbalance the cores, over one slice of them
 //   (flash-decoding: the slices' softmax states are merged afterwards). Keys are scored 16 at
 //   a time with vector FMAs and a transpose-add reduction (`attend_group`).
-// - a tile of up to kTileRows query rows of one sequence (prefill), all heads, row by row.
+// - a tile of up to kTileRows query rows of one sequence (prefill; decode rows of other
+//   layouts), all heads, row by row.
 // Either walks its blocks through the table in order, so every K/V byte is read once per unit
 // from its contiguous [B, Hkv, D] block (all heads at once). Softmax is online (running max
 // and sum per row and head) in float32.
