@@ -10,8 +10,7 @@
 //   its keys or, for a sequence long enough to unbalance the cores, over one slice of them
 //   (flash-decoding: the slices' softmax states are merged afterwards). Keys are scored 16 at
 //   a time with vector FMAs and a transpose-add reduction (`attend_group`).
-// - a tile of up to kTileRows query rows of one sequence (prefill; decode rows of other
-//   layouts), all heads, row by row.
+// - a tile of up to kTileRows query rows of one sequence (prefill), all heads, row by row.
 // Either walks its blocks through the table in order, so every K/V byte is read once per unit
 // from its contiguous [B, Hkv, D] block (all heads at once). Softmax is online (running max
 // and sum per row and head) in float32.
@@ -163,7 +162,7 @@ typedef float f32x16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
 constexpr int kGroup = 16;
-constexpr int64_t kMaxHeadDim = 256;  // the decode path's limit (scratch on the stack)
+constexpr int64_t kMaxHeadDim = 256;  // the decode path's limit (bfloat16 keys widened on the stack)
 
 inline f32x16 load16(const float* p) {
   f32x16 r;
@@ -215,20 +214,20 @@ struct HeadState {  // one KV head's G query heads: scaled queries, running max/
   float* acc;       // [G, D]
 };
 
-// Keys k[row(t)], t < 16, row(t) = min(t, nk - 1) rows of `stride` elements apart; FULL: nk == 16.
-template <bool FULL, typename T>
-inline void attend_group(const HeadState& st, const T* k, const T* v, int64_t stride, int nk, int64_t G,
-                         int64_t D, float soft_cap, Prefetch& pf) {
+// Keys k[min(t, nk - 1) * k_stride], values likewise, t < 16; FULL: nk == 16.
+template <bool FULL, typename TK, typename TV>
+inline void attend_group(const HeadState& st, const TK* k, int64_t k_stride, const TV* v, int64_t v_stride, int nk,
+                         int64_t G, int64_t D, float soft_cap, Prefetch& pf) {
   alignas(64) float p[8 * kGroup];  // probabilities [G, 16] (G <= 8 here; see the caller)
   const int64_t C = D / 16;
-  auto row = [&](int t) { return (FULL ? t : std::min(t, nk - 1)) * stride; };
+  auto row = [&](int t) { return FULL ? t : std::min(t, nk - 1); };
   for (int64_t g = 0; g < G; ++g) {
     pf.step();
     f32x16 part[kGroup] = {};
     for (int64_t c = 0; c < C; ++c) {
       const f32x16 qv = load16(st.q + g * D + c * 16);
 #pragma GCC unroll 16
-      for (int t = 0; t < kGroup; ++t) part[t] += qv * load16(k + row(t) + c * 16);
+      for (int t = 0; t < kGroup; ++t) part[t] += qv * load16(k + row(t) * k_stride + c * 16);
     }
     alignas(64) float s[kGroup];
     const f32x16 sv = reduce16(part);
@@ -256,7 +255,7 @@ inline void attend_group(const HeadState& st, const T* k, const T* v, int64_t st
     pf.step();
     f32x16 vr[kGroup];
 #pragma GCC unroll 16
-    for (int t = 0; t < kGroup; ++t) vr[t] = load16(v + row(t) + c * 16);
+    for (int t = 0; t < kGroup; ++t) vr[t] = load16(v + row(t) * v_stride + c * 16);
     for (int64_t g = 0; g < G; ++g) {
       f32x16 a = load16(st.acc + g * D + c * 16);
       const float* pg = p + g * kGroup;
@@ -267,27 +266,26 @@ inline void attend_group(const HeadState& st, const T* k, const T* v, int64_t st
   }
 }
 
-// bfloat16 rows: widen the group's 16 K and V rows once into float32 (L1-resident), then score
-// them as float32, instead of widening every row once per query head.
+// bfloat16 rows: widen the group's 16 key rows once into float32 (L1-resident) rather than once
+// per query head; value rows are widened as they are read (once each anyway).
 template <bool FULL>
 inline void attend_group_bf16(const HeadState& st, const uint16_t* k, const uint16_t* v, int64_t stride, int nk,
                               int64_t G, int64_t D, float soft_cap, Prefetch& pf) {
-  alignas(64) float kf[kGroup * kMaxHeadDim], vf[kGroup * kMaxHeadDim];
+  alignas(64) float kf[kGroup * kMaxHeadDim];
   for (int t = 0; t < kGroup; ++t) {
-    const int64_t r = (FULL ? t : std::min(t, nk - 1)) * stride;
+    const uint16_t* row = k + (FULL ? t : std::min(t, nk - 1)) * stride;
     for (int64_t c = 0; c < D; c += 16) {
-      const f32x16 kv = load16(k + r + c), vv = load16(v + r + c);
-      std::memcpy(kf + t * D + c, &kv, sizeof kv);
-      std::memcpy(vf + t * D + c, &vv, sizeof vv);
+      const f32x16 x = load16(row + c);
+      std::memcpy(kf + t * D + c, &x, sizeof x);
     }
   }
-  attend_group<FULL>(st, kf, vf, D, nk, G, D, soft_cap, pf);
+  attend_group<FULL>(st, kf, D, v, stride, nk, G, D, soft_cap, pf);
 }
 
 template <bool FULL>
 inline void attend_group_any(const HeadState& st, const float* k, const float* v, int64_t stride, int nk, int64_t G,
                              int64_t D, float soft_cap, Prefetch& pf) {
-  attend_group<FULL>(st, k, v, stride, nk, G, D, soft_cap, pf);
+  attend_group<FULL>(st, k, stride, v, stride, nk, G, D, soft_cap, pf);
 }
 template <bool FULL>
 inline void attend_group_any(const HeadState& st, const uint16_t* k, const uint16_t* v, int64_t stride, int nk,
