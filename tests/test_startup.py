@@ -94,6 +94,27 @@ def test_steps_compiled_from_the_config_alone_fit_the_loaded_weights(default_mod
     assert all(leaf.addressable_shards[0].data.unsafe_buffer_pointer() % 64 == 0 for leaf in leaves)
 
 
+def test_converted_weights_are_mapped_by_the_next_load_and_reconverted_when_damaged(tmp_path, monkeypatch, caplog,
+                                                                                      default_model):
+    from jaxllm.parallel.mesh import make_mesh
+    from jaxllm.weights import load_model
+
+    monkeypatch.setenv("JAXLLM_CACHE", str(tmp_path))
+    first = load_model(None, mesh=make_mesh(), dtype="float32")  # converts and saves
+    [folder] = (tmp_path / "weights").iterdir()
+    mapped = load_model(None, mesh=make_mesh(), dtype="float32")
+    for fresh, saved, reference in zip(*map(jax.tree.leaves, (first.params, mapped.params, default_model.params))):
+        assert saved.dtype == reference.dtype and saved.sharding == reference.sharding
+        np.testing.assert_array_equal(np.asarray(saved), np.asarray(reference))
+        np.testing.assert_array_equal(np.asarray(fresh), np.asarray(reference))
+    (folder / "norm.weight.npy").write_bytes(b"truncated")
+    with caplog.at_level(logging.WARNING):
+        again = load_model(None, mesh=make_mesh(), dtype="float32")
+    assert "converting again" in caplog.text
+    np.testing.assert_array_equal(np.asarray(again.params["norm"]["weight"]),
+                                  np.asarray(default_model.params["norm"]["weight"]))
+
+
 def test_kv_block_counts_from_free_memory_are_stable():
     assert [_stable(n) for n in (1, 15, 16, 17, 33, 2911, 2900)] == [1, 15, 16, 16, 32, 2816, 2816]
     assert all(_stable(n) > n * 7 / 8 for n in range(1, 5000))

@@ -26,7 +26,7 @@ from jax.sharding import Mesh
 
 from jaxllm.config import LOAD_FORMATS, resolve_dtype
 from jaxllm.model.registry import ModelArch, arch_from_hf_config
-from jaxllm.weights import hf, orbax
+from jaxllm.weights import converted, hf, orbax
 from jaxllm.weights.default import DEFAULT_MODEL_NAME, default_model_path
 from jaxllm.weights.params import abstract_params, param_shardings, params_from_hf_tensors
 
@@ -108,8 +108,11 @@ class ModelSource:
             from jaxllm.weights.dummy import dummy_params
 
             params = dummy_params(arch, jdtype, mesh, seed)
-        elif self.format == "gguf":
-            params = params_from_hf_tensors(arch, jdtype, self.gguf_file.tensor, mesh, str(path))
+        elif self.format == "gguf":  # dequantizing takes seconds: later starts map what the first converted
+            shapes, specs = abstract_params(arch, jdtype)
+            params = converted.load_or_convert(
+                path, arch, jdtype, shapes, param_shardings(specs, mesh),
+                lambda: params_from_hf_tensors(arch, jdtype, self.gguf_file.tensor, mesh, str(path)))
         elif self.format == "orbax":
             shapes, specs = abstract_params(arch, jdtype)
             params = orbax.restore_params(path, shapes, param_shardings(specs, mesh))
