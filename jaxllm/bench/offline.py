@@ -31,7 +31,10 @@ FILLER = (
 )
 PROMPT_STRIDE = 7
 PEERS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "peers"
-PEERS = {"transformers": "transformers_generate.py", "llama.cpp": "llamacpp_generate.py"}
+# name → the peer script and its flags. llama.cpp runs the default model's GGUF as shipped (Q4_1) and,
+# like for like with jaxllm's float32, the same weights dequantized to F32 by llama.cpp itself.
+PEERS = {"transformers": ["transformers_generate.py"], "llama.cpp": ["llamacpp_generate.py"],
+         "llama.cpp-f32": ["llamacpp_generate.py", "--dequantize", "f32"]}
 
 
 def make_prompts(tokenizer, num_prompts: int, input_len: int) -> list[list[int]]:
@@ -111,7 +114,8 @@ def run_peer(name: str, prompts: list[list[int]], output_len: int, *, num_iters:
     """One peer script on the same token ids: `{"engine", "latencies_s", ...}` or `{"engine", "error"}`."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompts, f)
-    cmd = [sys.executable, str(PEERS_DIR / PEERS[name]), "--prompts", f.name, "--output-len", str(output_len),
+    script, *flags = PEERS[name]
+    cmd = [sys.executable, str(PEERS_DIR / script), *flags, "--prompts", f.name, "--output-len", str(output_len),
            "--num-iters", str(num_iters), "--num-iters-warmup", str(warmup_iters), "--threads", str(threads)]
     try:
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
