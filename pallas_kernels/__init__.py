@@ -9,9 +9,9 @@ fallback), "pallas" (the Pallas Triton kernel, `ragged_paged_attention/triton_gp
 compiled on NVIDIA GPUs and run in interpret mode elsewhere), "cpu" (an XLA FFI custom
 call in C++, `ragged_paged_attention/cpu.py`, built on first use: XLA's CPU gather cannot
 read paged blocks at memory speed) and "auto": Pallas on GPU; the reference on TPU, which
-has no kernel of ours yet; on CPU, when the C++ kernel builds and the cache is float32 or
-bfloat16, a run-time `lax.cond` picks the kernel for decode-only batches and the
-reference for batches with prefill rows, where its einsums beat the kernel's dot products.
+has no kernel of ours yet; on CPU, the C++ kernel when it builds and the cache is float32
+or bfloat16 (decode, prefill and mixed batches alike: measured faster than the reference on
+each, `benchmarks/NOTES.md`), else the reference.
 The reference and Pallas share the host-side tile plan (`ragged_paged_attention/plan.py`).
 Head layouts the Triton kernel cannot tile (a head_dim or block_size that is not a power of
 two) fall back to the reference under "auto" and raise under "pallas".
@@ -23,7 +23,6 @@ layers with the whole cache as loop state, and slicing a layer out of it would c
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -66,13 +65,8 @@ def ragged_paged_attention(
     if backend == "auto":
         if platform == "gpu":
             backend = "pallas" if _triton_supports(q, k_cache, layer) else "reference"
-        elif platform == "cpu" and _cpu_supports(k_cache):
-            n = jnp.reshape(num_seqs, (-1,))[0]
-            decode_only = cu_q_lens[n] == n  # one query row per sequence
-            return jax.lax.cond(decode_only, functools.partial(ragged_paged_attention_cpu, **kw),
-                                functools.partial(ragged_paged_attention_reference, **kw), *args)
         else:
-            backend = "reference"
+            backend = "cpu" if platform == "cpu" and _cpu_supports(k_cache) else "reference"
     if backend == "cpu":
         return ragged_paged_attention_cpu(*args, **kw)
     if backend == "pallas":

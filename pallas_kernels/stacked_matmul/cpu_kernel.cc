@@ -112,7 +112,10 @@ void Panels(const float* xp, int64_t rows, int64_t k_dim, const float* wl, int64
 #pragma omp parallel num_threads(threads)
   {
     const int id = omp_get_thread_num(), team = omp_get_num_threads();
-    std::vector<float> panel(static_cast<size_t>(k_dim) * kPanel, 0.0f);
+    // reused across calls: allocated per call, a down_proj panel (196 KB) is above malloc's mmap
+    // threshold and every call would map it and page-fault on it afresh
+    static thread_local std::vector<float> panel;
+    if (panel.size() < static_cast<size_t>(k_dim) * kPanel) panel.resize(static_cast<size_t>(k_dim) * kPanel);
     float edge[kTileRows * kPanel];  // a last panel narrower than kPanel is computed here, then copied out
     for (int64_t p = panels * id / team; p < panels * (id + 1) / team; ++p) {
       const int64_t c0 = p * kPanel, cols = std::min(kPanel, n - c0);
