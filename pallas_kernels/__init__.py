@@ -95,11 +95,16 @@ def write_kv(
     v: Float[Array, "T Hkv D"],
     slot_mapping: Int[Array, "T"],
     layer: Int[Array, ""] | int | None = None,
+    backend: str = "auto",
 ):
     """Scatter new K/V rows into the cache at `slot = block * block_size + offset`.
 
-    Padding rows point at a scratch slot. Done on a donated cache this updates in place.
+    Padding rows point at a scratch slot. Done on a donated cache
+    this updates in place. `backend` as `ragged_paged_attention`'s: on CPU ("auto" or "cpu") a C++
+    row copy, as XLA's CPU scatter is a loop of one dynamic-update-slice per row; else jnp.
     """
+    if backend == "cpu" or (backend == "auto" and jax.default_backend() == "cpu" and _cpu_supports(k_cache)):
+        return cpu.write_kv_cpu(k_cache, v_cache, k, v, slot_mapping, layer)
     block_size = k_cache.shape[-3]
     index = (slot_mapping // block_size, slot_mapping % block_size)
     if layer is not None:

@@ -65,7 +65,8 @@ class Attention(nn.Module):
             q = RMSNorm(a.rms_norm_eps, self.dtype, st, name="q_norm")(q, layer)
             k = RMSNorm(a.rms_norm_eps, self.dtype, st, name="k_norm")(k, layer)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        cache = KVCache(*pallas_kernels.write_kv(cache.k, cache.v, k, v, batch.slot_mapping, layer=layer))
+        cache = KVCache(*pallas_kernels.write_kv(cache.k, cache.v, k, v, batch.slot_mapping, layer=layer,
+                                                  backend=self.attention_backend))
         out = pallas_kernels.ragged_paged_attention(
             q, cache.k, cache.v, batch.kv_lens, batch.block_tables, batch.cu_q_lens, batch.num_seqs,
             sm_scale=a.head_dim**-0.5, sliding_window=a.sliding_window, layer=layer, backend=self.attention_backend,

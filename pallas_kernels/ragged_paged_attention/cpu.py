@@ -23,6 +23,7 @@ import numpy as np
 from pallas_kernels import cpu_ffi
 
 TARGET = "jaxllm_ragged_paged_attention_cpu"
+WRITE_TARGET = "jaxllm_write_kv_cpu"
 SOURCE = Path(__file__).with_name("cpu_kernel.cc")
 
 
@@ -31,8 +32,9 @@ def supports(k_cache) -> bool:
 
 
 def available() -> bool:
-    """Build (once per machine) and register the kernel; False, with a warning, if that fails."""
-    return cpu_ffi.register(SOURCE, "RaggedPagedAttentionCpu", TARGET)
+    """Build (once per machine) and register the kernels; False, with a warning, if that fails."""
+    return cpu_ffi.register(SOURCE, "RaggedPagedAttentionCpu", TARGET) and cpu_ffi.register(
+        SOURCE, "WriteKvCpu", WRITE_TARGET)
 
 
 def ragged_paged_attention_cpu(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale: float,
@@ -49,3 +51,16 @@ def ragged_paged_attention_cpu(q, k_cache, v_cache, kv_lens, block_tables, cu_q_
         sm_scale=np.float32(sm_scale), sliding_window=np.int32(sliding_window or 0),
         soft_cap=np.float32(soft_cap or 0.0))
     return out.astype(q.dtype)
+
+
+def write_kv_cpu(k_cache, v_cache, k, v, slot_mapping, layer=None):
+    """`write_kv`'s contract in one row copy per token (XLA's CPU scatter is a loop of ~10 thunks per
+    row); the caches alias the outputs, so a donated cache is written in place."""
+    if not available():
+        raise RuntimeError("the CPU attention kernel could not be built (see the warning above)")
+    if not supports(k_cache):
+        raise ValueError(f"the CPU kernel writes float32 or bfloat16 caches, got {k_cache.dtype}")
+    shapes = (jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
+    return jax.ffi.ffi_call(WRITE_TARGET, shapes, input_output_aliases={0: 0, 1: 1})(
+        k_cache, v_cache, k.astype(jnp.float32), v.astype(jnp.float32), jnp.asarray(slot_mapping, jnp.int32),
+        jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,)))

@@ -285,22 +285,26 @@ def _cache(shape, seed=0):
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
 
+@pytest.mark.parametrize("backend", ["reference", "cpu"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("layer", [None, 1])
-def test_write_kv_scatters_by_slot(layer):
+def test_write_kv_scatters_by_slot(layer, dtype, backend):
     num_blocks, block_size, hkv, d = 12, 8, 2, 16
     shape = (num_blocks, block_size, hkv, d) if layer is None else (3, num_blocks, block_size, hkv, d)
-    k_cache, v_cache = _cache(shape, 0), _cache(shape, 1)
+    k_cache, v_cache = (np.asarray(jnp.asarray(_cache(shape, i), dtype)) for i in (0, 1))
     rng = np.random.default_rng(2)
     real = rng.choice(np.arange(block_size, num_blocks * block_size), size=9, replace=False)  # block 0: scratch
     slots = np.concatenate([real, [0, 0, 0]]).astype(np.int32)  # three padding rows -> scratch slot
     k_new = rng.standard_normal((len(slots), hkv, d)).astype(np.float32)
     v_new = rng.standard_normal((len(slots), hkv, d)).astype(np.float32)
+    k_new[0, 0, :3] = [np.nan, np.inf, 1 + 2 ** -8]  # NaN, inf and a bfloat16 rounding tie survive the cast
     lay = None if layer is None else jnp.int32(layer)
-    k_out, v_out = jax.jit(pallas_kernels.write_kv)(k_cache, v_cache, k_new, v_new, slots, lay)
+    write = functools.partial(pallas_kernels.write_kv, backend=backend)
+    k_out, v_out = jax.jit(write)(k_cache, v_cache, k_new, v_new, slots, lay)
     k_exp, v_exp = k_cache.copy(), v_cache.copy()
-    for i, s in enumerate(real):
+    for i, s in enumerate(real):  # the cast as jnp's astype does it (round to nearest even)
         idx = (s // block_size, s % block_size) if layer is None else (layer, s // block_size, s % block_size)
-        k_exp[idx], v_exp[idx] = k_new[i], v_new[i]
+        k_exp[idx], v_exp[idx] = (np.asarray(jnp.asarray(x[i]).astype(dtype)) for x in (k_new, v_new))
     keep = np.ones(shape[:-2], bool)  # everything but the scratch slot must match exactly
     keep[(..., 0, 0) if layer is None else (layer, 0, 0)] = False
     np.testing.assert_array_equal(np.asarray(k_out)[keep], k_exp[keep])
