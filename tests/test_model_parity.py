@@ -14,6 +14,7 @@ import transformers
 
 from jaxllm.model import CausalLM, KVCache, arch_from_hf_config
 from jaxllm.parallel.mesh import make_mesh
+from jaxllm.runner.model_runner import pack_layer_kernels
 from jaxllm.weights.params import hf_tensor_names, params_from_hf_tensors
 from tests.paged_batch import make_step
 
@@ -47,14 +48,17 @@ def random_hf_model(config_cls: str, arch: str, overrides: dict):
     return config, model
 
 
+@pytest.mark.parametrize("matmul", ["auto", "cpu_packed"])  # cpu_packed: the engine's CPU path, weights packed
 @pytest.mark.parametrize("case", list(CASES))
-def test_ragged_paged_batch_matches_transformers(case):
+def test_ragged_paged_batch_matches_transformers(case, matmul):
     config, hf_model = random_hf_model(*CASES[case])
     arch = arch_from_hf_config(config)
     state = {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}
     assert set(hf_tensor_names(arch)) <= set(state)
     params = params_from_hf_tensors(arch, jnp.float32, state.__getitem__, make_mesh(), case)
-    model = CausalLM(arch, jnp.float32, attention_backend="reference")
+    if matmul == "cpu_packed":
+        params = pack_layer_kernels(params)
+    model = CausalLM(arch, jnp.float32, attention_backend="reference", matmul_backend=matmul)
     step_fn = jax.jit(model.apply, donate_argnums=(1,))
 
     rng = np.random.default_rng(0)

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
@@ -30,6 +31,7 @@ from jaxllm.runner.kv_cache import allocate_kv_cache, num_kv_blocks
 from jaxllm.runner.sampler import SamplerOutput, SamplingInputs, sample
 from jaxllm.weights import LoadedModel
 from jaxllm.weights.params import unstack_layers
+from pallas_kernels import stacked_matmul
 
 logger = logging.getLogger(__name__)
 
@@ -73,6 +75,19 @@ class StepStats:
         return self.steps, self.device_s, self.pack_s
 
 
+def pack_layer_kernels(params):
+    """The stacked layers' matmul weights as `stacked_matmul.pack` lays them out ("cpu_packed" reads every
+    packable `kernel` so); shapes, and so abstract params, unchanged."""
+    def leaf(path, value):
+        is_kernel = getattr(path[-1], "key", None) == "kernel" and any(
+            "layers" in str(getattr(p, "key", "")) for p in path)
+        if is_kernel and isinstance(value, (jax.Array, np.ndarray)) and stacked_matmul.packable(value):
+            return stacked_matmul.pack(value)
+        return value
+
+    return jax.tree_util.tree_map_with_path(leaf, params)
+
+
 class ModelRunner:
     """`executable_dir`: where compiled steps are stored and found (None: compile every bucket each start)."""
 
@@ -98,6 +113,8 @@ class ModelRunner:
         if mesh.size > 1 and jax.default_backend() == "cpu":  # the C++ kernels have no partitioning rules:
             attention = "reference" if attention == "auto" else attention  # XLA would all-gather the cache
             matmul = "reference"  # and the weights
+        elif scan and jax.default_backend() == "cpu" and loaded.dtype == jnp.float32 and stacked_matmul.available():
+            matmul = "cpu_packed"  # set_params packs the layers' matmul weights for it
         self.model = CausalLM(arch, loaded.dtype, attention, scan_layers=scan, matmul_backend=matmul)
         self.set_params(loaded.params)
         loaded.params = None  # the runner owns the weights now (the stacked copy can go)
@@ -115,6 +132,8 @@ class ModelRunner:
         """The weights, stacked `[L, ...]` as loaders make them. `warm_up` needs only their shapes and shardings,
         so an engine may build the runner on ShapeDtypeStructs and set the weights once read (scanned layers)."""
         scan = self.config.model.scan_layers
+        if self.model.matmul_backend == "cpu_packed":
+            params = pack_layer_kernels(params)
         self.params = params if scan else unstack_layers(params, self.loaded.arch.num_layers)
 
     def _step(self, params, cache: KVCache, inputs: StepInputs, sampling: SamplingInputs):

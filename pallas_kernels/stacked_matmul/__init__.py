@@ -10,8 +10,12 @@ multiplying cache-resident panels of them with register tiles for more (a prefil
 measured 1.1-1.3x less CPU than the slice and XLA's dot from 8 to 512 rows.
 
 Backends: "reference" (the slice and `dot_general`: every platform, the oracle), "cpu" (the
-kernel) and "auto" (the kernel when it applies and builds, else the reference). The kernel
-has no partitioning rule: a tensor-parallel model must use "reference".
+kernel), "auto" (the kernel when it applies and builds, else the reference) and "cpu_packed":
+weights rearranged once by `pack` into the panels the kernel would otherwise copy per call
+(same shape, panel-major contents), for every weight `packable` says yes to, "auto" for the
+rest; measured 1.33x more GFLOP per CPU-second at 64 rows. The engine's runner packs its own
+weights and picks it; an array that was not packed must never reach it. The kernel has no
+partitioning rule: a tensor-parallel model must use "reference".
 """
 
 from __future__ import annotations
@@ -21,17 +25,34 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels import cpu_ffi
 
-BACKENDS = ("auto", "reference", "cpu")
+BACKENDS = ("auto", "reference", "cpu", "cpu_packed")
 TARGET = "jaxllm_stacked_matmul_cpu"
+PACKED_TARGET = "jaxllm_stacked_matmul_packed_cpu"
+PANEL = 32  # columns per panel: kPanel in cpu_kernel.cc
 SOURCE = Path(__file__).with_name("cpu_kernel.cc")
 
 
 def available() -> bool:
-    return cpu_ffi.register(SOURCE, "StackedMatmulCpu", TARGET)
+    return cpu_ffi.register(SOURCE, "StackedMatmulCpu", TARGET) and cpu_ffi.register(
+        SOURCE, "StackedMatmulPackedCpu", PACKED_TARGET)
+
+
+def packable(w) -> bool:
+    """Whether `pack` rearranges `w` (and "cpu_packed" reads it so): float32 `[L, K, *N]`, N in whole panels."""
+    return w.ndim >= 3 and w.dtype == jnp.float32 and math.prod(w.shape[2:]) % PANEL == 0
+
+
+def pack(w):
+    """`[L, K, *N]` → the same shape holding each layer as `[N / 32, K, 32]` panels (host or device array)."""
+    num_layers, k = w.shape[:2]
+    n = math.prod(w.shape[2:])
+    xp = jnp if isinstance(w, jax.Array) else np
+    return xp.reshape(xp.transpose(xp.reshape(w, (num_layers, k, n // PANEL, PANEL)), (0, 2, 1, 3)), w.shape)
 
 
 def kernel_applies(x, w) -> bool:
@@ -44,7 +65,9 @@ def stacked_matmul(x: Float[Array, "T K"], w: Float[Array, "L K *N"], layer: Int
     """`x @ w[layer]`, contracting x's last axis with the layer's first."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "cpu" or (backend == "auto" and kernel_applies(x, w)):
+    if backend == "cpu_packed" and packable(w):
+        return stacked_matmul_cpu(x, w, layer, packed=True)
+    if backend == "cpu" or (backend in ("auto", "cpu_packed") and kernel_applies(x, w)):
         return stacked_matmul_cpu(x, w, layer)
     return stacked_matmul_reference(x, w, layer)
 
@@ -54,12 +77,13 @@ def stacked_matmul_reference(x, w, layer):
     return jax.lax.dot_general(x.astype(w.dtype), one, (((x.ndim - 1,), (0,)), ((), ())))
 
 
-def stacked_matmul_cpu(x, w, layer):
+def stacked_matmul_cpu(x, w, layer, *, packed: bool = False):
+    """The kernel; `packed`: `w` as `pack` returns it."""
     if not available():
         raise RuntimeError("the CPU stacked-matmul kernel could not be built (see the warning above)")
     if x.ndim != 2 or x.dtype != jnp.float32 or w.dtype != jnp.float32:
         raise ValueError(f"the CPU kernel takes float32 x [T, K] and w [L, K, ...], got {x.dtype}{x.shape}, "
                          f"{w.dtype}{w.shape}")
     out = jax.ShapeDtypeStruct((x.shape[0], math.prod(w.shape[2:])), jnp.float32)
-    flat = jax.ffi.ffi_call(TARGET, out)(x, w, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)))
+    flat = jax.ffi.ffi_call(PACKED_TARGET if packed else TARGET, out)(x, w, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)))
     return flat.reshape(x.shape[0], *w.shape[2:])

@@ -41,17 +41,17 @@ inline Vec16 Load(const float* p) {
 }
 
 // y[r, 0:kPanel] = x[r, :] @ panel for r < ROWS; panel is [K, kPanel] contiguous. With `next` (the
-// next panel's first column in w, rows n floats apart), its rows are prefetched along the way.
+// next panel's first row, rows `next_stride` floats apart), its rows are prefetched along the way.
 template <int ROWS>
 inline void Tile(const float* x, int64_t k_dim, const float* panel, float* y, int64_t ldy, const float* next,
-                 int64_t n) {
+                 int64_t next_stride) {
   Vec16 lo[ROWS], hi[ROWS];
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r) lo[r] = hi[r] = Vec16{};
   for (int64_t k = 0; k < k_dim; ++k) {
     if (next) {
-      __builtin_prefetch(next + k * n);
-      __builtin_prefetch(next + k * n + 16);
+      __builtin_prefetch(next + k * next_stride);
+      __builtin_prefetch(next + k * next_stride + 16);
     }
     const Vec16 b0 = Load(panel + k * kPanel), b1 = Load(panel + k * kPanel + 16);
 #pragma GCC unroll 8
@@ -70,10 +70,10 @@ inline void Tile(const float* x, int64_t k_dim, const float* panel, float* y, in
 
 template <int ROWS = kTileRows>
 void TileRemainder(int rows, const float* x, int64_t k_dim, const float* panel, float* y, int64_t ldy,
-                   const float* next, int64_t n) {
+                   const float* next, int64_t next_stride) {
   if constexpr (ROWS > 0) {
-    if (rows == ROWS) return Tile<ROWS>(x, k_dim, panel, y, ldy, next, n);
-    TileRemainder<ROWS - 1>(rows, x, k_dim, panel, y, ldy, next, n);
+    if (rows == ROWS) return Tile<ROWS>(x, k_dim, panel, y, ldy, next, next_stride);
+    TileRemainder<ROWS - 1>(rows, x, k_dim, panel, y, ldy, next, next_stride);
   }
 }
 
@@ -135,8 +135,31 @@ void Panels(const float* xp, int64_t rows, int64_t k_dim, const float* wl, int64
   }
 }
 
+// Weights packed ahead of time (`pack` in __init__.py): each layer is [N / kPanel, K, kPanel], the
+// panels `Panels` would copy, stored contiguously. Every row count multiplies them in place: no
+// copy, and the next panel is the next bytes (measured 1.33x more GFLOP per CPU-second than
+// `Panels` at 64 rows, 1.06x at 512). Few rows are bound by reading the weights here too.
+void PackedPanels(const float* xp, int64_t rows, int64_t k_dim, const float* wp, int64_t n, float* y) {
+  const int64_t panels = n / kPanel;
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), panels)));
+#pragma omp parallel num_threads(threads)
+  {
+    const int id = omp_get_thread_num(), team = omp_get_num_threads();
+    const int64_t end = panels * (id + 1) / team;
+    for (int64_t p = panels * id / team; p < end; ++p) {
+      const float* panel = wp + p * k_dim * kPanel;
+      const float* next = p + 1 < end ? panel + k_dim * kPanel : nullptr;
+      for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
+        const int tile = static_cast<int>(std::min<int64_t>(kTileRows, rows - r0));
+        TileRemainder(tile, xp + r0 * k_dim, k_dim, panel, y + r0 * n + p * kPanel, n, r0 == 0 ? next : nullptr,
+                      kPanel);
+      }
+    }
+  }
+}
+
 ffi::Error Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> layer,
-                ffi::ResultBuffer<ffi::F32> out) {
+                ffi::ResultBuffer<ffi::F32> out, bool packed) {
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() < 3 || wd[1] != xd[1])
     return ffi::Error::InvalidArgument("stacked_matmul_cpu: x must be [T, K] and w [L, K, ...]");
@@ -146,16 +169,35 @@ ffi::Error Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ff
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= num_layers) return ffi::Error::InvalidArgument("stacked_matmul_cpu: layer out of range");
   const float* wl = w.typed_data() + l * k_dim * n;
-  if (rows <= kStreamRows)
+  if (packed && n % kPanel != 0) return ffi::Error::InvalidArgument("stacked_matmul_cpu: packed N must divide by 32");
+  if (packed)
+    PackedPanels(x.typed_data(), rows, k_dim, wl, n, out->typed_data());
+  else if (rows <= kStreamRows)
     Stream(x.typed_data(), rows, k_dim, wl, n, out->typed_data());
   else
     Panels(x.typed_data(), rows, k_dim, wl, n, out->typed_data());
   return ffi::Error::Success();
 }
 
+ffi::Error ImplFlat(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> layer,
+                    ffi::ResultBuffer<ffi::F32> out) {
+  return Impl(x, w, layer, out, false);
+}
+ffi::Error ImplPacked(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> layer,
+                      ffi::ResultBuffer<ffi::F32> out) {
+  return Impl(x, w, layer, out, true);
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(StackedMatmulCpu, Impl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StackedMatmulCpu, ImplFlat,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StackedMatmulPackedCpu, ImplPacked,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()

@@ -40,6 +40,33 @@ def test_kernel_matches_the_oracle_and_reads_only_its_layer(rows, k, out_shape):
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
 
 
+# "cpu_packed": whole panels only (N a multiple of 32); every row count multiplies the packed panels
+@pytest.mark.parametrize("rows,k,out_shape", [(1, 576, (960,)), (3, 200, (2, 32)), (8, 131, (64,)),
+                                               (13, 1536, (576,)), (37, 64, (3, 2, 64)), (64, 100, (96,))])
+def test_packed_kernel_matches_the_oracle_and_reads_only_its_layer(rows, k, out_shape):
+    rng = np.random.default_rng(rows * 1000 + k)
+    layers, layer = 5, int(rng.integers(0, 5))
+    w = poisoned_stack(rng, layers, k, out_shape, layer)
+    x = rng.normal(0, 1, (rows, k)).astype(np.float32)
+    want = np.tensordot(x.astype(np.float64), w[layer].astype(np.float64), axes=(1, 0))
+    assert stacked_matmul.packable(w)
+    packed = stacked_matmul.pack(w)
+    assert packed.shape == w.shape and not np.array_equal(packed, w, equal_nan=True)
+    np.testing.assert_array_equal(np.asarray(stacked_matmul.pack(jnp.asarray(w))), packed)  # device arrays alike
+    fn = jax.jit(lambda x, w, i: stacked_matmul.stacked_matmul(x, w, i, backend="cpu_packed"))
+    got = np.asarray(fn(x, packed, jnp.int32(layer)))
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
+
+
+def test_packed_backend_leaves_unpackable_weights_to_the_plain_kernel():
+    rng = np.random.default_rng(7)
+    w = poisoned_stack(rng, 3, 40, (2, 257), 1)  # N = 514: not whole panels, so never packed
+    x = rng.normal(0, 1, (5, 40)).astype(np.float32)
+    assert not stacked_matmul.packable(w)
+    got = stacked_matmul.stacked_matmul(x, w, 1, backend="cpu_packed")
+    np.testing.assert_allclose(np.asarray(got), np.tensordot(x, w[1], axes=(1, 0)), rtol=2e-4, atol=2e-5)
+
+
 def test_auto_picks_the_kernel_for_float32_and_the_reference_otherwise():
     w = jnp.ones((2, 64, 8), jnp.float32)
     hlo = lambda x, w: jax.jit(lambda x, w: stacked_matmul.stacked_matmul(x, w, 1)).lower(x, w).as_text()  # noqa: E731
