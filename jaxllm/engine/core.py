@@ -77,6 +77,8 @@ class EngineCore:
             model = LoadedModel(source.name, arch, source.hf_config, source.abstract_params(mesh), None,
                                 source.dtype) if overlap else reading.result()
             self.runner = ModelRunner(model, self.config, mesh, executable_dir=executables)
+            if overlap:  # packing the weights for the step (CPU) follows the read, in the same thread
+                preparing = pool.submit(lambda: self.runner.prepare_params(reading.result().params))
             block_size = self.config.cache.block_size
             self.kv = KVCacheManager(self.runner.num_blocks, block_size, self.config.cache.enable_prefix_caching)
             capacity = self.kv.num_usable_blocks * block_size
@@ -90,10 +92,10 @@ class EngineCore:
             self.runner.warm_up(progress=progress)
             waited = time.perf_counter()
             self.loaded = reading.result()
+            if overlap:
+                self.runner.set_params(preparing.result(), prepared=True)
+                self.loaded.params = None  # the runner owns the weights now
         waited = time.perf_counter() - waited
-        if overlap:
-            self.runner.set_params(self.loaded.params)
-            self.loaded.params = None  # the runner owns the weights now
         self.tokenizer = self.loaded.tokenizer
         eos = set(arch.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -107,8 +109,8 @@ class EngineCore:
         self._next_seed = 0
         self.structured = StructuredOutputManager(self.tokenizer, arch.vocab_size, self.eos_token_ids)
         self.startup_seconds = time.perf_counter() - started
-        # where start-up went (benchmarks/startup.py): weights, tokenizer (in a thread, beside the next three),
-        # kv_cache, step_key, buckets, waiting_for_weights (after the buckets), total
+        # where start-up went (benchmarks/startup.py): weights, tokenizer, prepare_weights (in a thread, beside
+        # the next three), kv_cache, step_key, buckets, waiting_for_weights (after the buckets), total
         self.startup_phases = {**self.loaded.load_seconds, **self.runner.startup_seconds,
                                "waiting_for_weights": waited, "total": self.startup_seconds}
         sched = self.config.scheduler

@@ -128,13 +128,22 @@ class ModelRunner:
         self.loaded_buckets = 0  # how many of them came from the executable cache
         self.stats = StepStats()
 
-    def set_params(self, params) -> None:
-        """The weights, stacked `[L, ...]` as loaders make them. `warm_up` needs only their shapes and shardings,
-        so an engine may build the runner on ShapeDtypeStructs and set the weights once read (scanned layers)."""
-        scan = self.config.model.scan_layers
+    def set_params(self, params, *, prepared: bool = False) -> None:
+        """The weights, stacked `[L, ...]` as loaders make them (or, `prepared`, as `prepare_params` returns
+        them). `warm_up` needs only their shapes and shardings, so an engine may build the runner on
+        ShapeDtypeStructs and set the weights once read (scanned layers)."""
+        self.params = params if prepared else self.prepare_params(params)
+
+    def prepare_params(self, params):
+        """The weights as the step reads them: packed for "cpu_packed", one array per layer when unrolled.
+        Only reads `self`: a loader thread may run it while the buckets compile."""
+        started = time.perf_counter()
         if self.model.matmul_backend == "cpu_packed":
             params = pack_layer_kernels(params)
-        self.params = params if scan else unstack_layers(params, self.loaded.arch.num_layers)
+        if not self.config.model.scan_layers:
+            params = unstack_layers(params, self.loaded.arch.num_layers)
+        self.startup_seconds["prepare_weights"] = time.perf_counter() - started
+        return params
 
     def _step(self, params, cache: KVCache, inputs: StepInputs, sampling: SamplingInputs):
         logits, cache = self.model.apply({"params": params}, cache, inputs)
