@@ -66,7 +66,7 @@ def ragged_paged_attention(
         if platform == "gpu":
             backend = "pallas" if _triton_supports(q, k_cache, layer) else "reference"
         else:
-            backend = "cpu" if platform == "cpu" and _cpu_supports(k_cache) else "reference"
+            backend = "cpu" if _cpu_kernel_serves(k_cache) else "reference"
     if backend == "cpu":
         return ragged_paged_attention_cpu(*args, **kw)
     if backend == "pallas":
@@ -78,8 +78,9 @@ def ragged_paged_attention(
     return ragged_paged_attention_reference(*args, **kw)
 
 
-def _cpu_supports(k_cache) -> bool:
-    return cpu.supports(k_cache) and cpu.available()
+def _cpu_kernel_serves(k_cache) -> bool:
+    """"auto" on this platform runs the C++ kernels (attention and the KV write)."""
+    return jax.default_backend() == "cpu" and cpu.supports(k_cache) and cpu.available()
 
 
 def _triton_supports(q, k_cache, layer) -> bool:
@@ -99,11 +100,11 @@ def write_kv(
 ):
     """Scatter new K/V rows into the cache at `slot = block * block_size + offset`.
 
-    Padding rows point at a scratch slot. Done on a donated cache
-    this updates in place. `backend` as `ragged_paged_attention`'s: on CPU ("auto" or "cpu") a C++
-    row copy, as XLA's CPU scatter is a loop of one dynamic-update-slice per row; else jnp.
+    Padding rows point at a scratch slot. Done on a donated cache this updates in place.
+    `backend` as `ragged_paged_attention`'s: where that picks the C++ kernel, a C++ row copy (XLA's
+    CPU scatter is a loop of one dynamic-update-slice per row); else jnp.
     """
-    if backend == "cpu" or (backend == "auto" and jax.default_backend() == "cpu" and _cpu_supports(k_cache)):
+    if backend == "cpu" or (backend == "auto" and _cpu_kernel_serves(k_cache)):
         return cpu.write_kv_cpu(k_cache, v_cache, k, v, slot_mapping, layer)
     block_size = k_cache.shape[-3]
     index = (slot_mapping // block_size, slot_mapping % block_size)

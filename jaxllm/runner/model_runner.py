@@ -114,7 +114,7 @@ class ModelRunner:
             attention = "reference" if attention == "auto" else attention  # XLA would all-gather the cache
             matmul = "reference"  # and the weights
         elif scan and jax.default_backend() == "cpu" and loaded.dtype == jnp.float32 and stacked_matmul.available():
-            matmul = "cpu_packed"  # set_params packs the layers' matmul weights for it
+            matmul = "cpu_packed"  # prepare_params packs the layers' matmul weights for it
         self.model = CausalLM(arch, loaded.dtype, attention, scan_layers=scan, matmul_backend=matmul)
         self.set_params(loaded.params)
         loaded.params = None  # the runner owns the weights now (the stacked copy can go)

@@ -32,14 +32,12 @@ from pallas_kernels import cpu_ffi
 
 BACKENDS = ("auto", "reference", "cpu", "cpu_packed")
 TARGET = "jaxllm_stacked_matmul_cpu"
-PACKED_TARGET = "jaxllm_stacked_matmul_packed_cpu"
 PANEL = 32  # columns per panel: kPanel in cpu_kernel.cc
 SOURCE = Path(__file__).with_name("cpu_kernel.cc")
 
 
 def available() -> bool:
-    return cpu_ffi.register(SOURCE, "StackedMatmulCpu", TARGET) and cpu_ffi.register(
-        SOURCE, "StackedMatmulPackedCpu", PACKED_TARGET)
+    return cpu_ffi.register(SOURCE, "StackedMatmulCpu", TARGET)
 
 
 def packable(w) -> bool:
@@ -85,5 +83,5 @@ def stacked_matmul_cpu(x, w, layer, *, packed: bool = False):
         raise ValueError(f"the CPU kernel takes float32 x [T, K] and w [L, K, ...], got {x.dtype}{x.shape}, "
                          f"{w.dtype}{w.shape}")
     out = jax.ShapeDtypeStruct((x.shape[0], math.prod(w.shape[2:])), jnp.float32)
-    flat = jax.ffi.ffi_call(PACKED_TARGET if packed else TARGET, out)(x, w, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)))
+    flat = jax.ffi.ffi_call(TARGET, out)(x, w, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), packed=packed)
     return flat.reshape(x.shape[0], *w.shape[2:])

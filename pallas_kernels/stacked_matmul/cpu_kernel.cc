@@ -158,6 +158,7 @@ void PackedPanels(const float* xp, int64_t rows, int64_t k_dim, const float* wp,
   }
 }
 
+// `packed`: w as `pack` (__init__.py) lays it out, read by PackedPanels whatever the row count.
 ffi::Error Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> layer,
                 ffi::ResultBuffer<ffi::F32> out, bool packed) {
   auto xd = x.dimensions(), wd = w.dimensions();
@@ -179,27 +180,12 @@ ffi::Error Impl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ff
   return ffi::Error::Success();
 }
 
-ffi::Error ImplFlat(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> layer,
-                    ffi::ResultBuffer<ffi::F32> out) {
-  return Impl(x, w, layer, out, false);
-}
-ffi::Error ImplPacked(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> layer,
-                      ffi::ResultBuffer<ffi::F32> out) {
-  return Impl(x, w, layer, out, true);
-}
-
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(StackedMatmulCpu, ImplFlat,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(StackedMatmulCpu, Impl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(StackedMatmulPackedCpu, ImplPacked,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<bool>("packed"));
