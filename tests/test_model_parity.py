@@ -14,11 +14,10 @@ import transformers
 
 from jaxllm.model import CausalLM, KVCache, arch_from_hf_config
 from jaxllm.parallel.mesh import make_mesh
-from jaxllm.runner.model_runner import pack_layer_kernels
 from jaxllm.weights.params import hf_tensor_names, params_from_hf_tensors
 from tests.paged_batch import make_step
 
-TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=128)
 
 CASES = {
@@ -27,8 +26,8 @@ CASES = {
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
     "llama-tied-bias": ("LlamaConfig", "LlamaForCausalLM", dict(
         tie_word_embeddings=True, attention_bias=True, mlp_bias=True, num_key_value_heads=4)),
-    "mistral-sliding-window": ("MistralConfig", "MistralForCausalLM", dict(
-        sliding_window=6, num_key_value_heads=1, head_dim=32)),
+    "mistral-sliding-window": ("MistralConfig", "MistralForCausalLM", dict(  # vocab: no whole panels
+        vocab_size=97, sliding_window=6, num_key_value_heads=1, head_dim=32)),
     "qwen2-yarn": ("Qwen2Config", "Qwen2ForCausalLM", dict(
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                          "original_max_position_embeddings": 32})),
@@ -56,9 +55,10 @@ def test_ragged_paged_batch_matches_transformers(case, matmul):
     state = {k: v.detach().numpy() for k, v in hf_model.state_dict().items()}
     assert set(hf_tensor_names(arch)) <= set(state)
     params = params_from_hf_tensors(arch, jnp.float32, state.__getitem__, make_mesh(), case)
-    if matmul == "cpu_packed":
-        params = pack_layer_kernels(params)
     model = CausalLM(arch, jnp.float32, attention_backend="reference", matmul_backend=matmul)
+    if matmul == "cpu_packed":  # the layers' kernels, and the LM head (tied or not) unless the vocabulary is 97
+        assert model.packs_head() == (arch.vocab_size % 32 == 0)
+        params = model.pack(params)
     step_fn = jax.jit(model.apply, donate_argnums=(1,))
 
     rng = np.random.default_rng(0)

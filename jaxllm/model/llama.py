@@ -19,10 +19,13 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
 import pallas_kernels
+from pallas_kernels import stacked_matmul
 from jaxllm.model.layers import Dtype, Embed, GatedMLP, Linear, RMSNorm, Stacking, apply_rotary, rotary_cos_sin
 from jaxllm.model.registry import ModelArch
 
@@ -106,10 +109,33 @@ class CausalLM(nn.Module):
     scan_layers: bool = True
     matmul_backend: str = "auto"  # pallas_kernels.stacked_matmul's, for the scanned layers
 
+    def packs_head(self) -> bool:
+        """Whether "cpu_packed" reads the LM head (tied embedding or lm_head) packed too: whole panels, float32."""
+        return (self.matmul_backend == "cpu_packed" and self.arch.vocab_size % stacked_matmul.PANEL == 0
+                and jnp.dtype(self.dtype) == jnp.float32)
+
+    def pack(self, params):
+        """`params` as "cpu_packed" reads them (`stacked_matmul.pack`): every packable kernel of the stacked
+        layers, and the LM head when `packs_head`. Shapes, and so abstract params, unchanged."""
+        def leaf(path, value):
+            keys = [str(getattr(p, "key", "")) for p in path]
+            if not isinstance(value, (jax.Array, np.ndarray)):  # abstract params stay as they are
+                return value
+            if keys[-1] == "kernel" and any("layers" in k for k in keys[:-1]):
+                return stacked_matmul.pack(value) if stacked_matmul.packable(value) else value
+            if self.packs_head() and keys[-2:] == ["embed_tokens", "embedding"] and self.arch.tie_word_embeddings:
+                return stacked_matmul.pack_matrix(value, transposed=True)
+            if self.packs_head() and keys[-2:] == ["lm_head", "kernel"]:
+                return stacked_matmul.pack_matrix(value)
+            return value
+
+        return jax.tree_util.tree_map_with_path(leaf, params)
+
     @nn.compact
     def __call__(self, cache: KVCache, batch: StepInputs) -> tuple[Float[Array, "R V"], KVCache]:
         a = self.arch
-        embed = Embed(a.vocab_size, a.hidden_size, self.dtype, name="embed_tokens")
+        head_packed = self.packs_head()
+        embed = Embed(a.vocab_size, a.hidden_size, self.dtype, head_packed and a.tie_word_embeddings, name="embed_tokens")
         hidden = embed(batch.token_ids)
         cos, sin = rotary_cos_sin(a, batch.positions, self.dtype)
         carry = (hidden, cache, jnp.int32(0))
@@ -131,5 +157,6 @@ class CausalLM(nn.Module):
         if a.tie_word_embeddings:
             logits = embed.attend(hidden)
         else:
-            logits = Linear((a.vocab_size,), shard_axis=0, dtype=self.dtype, bias=False, name="lm_head")(hidden)
+            logits = Linear((a.vocab_size,), shard_axis=0, dtype=self.dtype, bias=False, packed=head_packed,
+                            name="lm_head")(hidden)
         return logits.astype(jnp.float32), cache

@@ -75,19 +75,6 @@ class StepStats:
         return self.steps, self.device_s, self.pack_s
 
 
-def pack_layer_kernels(params):
-    """The stacked layers' matmul weights as `stacked_matmul.pack` lays them out ("cpu_packed" reads every
-    packable `kernel` so); shapes, and so abstract params, unchanged."""
-    def leaf(path, value):
-        is_kernel = getattr(path[-1], "key", None) == "kernel" and any(
-            "layers" in str(getattr(p, "key", "")) for p in path)
-        if is_kernel and isinstance(value, (jax.Array, np.ndarray)) and stacked_matmul.packable(value):
-            return stacked_matmul.pack(value)
-        return value
-
-    return jax.tree_util.tree_map_with_path(leaf, params)
-
-
 class ModelRunner:
     """`executable_dir`: where compiled steps are stored and found (None: compile every bucket each start)."""
 
@@ -114,7 +101,7 @@ class ModelRunner:
             attention = "reference" if attention == "auto" else attention  # XLA would all-gather the cache
             matmul = "reference"  # and the weights
         elif scan and jax.default_backend() == "cpu" and loaded.dtype == jnp.float32 and stacked_matmul.available():
-            matmul = "cpu_packed"  # prepare_params packs the layers' matmul weights for it
+            matmul = "cpu_packed"  # prepare_params packs the matmul weights for it
         self.model = CausalLM(arch, loaded.dtype, attention, scan_layers=scan, matmul_backend=matmul)
         self.set_params(loaded.params)
         loaded.params = None  # the runner owns the weights now (the stacked copy can go)
@@ -139,7 +126,7 @@ class ModelRunner:
         Only reads `self`: a loader thread may run it while the buckets compile."""
         started = time.perf_counter()
         if self.model.matmul_backend == "cpu_packed":
-            params = pack_layer_kernels(params)
+            params = self.model.pack(params)
         if not self.config.model.scan_layers:
             params = unstack_layers(params, self.loaded.arch.num_layers)
         self.startup_seconds["prepare_weights"] = time.perf_counter() - started

@@ -14,7 +14,8 @@ kernel), "auto" (the kernel when it applies and builds, else the reference) and 
 weights rearranged once by `pack` into the panels the kernel would otherwise copy per call
 (same shape, panel-major contents), for every weight `packable` says yes to, "auto" for the
 rest; measured 1.33x more GFLOP per CPU-second at 64 rows. The engine's runner packs its own
-weights and picks it; an array that was not packed must never reach it. The kernel has no
+weights and picks it; an array that was not packed must never reach it. A single matrix (the
+LM head) is a stack of one: `pack_matrix` and `packed_matmul`. The kernel has no
 partitioning rule: a tensor-parallel model must use "reference".
 """
 
@@ -51,6 +52,19 @@ def pack(w):
     n = math.prod(w.shape[2:])
     xp = jnp if isinstance(w, jax.Array) else np
     return xp.reshape(xp.transpose(xp.reshape(w, (num_layers, k, n // PANEL, PANEL)), (0, 2, 1, 3)), w.shape)
+
+
+def pack_matrix(w, *, transposed: bool = False):
+    """One `[K, N]` weight (`transposed`: stored `[N, K]`, as a tied embedding) packed as a one-layer stack;
+    the shape stays the one given (abstract params unchanged), the contents are `[N / 32, K, 32]` panels."""
+    xp = jnp if isinstance(w, jax.Array) else np
+    return xp.reshape(pack((w.T if transposed else w)[None]), w.shape)
+
+
+def packed_matmul(x: Float[Array, "T K"], w) -> Float[Array, "T N"]:
+    """`x @ W` for `w = pack_matrix(W)` (or `pack_matrix(W.T, transposed=True)`), through the kernel."""
+    k = x.shape[-1]
+    return stacked_matmul_cpu(x, jnp.reshape(w, (1, k, w.size // k)), 0, packed=True)
 
 
 def kernel_applies(x, w) -> bool:

@@ -58,6 +58,20 @@ def test_packed_kernel_matches_the_oracle_and_reads_only_its_layer(rows, k, out_
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
 
 
+@pytest.mark.parametrize("transposed", [False, True])  # an lm_head kernel [K, N]; a tied embedding [N, K]
+def test_packed_single_matrix_matches_the_oracle(transposed):
+    rng = np.random.default_rng(11)
+    k, n = 72, 4 * 32
+    w = rng.normal(0, 0.05, (k, n)).astype(np.float32)
+    stored = w.T.copy() if transposed else w
+    packed = stacked_matmul.pack_matrix(stored, transposed=transposed)
+    assert packed.shape == stored.shape
+    for rows in (1, 9, 64):
+        x = rng.normal(0, 1, (rows, k)).astype(np.float32)
+        got = np.asarray(jax.jit(stacked_matmul.packed_matmul)(x, jnp.asarray(packed)))
+        np.testing.assert_allclose(got, x.astype(np.float64) @ w.astype(np.float64), rtol=2e-4, atol=2e-5)
+
+
 def test_packed_backend_leaves_unpackable_weights_to_the_plain_kernel():
     rng = np.random.default_rng(7)
     w = poisoned_stack(rng, 3, 40, (2, 257), 1)  # N = 514: not whole panels, so never packed
