@@ -1,9 +1,9 @@
 #!/usr/bin/env python
-"""The machine's two roofline ceilings: large float32 matmul FLOP/s, and memory read bandwidth.
+"""The machine's two roofline ceilings: large matmul FLOP/s, and memory read bandwidth.
 
-Matmul: a jitted `[n, n] @ [n, n]` in float32 (and bfloat16) under XLA, median of `--reps` runs,
-and in float32 through jaxllm's own CPU kernel on packed weights (`pallas_kernels.stacked_matmul`,
-"cpu_packed"), which beats XLA's dot here; `matmul_float32_gflops`, the ceiling, is the faster.
+Matmul: a jitted `[n, n] @ [n, n]` in float32 and bfloat16 under XLA, median of `--reps` runs,
+and through jaxllm's own CPU kernel on packed weights (`pallas_kernels.stacked_matmul`,
+"cpu_packed"), which beats XLA's dot here; `matmul_{dtype}_gflops`, the ceiling, is the faster.
 Memory: a jitted sum over a `--mem-mib` float32 array (reads every byte once, writes nothing),
 and numpy's copy of the same array for comparison. Prints one JSON object.
 
@@ -42,16 +42,18 @@ def ceilings(n: int = 2048, reps: int = 7, mem_mib: int = 1024) -> dict:
         x = a.astype(dtype)
         seconds = median_seconds(lambda: matmul(x, x).block_until_ready(), reps)
         out[f"matmul_{dtype}_gflops"] = round(2 * n**3 / seconds / 1e9, 1)
-    out["matmul_float32_xla_gflops"] = out["matmul_float32_gflops"]
+        out[f"matmul_{dtype}_xla_gflops"] = out[f"matmul_{dtype}_gflops"]
     if jax.default_backend() == "cpu":
         from pallas_kernels import stacked_matmul
 
         if stacked_matmul.available():
-            packed = stacked_matmul.pack(a[None])
             kernel = jax.jit(lambda x, w: stacked_matmul.stacked_matmul(x, w, 0, backend="cpu_packed"))
-            seconds = median_seconds(lambda: kernel(a, packed).block_until_ready(), reps)
-            out["matmul_float32_kernel_gflops"] = round(2 * n**3 / seconds / 1e9, 1)
-            out["matmul_float32_gflops"] = max(out["matmul_float32_gflops"], out["matmul_float32_kernel_gflops"])
+            for dtype in ("float32", "bfloat16"):
+                x = a.astype(dtype)
+                packed = stacked_matmul.pack(x[None])
+                seconds = median_seconds(lambda: kernel(x, packed).block_until_ready(), reps)
+                out[f"matmul_{dtype}_kernel_gflops"] = round(2 * n**3 / seconds / 1e9, 1)
+                out[f"matmul_{dtype}_gflops"] = max(out[f"matmul_{dtype}_gflops"], out[f"matmul_{dtype}_kernel_gflops"])
     host = np.ones(mem_mib * 2**20 // 4, np.float32)
     device = jnp.asarray(host)
     total = jax.jit(jnp.sum)

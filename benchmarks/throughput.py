@@ -64,12 +64,14 @@ def startup(args, cache_dir: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def roofline(arch, dtype_bytes: int, batch: int, input_len: int, output_len: int, ceiling: dict) -> dict:
+def roofline(arch, dtype, batch: int, input_len: int, output_len: int, ceiling: dict) -> dict:
     """Best output tok/s for the workload: compute time and weight/KV read time, whichever is larger.
 
     FLOPs: every token of the prompt and of the output but the last goes through the layers' matmuls,
     the LM head runs once per output token, and attention costs 4·context·Hq·D per token and layer.
-    Reads: one pass over the weights per decode step plus each sequence's K/V so far."""
+    Reads: one pass over the weights per decode step plus each sequence's K/V so far. `dtype`: the
+    weights' and the cache's, which picks the matmul ceiling too."""
+    dtype_bytes = np.dtype(dtype).itemsize
     h, i, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
     layer_params = arch.num_layers * (h * (arch.num_heads + 2 * arch.num_kv_heads) * d + arch.num_heads * d * h
                                       + 3 * h * i)
@@ -80,7 +82,7 @@ def roofline(arch, dtype_bytes: int, batch: int, input_len: int, output_len: int
     kv_per_token = 2 * arch.num_layers * arch.num_kv_heads * d * dtype_bytes
     kv_reads = sum(batch * (input_len + step) * kv_per_token for step in range(output_len))
     read_bytes = output_len * (layer_params + head_params) * dtype_bytes + kv_reads
-    compute_s = flops / (ceiling["matmul_float32_gflops"] * 1e9)
+    compute_s = flops / (ceiling[f"matmul_{np.dtype(dtype).name}_gflops"] * 1e9)
     memory_s = read_bytes / (ceiling["mem_read_gb_s"] * 1e9)
     return {"compute_s": round(compute_s, 3), "memory_s": round(memory_s, 3),
             "output_tok_per_s": round(batch * output_len / max(compute_s, memory_s), 1),
@@ -111,7 +113,7 @@ def main() -> None:
 
     llm = fitted_engine(args)
     loaded = llm.engine.runner.loaded
-    arch, dtype_bytes = loaded.arch, np.dtype(loaded.dtype).itemsize
+    arch = loaded.arch
     prompts = offline.make_prompts(llm.get_tokenizer(), max(args.batches), args.input_len)
     for batch in args.batches:  # run each batch's prefill and decode buckets once: a round-0 step pays first-run costs
         offline.run_batch(llm, prompts[:batch], 2)
@@ -132,7 +134,7 @@ def main() -> None:
         ours = [r["jaxllm"]["output_tokens_per_second"] for r in rows]
         entry = {"jaxllm_tok_per_s": round(statistics.median(ours), 2),
                  "host_ms_per_step": round(statistics.median(r["jaxllm"]["host_ms_per_step"] for r in rows), 2),
-                 "roofline": roofline(arch, dtype_bytes, batch, args.input_len, args.output_len, report["ceilings"])}
+                 "roofline": roofline(arch, loaded.dtype, batch, args.input_len, args.output_len, report["ceilings"])}
         for peer in args.peers:
             ok = [(r["jaxllm"]["output_tokens_per_second"], r[peer]["output_tokens_per_second"])
                   for r in rows if "error" not in r[peer]]

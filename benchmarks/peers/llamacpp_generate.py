@@ -8,10 +8,11 @@ returned logits in numpy. EOS is never checked, so every sequence makes exactly
 `--output-len` tokens. A timed run is prefill plus decode; loading the model is not timed.
 
 The GGUF is the one shipped (Q4_1 matmul weights, a Q8_0 embedding / tied LM head) unless
-`--dequantize f32|f16`: then llama.cpp's own converter (`llama_model_quantize`) writes the
+`--dequantize f32|f16|bf16`: then llama.cpp's own converter (`llama_model_quantize`) writes the
 same file with every tensor dequantized, once, into jaxllm's cache folder, and it is checked
 against the `gguf` package's dequantization before use. `--dequantize f32` gives llama.cpp
-exactly the float32 weights jaxllm computes with.
+exactly the float32 weights jaxllm computes with, `--dequantize bf16` the bfloat16 ones of
+`dtype="bfloat16"` (the float32 values rounded to nearest even).
 Needs `pip install llama-cpp-python` (it builds llama.cpp from source).
 
     python benchmarks/peers/llamacpp_generate.py --num-prompts 16 --input-len 128 --output-len 128
@@ -27,7 +28,7 @@ from pathlib import Path
 import numpy as np
 from common import default_gguf, load_prompts, log, parser, report, time_runs
 
-FTYPES = {"f32": "LLAMA_FTYPE_ALL_F32", "f16": "LLAMA_FTYPE_MOSTLY_F16"}
+FTYPES = {"f32": "LLAMA_FTYPE_ALL_F32", "f16": "LLAMA_FTYPE_MOSTLY_F16", "bf16": "LLAMA_FTYPE_MOSTLY_BF16"}
 
 
 class BatchedDecoder:
@@ -118,10 +119,11 @@ def dequantized_gguf(llama, source: Path, kind: str) -> Path:
 
 def check_dequantized(source: Path, written: Path, kind: str) -> None:
     """Every tensor of `written` holds the `gguf` package's dequantization of `source`'s, in `kind`."""
+    import ml_dtypes
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
-    want_type = {"f32": "F32", "f16": "F16"}[kind]
+    want_type = kind.upper()
     originals = {t.name: t for t in GGUFReader(source).tensors}
     converted = GGUFReader(written).tensors
     if sorted(t.name for t in converted) != sorted(originals):
@@ -130,8 +132,10 @@ def check_dequantized(source: Path, written: Path, kind: str) -> None:
         if tensor.tensor_type.name not in (want_type, "F32"):
             raise SystemExit(f"{written}: {tensor.name} is {tensor.tensor_type.name}, expected {want_type}")
         original = originals[tensor.name]
-        want = dequantize(original.data, original.tensor_type).astype(tensor.data.dtype)
-        if not np.array_equal(np.asarray(tensor.data).reshape(want.shape), want):
+        want, got = dequantize(original.data, original.tensor_type), np.asarray(tensor.data)
+        if tensor.tensor_type.name == "BF16":  # the reader hands its raw bytes
+            want, got = want.astype(ml_dtypes.bfloat16), got.view(ml_dtypes.bfloat16)
+        if not np.array_equal(got.reshape(want.shape), want.astype(got.dtype)):
             raise SystemExit(f"{written}: {tensor.name} differs from the dequantized {source.name}")
 
 
@@ -139,7 +143,8 @@ def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--n-batch", type=int, default=512, help="llama.cpp n_batch / n_ubatch (prefill chunk)")
     ap.add_argument("--dequantize", choices=sorted(FTYPES), default=None,
-                    help="run on the GGUF with every tensor dequantized to this type (f32: jaxllm's weights)")
+                    help="run on the GGUF with every tensor dequantized to this type (f32, bf16: jaxllm's weights "
+                         "in that dtype)")
     ap.add_argument("--output-tokens", default=None, help="write the last timed run's new token ids (JSON) here")
     args = ap.parse_args()
     try:

@@ -32,9 +32,12 @@ FILLER = (
 PROMPT_STRIDE = 7
 PEERS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "peers"
 # name → the peer script and its flags. llama.cpp runs the default model's GGUF as shipped (Q4_1) and,
-# like for like with jaxllm's float32, the same weights dequantized to F32 by llama.cpp itself.
+# like for like with jaxllm's float32 (bfloat16), the same weights dequantized to F32 (BF16) by
+# llama.cpp itself; "-bf16" peers are the like for like of jaxllm's dtype="bfloat16".
 PEERS = {"transformers": ["transformers_generate.py"], "llama.cpp": ["llamacpp_generate.py"],
-         "llama.cpp-f32": ["llamacpp_generate.py", "--dequantize", "f32"]}
+         "llama.cpp-f32": ["llamacpp_generate.py", "--dequantize", "f32"],
+         "transformers-bf16": ["transformers_generate.py", "--dtype", "bfloat16"],
+         "llama.cpp-bf16": ["llamacpp_generate.py", "--dequantize", "bf16"]}
 
 
 def make_prompts(tokenizer, num_prompts: int, input_len: int) -> list[list[int]]:

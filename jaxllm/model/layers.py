@@ -23,7 +23,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jaxllm.model.registry import ModelArch
-from pallas_kernels.stacked_matmul import PANEL, packed_matmul, stacked_matmul
+from pallas_kernels.stacked_matmul import packed_matmul, packed_rows, stacked_matmul
 
 Dtype = Any
 INIT_STD = 0.02
@@ -126,16 +126,15 @@ class Embed(nn.Module):
         )
 
     def __call__(self, token_ids: Int[Array, "T"]) -> Float[Array, "T H"]:
-        if self.packed:  # token v is column v % 32 of panel v // 32
-            panels = self.embedding.reshape(self.vocab_size // PANEL, self.features, PANEL)
-            return panels[token_ids // PANEL, :, token_ids % PANEL]
+        if self.packed:
+            return packed_rows(self.embedding, token_ids)
         return jnp.take(self.embedding, token_ids, axis=0)
 
     def attend(self, x: Float[Array, "S H"]) -> Float[Array, "S V"]:
         if self.packed:
             return packed_matmul(x, self.embedding)
         # E @ x.T reads the embedding's contiguous rows; x @ E.T makes XLA (CPU) copy E transposed per step
-        return (self.embedding @ x.T).T
+        return (self.embedding @ x.astype(self.embedding.dtype).T).T
 
 
 class GatedMLP(nn.Module):

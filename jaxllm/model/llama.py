@@ -101,7 +101,12 @@ class DecoderLayer(nn.Module):
 
 
 class CausalLM(nn.Module):
-    """`apply({"params": p}, cache, batch) -> (logits float32 [R, V], updated cache)`."""
+    """`apply({"params": p}, cache, batch) -> (logits float32 [R, V], updated cache)`.
+
+    `dtype`: the activations' (and a freshly initialised model's parameters'). Parameters stored in
+    another dtype are read as they are: the CPU runner keeps bfloat16 weights for its bfloat16
+    matmul kernel ("cpu_packed") and computes everything else in float32.
+    """
 
     arch: ModelArch
     dtype: Dtype = jnp.float32
@@ -110,9 +115,9 @@ class CausalLM(nn.Module):
     matmul_backend: str = "auto"  # pallas_kernels.stacked_matmul's, for the scanned layers
 
     def packs_head(self) -> bool:
-        """Whether "cpu_packed" reads the LM head (tied embedding or lm_head) packed too: whole panels, float32."""
-        return (self.matmul_backend == "cpu_packed" and self.arch.vocab_size % stacked_matmul.PANEL == 0
-                and jnp.dtype(self.dtype) == jnp.float32)
+        """Whether "cpu_packed" reads the LM head (tied embedding or lm_head) packed too, as `packable` would."""
+        head = jax.ShapeDtypeStruct((1, self.arch.hidden_size, self.arch.vocab_size), self.dtype)
+        return self.matmul_backend == "cpu_packed" and stacked_matmul.packable(head)
 
     def pack(self, params):
         """`params` as "cpu_packed" reads them (`stacked_matmul.pack`): every packable kernel of the stacked
@@ -136,7 +141,7 @@ class CausalLM(nn.Module):
         a = self.arch
         head_packed = self.packs_head()
         embed = Embed(a.vocab_size, a.hidden_size, self.dtype, head_packed and a.tie_word_embeddings, name="embed_tokens")
-        hidden = embed(batch.token_ids)
+        hidden = embed(batch.token_ids).astype(self.dtype)
         cos, sin = rotary_cos_sin(a, batch.positions, self.dtype)
         carry = (hidden, cache, jnp.int32(0))
         if self.scan_layers:

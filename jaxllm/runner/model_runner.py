@@ -96,13 +96,18 @@ class ModelRunner:
                                 sched_cfg.max_model_len, arch.vocab_size, self.block_size)
         scan = config.model.scan_layers
         attention = config.model.attention_backend
-        matmul = "auto"
+        matmul, compute_dtype = "auto", loaded.dtype
         if mesh.size > 1 and jax.default_backend() == "cpu":  # the C++ kernels have no partitioning rules:
             attention = "reference" if attention == "auto" else attention  # XLA would all-gather the cache
             matmul = "reference"  # and the weights
-        elif scan and jax.default_backend() == "cpu" and loaded.dtype == jnp.float32 and stacked_matmul.available():
-            matmul = "cpu_packed"  # prepare_params packs the matmul weights for it
-        self.model = CausalLM(arch, loaded.dtype, attention, scan_layers=scan, matmul_backend=matmul)
+        elif (scan and jax.default_backend() == "cpu" and jnp.dtype(loaded.dtype) in (jnp.float32, jnp.bfloat16)
+              and stacked_matmul.available()):
+            # prepare_params packs the matmul weights for it. bfloat16 weights: the kernel rounds x to
+            # bfloat16 for its dot product, and the rest of the step (norms, rotary, residual, SwiGLU)
+            # runs in float32, which XLA's CPU backend runs 3-4x faster than bfloat16 (benchmarks/NOTES.md
+            # lever 13) and which is the more accurate
+            matmul, compute_dtype = "cpu_packed", jnp.float32
+        self.model = CausalLM(arch, compute_dtype, attention, scan_layers=scan, matmul_backend=matmul)
         self.set_params(loaded.params)
         loaded.params = None  # the runner owns the weights now (the stacked copy can go)
         self._executables = ExecutableCache(executable_dir)

@@ -13,7 +13,9 @@ Backends: "reference" (the slice and `dot_general`: every platform, the oracle),
 kernel), "auto" (the kernel when it applies and builds, else the reference) and "cpu_packed":
 weights rearranged once by `pack` into the panels the kernel would otherwise copy per call
 (same shape, panel-major contents), for every weight `packable` says yes to, "auto" for the
-rest; measured 1.33x more GFLOP per CPU-second at 64 rows. The engine's runner packs its own
+rest; measured 1.33x more GFLOP per CPU-second at 64 rows. Packed weights may be bfloat16
+(x is then rounded to bfloat16 too): the kernel multiplies pairs of them with the CPU's
+bfloat16 dot product, about twice its float32 rate, and accumulates in float32. The engine's runner packs its own
 weights and picks it; an array that was not packed must never reach it. A single matrix (the
 LM head) is a stack of one: `pack_matrix` and `packed_matmul`. The kernel has no
 partitioning rule: a tensor-parallel model must use "reference".
@@ -42,15 +44,22 @@ def available() -> bool:
 
 
 def packable(w) -> bool:
-    """Whether `pack` rearranges `w` (and "cpu_packed" reads it so): float32 `[L, K, *N]`, N in whole panels."""
-    return w.ndim >= 3 and w.dtype == jnp.float32 and math.prod(w.shape[2:]) % PANEL == 0
+    """Whether `pack` rearranges `w` (and "cpu_packed" reads it so): `[L, K, *N]`, N in whole panels,
+    float32 or bfloat16 (K even: the kernel takes K in pairs)."""
+    if w.ndim < 3 or math.prod(w.shape[2:]) % PANEL:
+        return False
+    return w.dtype == jnp.float32 or (w.dtype == jnp.bfloat16 and w.shape[1] % 2 == 0)
 
 
 def pack(w):
-    """`[L, K, *N]` → the same shape holding each layer as `[N / 32, K, 32]` panels (host or device array)."""
+    """`[L, K, *N]` → the same shape holding each layer as `[N / 32, K, 32]` panels (host or device array);
+    bfloat16 as `[N / 32, K / 2, 32, 2]`: the two of each pair of K side by side, as the dot product reads them."""
     num_layers, k = w.shape[:2]
     n = math.prod(w.shape[2:])
     xp = jnp if isinstance(w, jax.Array) else np
+    if w.dtype == jnp.bfloat16:
+        pairs = xp.reshape(w, (num_layers, k // 2, 2, n // PANEL, PANEL))
+        return xp.reshape(xp.transpose(pairs, (0, 3, 1, 4, 2)), w.shape)
     return xp.reshape(xp.transpose(xp.reshape(w, (num_layers, k, n // PANEL, PANEL)), (0, 2, 1, 3)), w.shape)
 
 
@@ -61,10 +70,20 @@ def pack_matrix(w, *, transposed: bool = False):
     return xp.reshape(pack((w.T if transposed else w)[None]), w.shape)
 
 
+def packed_rows(w, index: Int[Array, "T"]):
+    """Rows `index` of E from `w = pack_matrix(E, transposed=True)` (a tied embedding's lookup): row v is
+    column v of the packed [K, N] matrix, column v % 32 of panel v // 32."""
+    n, k = w.shape
+    if w.dtype == jnp.bfloat16:  # panels [K / 2, 32, 2]
+        rows = jnp.reshape(w, (n // PANEL, k // 2, PANEL, 2))[index // PANEL, :, index % PANEL]
+        return jnp.reshape(rows, (index.shape[0], k))
+    return jnp.reshape(w, (n // PANEL, k, PANEL))[index // PANEL, :, index % PANEL]
+
+
 def packed_matmul(x: Float[Array, "T K"], w) -> Float[Array, "T N"]:
-    """`x @ W` for `w = pack_matrix(W)` (or `pack_matrix(W.T, transposed=True)`), through the kernel."""
+    """`x @ W` in float32 for `w = pack_matrix(W)` (or `pack_matrix(W.T, transposed=True)`), through the kernel."""
     k = x.shape[-1]
-    return stacked_matmul_cpu(x, jnp.reshape(w, (1, k, w.size // k)), 0, packed=True)
+    return stacked_matmul_cpu(x.astype(w.dtype), jnp.reshape(w, (1, k, w.size // k)), 0, packed=True)
 
 
 def kernel_applies(x, w) -> bool:
@@ -78,7 +97,7 @@ def stacked_matmul(x: Float[Array, "T K"], w: Float[Array, "L K *N"], layer: Int
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "cpu_packed" and packable(w):
-        return stacked_matmul_cpu(x, w, layer, packed=True)
+        return stacked_matmul_cpu(x.astype(w.dtype), w, layer, packed=True).astype(jnp.result_type(x, w))
     if backend == "cpu" or (backend in ("auto", "cpu_packed") and kernel_applies(x, w)):
         return stacked_matmul_cpu(x, w, layer)
     return stacked_matmul_reference(x, w, layer)
@@ -86,16 +105,18 @@ def stacked_matmul(x: Float[Array, "T K"], w: Float[Array, "L K *N"], layer: Int
 
 def stacked_matmul_reference(x, w, layer):
     one = jax.lax.dynamic_index_in_dim(w, layer, axis=0, keepdims=False)
-    return jax.lax.dot_general(x.astype(w.dtype), one, (((x.ndim - 1,), (0,)), ((), ())))
+    out = jax.lax.dot_general(x.astype(w.dtype), one, (((x.ndim - 1,), (0,)), ((), ())))
+    return out.astype(jnp.result_type(x, w))
 
 
 def stacked_matmul_cpu(x, w, layer, *, packed: bool = False):
-    """The kernel; `packed`: `w` as `pack` returns it."""
+    """The kernel, float32 out; `packed`: `w` as `pack` returns it (float32, or bfloat16 with x bfloat16)."""
     if not available():
         raise RuntimeError("the CPU stacked-matmul kernel could not be built (see the warning above)")
-    if x.ndim != 2 or x.dtype != jnp.float32 or w.dtype != jnp.float32:
-        raise ValueError(f"the CPU kernel takes float32 x [T, K] and w [L, K, ...], got {x.dtype}{x.shape}, "
-                         f"{w.dtype}{w.shape}")
+    dtypes_ok = x.dtype == w.dtype == jnp.float32 or (packed and x.dtype == w.dtype == jnp.bfloat16)
+    if x.ndim != 2 or not dtypes_ok:
+        raise ValueError(f"the CPU kernel takes float32 x [T, K] and w [L, K, ...] (or both bfloat16, packed), "
+                         f"got {x.dtype}{x.shape}, {w.dtype}{w.shape}")
     out = jax.ShapeDtypeStruct((x.shape[0], math.prod(w.shape[2:])), jnp.float32)
     flat = jax.ffi.ffi_call(TARGET, out)(x, w, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), packed=packed)
     return flat.reshape(x.shape[0], *w.shape[2:])

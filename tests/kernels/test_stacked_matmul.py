@@ -40,36 +40,56 @@ def test_kernel_matches_the_oracle_and_reads_only_its_layer(rows, k, out_shape):
         np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
 
 
-# "cpu_packed": whole panels only (N a multiple of 32); every row count multiplies the packed panels
-@pytest.mark.parametrize("rows,k,out_shape", [(1, 576, (960,)), (3, 200, (2, 32)), (8, 131, (64,)),
+# "cpu_packed": whole panels only (N a multiple of 32); every row count multiplies the packed panels.
+# bfloat16 (x and w, K even): the oracle multiplies the same bfloat16 values in float64, so only the
+# float32 accumulation may differ
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("rows,k,out_shape", [(1, 576, (960,)), (3, 200, (2, 32)), (8, 132, (64,)),
                                                (13, 1536, (576,)), (37, 64, (3, 2, 64)), (64, 100, (96,))])
-def test_packed_kernel_matches_the_oracle_and_reads_only_its_layer(rows, k, out_shape):
+def test_packed_kernel_matches_the_oracle_and_reads_only_its_layer(rows, k, out_shape, dtype):
     rng = np.random.default_rng(rows * 1000 + k)
     layers, layer = 5, int(rng.integers(0, 5))
-    w = poisoned_stack(rng, layers, k, out_shape, layer)
-    x = rng.normal(0, 1, (rows, k)).astype(np.float32)
+    w = poisoned_stack(rng, layers, k, out_shape, layer).astype(dtype)
+    x = rng.normal(0, 1, (rows, k)).astype(dtype)
     want = np.tensordot(x.astype(np.float64), w[layer].astype(np.float64), axes=(1, 0))
     assert stacked_matmul.packable(w)
     packed = stacked_matmul.pack(w)
-    assert packed.shape == w.shape and not np.array_equal(packed, w, equal_nan=True)
+    assert packed.shape == w.shape and packed.dtype == w.dtype
+    assert not np.array_equal(packed.astype(np.float32), w.astype(np.float32), equal_nan=True)
     np.testing.assert_array_equal(np.asarray(stacked_matmul.pack(jnp.asarray(w))), packed)  # device arrays alike
-    fn = jax.jit(lambda x, w, i: stacked_matmul.stacked_matmul(x, w, i, backend="cpu_packed"))
-    got = np.asarray(fn(x, packed, jnp.int32(layer)))
+    got = np.asarray(jax.jit(lambda x, w, i: stacked_matmul_cpu(x, w, i, packed=True))(x, packed, jnp.int32(layer)))
+    assert got.dtype == np.float32
     np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
+    fn = jax.jit(lambda x, w, i: stacked_matmul.stacked_matmul(x, w, i, backend="cpu_packed"))
+    got = np.asarray(fn(x, packed, jnp.int32(layer)))  # the model's entry: the result in the weights' dtype
+    assert got.dtype == w.dtype
+    rounding = 2e-4 if dtype == "float32" else 2**-8  # bfloat16 keeps 8 significant bits
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=rounding, atol=2e-5)
 
 
+def test_bfloat16_needs_packed_weights_and_an_even_k():
+    w = np.ones((2, 33, 32), "bfloat16")
+    assert not stacked_matmul.packable(w)  # K odd: no pairs
+    with pytest.raises(ValueError, match="bfloat16"):
+        stacked_matmul_cpu(jnp.ones((4, 34), jnp.bfloat16), jnp.ones((2, 34, 32), jnp.bfloat16), 0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("transposed", [False, True])  # an lm_head kernel [K, N]; a tied embedding [N, K]
-def test_packed_single_matrix_matches_the_oracle(transposed):
+def test_packed_single_matrix_matches_the_oracle(transposed, dtype):
     rng = np.random.default_rng(11)
     k, n = 72, 4 * 32
-    w = rng.normal(0, 0.05, (k, n)).astype(np.float32)
+    w = rng.normal(0, 0.05, (k, n)).astype(dtype)
     stored = w.T.copy() if transposed else w
     packed = stacked_matmul.pack_matrix(stored, transposed=transposed)
     assert packed.shape == stored.shape
     for rows in (1, 9, 64):
-        x = rng.normal(0, 1, (rows, k)).astype(np.float32)
+        x = rng.normal(0, 1, (rows, k)).astype(dtype)
         got = np.asarray(jax.jit(stacked_matmul.packed_matmul)(x, jnp.asarray(packed)))
         np.testing.assert_allclose(got, x.astype(np.float64) @ w.astype(np.float64), rtol=2e-4, atol=2e-5)
+    if transposed:  # the embedding lookup reads the same packed array
+        index = jnp.asarray([0, 5, 31, 32, 127, 64, 5], jnp.int32)
+        np.testing.assert_array_equal(np.asarray(jax.jit(stacked_matmul.packed_rows)(packed, index)), stored[index])
 
 
 def test_packed_backend_leaves_unpackable_weights_to_the_plain_kernel():
