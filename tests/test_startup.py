@@ -20,6 +20,9 @@ def test_a_second_engine_loads_every_bucket_compiled_and_generates_the_same(llm)
     second = LLM(**TEST_ENGINE, kv_cache_memory_bytes=kv_bytes(TEST_KV_BLOCKS))
     runner = second.engine.runner
     assert runner.loaded_buckets == len(runner.buckets)
+    # on CPU the loader packs the weights for the matmul kernel, and the converted weights are kept packed
+    assert second.engine.loaded.prepared == (runner.model.matmul_backend == "cpu_packed")
+    assert runner.startup_seconds["prepare_weights"] < 0.5  # nothing left to pack
     prompts = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     ids = lambda outs: [o.outputs[0].token_ids for o in outs]  # noqa: E731

@@ -25,7 +25,7 @@ from jaxllm.engine.request import Request, RequestStatus
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxllm.parallel.mesh import make_mesh
-from jaxllm.runner.model_runner import ModelRunner, RunnerOutput
+from jaxllm.runner.model_runner import ModelRunner, RunnerOutput, weight_layout
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.structured.manager import StructuredOutputManager
 from jaxllm.weights import LoadedModel, open_model
@@ -73,12 +73,15 @@ class EngineCore:
         # (unrolled layers, and multi-host starts, read them first)
         overlap = self.config.model.scan_layers and jax.process_count() == 1
         with ThreadPoolExecutor(1, thread_name_prefix="jaxllm-load") as pool:
-            reading = pool.submit(source.load, mesh, args.tokenizer, args.seed)
+            # the loader packs the weights for the CPU kernel (and keeps them packed on disk)
+            layout = weight_layout(arch, self.config, source.dtype, mesh)
+            reading = pool.submit(source.load, mesh, args.tokenizer, args.seed, layout)
             model = LoadedModel(source.name, arch, source.hf_config, source.abstract_params(mesh), None,
                                 source.dtype) if overlap else reading.result()
             self.runner = ModelRunner(model, self.config, mesh, executable_dir=executables)
-            if overlap:  # packing the weights for the step (CPU) follows the read, in the same thread
-                preparing = pool.submit(lambda: self.runner.prepare_params(reading.result().params))
+            if overlap:  # anything else the step needs (unrolled layers are never overlapped)
+                preparing = pool.submit(lambda: self.runner.prepare_params(
+                    reading.result().params, laid_out=reading.result().prepared))
             block_size = self.config.cache.block_size
             self.kv = KVCacheManager(self.runner.num_blocks, block_size, self.config.cache.enable_prefix_caching)
             capacity = self.kv.num_usable_blocks * block_size

@@ -115,9 +115,10 @@ class CausalLM(nn.Module):
     matmul_backend: str = "auto"  # pallas_kernels.stacked_matmul's, for the scanned layers
 
     def packs_head(self) -> bool:
-        """Whether "cpu_packed" reads the LM head (tied embedding or lm_head) packed too, as `packable` would."""
-        head = jax.ShapeDtypeStruct((1, self.arch.hidden_size, self.arch.vocab_size), self.dtype)
-        return self.matmul_backend == "cpu_packed" and stacked_matmul.packable(head)
+        """Whether "cpu_packed" reads the LM head (tied embedding or lm_head) packed too: whole panels, and an
+        even hidden size (bfloat16 weights pair it; the runner picks "cpu_packed" for float32 or bfloat16 only)."""
+        a = self.arch
+        return self.matmul_backend == "cpu_packed" and a.vocab_size % stacked_matmul.PANEL == 0 and a.hidden_size % 2 == 0
 
     def pack(self, params):
         """`params` as "cpu_packed" reads them (`stacked_matmul.pack`): every packable kernel of the stacked

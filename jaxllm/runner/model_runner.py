@@ -29,7 +29,7 @@ from jaxllm.runner.executable_cache import ExecutableCache, abstract_signature, 
 from jaxllm.runner.input_batch import InputBatch
 from jaxllm.runner.kv_cache import allocate_kv_cache, num_kv_blocks
 from jaxllm.runner.sampler import SamplerOutput, SamplingInputs, sample
-from jaxllm.weights import LoadedModel
+from jaxllm.weights import Layout, LoadedModel
 from jaxllm.weights.params import unstack_layers
 from pallas_kernels import stacked_matmul
 
@@ -75,6 +75,29 @@ class StepStats:
         return self.steps, self.device_s, self.pack_s
 
 
+def step_model(arch, config: EngineConfig, dtype, mesh: Mesh) -> CausalLM:
+    """The model the step runs: attention and matmul backends, and the dtype it computes in, for this platform."""
+    scan, attention = config.model.scan_layers, config.model.attention_backend
+    matmul, compute_dtype = "auto", dtype
+    if mesh.size > 1 and jax.default_backend() == "cpu":  # the C++ kernels have no partitioning rules:
+        attention = "reference" if attention == "auto" else attention  # XLA would all-gather the cache
+        matmul = "reference"  # and the weights
+    elif (scan and jax.default_backend() == "cpu" and jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16)
+          and stacked_matmul.available()):
+        # prepare_params packs the matmul weights for it. bfloat16 weights: the kernel rounds x to
+        # bfloat16 for its dot product, and the rest of the step (norms, rotary, residual, SwiGLU)
+        # runs in float32, which XLA's CPU backend runs 3-4x faster than bfloat16 (benchmarks/NOTES.md
+        # lever 13) and which is the more accurate
+        matmul, compute_dtype = "cpu_packed", jnp.float32
+    return CausalLM(arch, compute_dtype, attention, scan_layers=scan, matmul_backend=matmul)
+
+
+def weight_layout(arch, config: EngineConfig, dtype, mesh: Mesh) -> Layout | None:
+    """How the step wants the loaded weights rearranged (the loader may keep the result on disk), or None."""
+    model = step_model(arch, config, dtype, mesh)
+    return Layout(model.matmul_backend, model.pack) if model.matmul_backend == "cpu_packed" else None
+
+
 class ModelRunner:
     """`executable_dir`: where compiled steps are stored and found (None: compile every bucket each start)."""
 
@@ -94,25 +117,12 @@ class ModelRunner:
         largest = self.buckets[-1]
         self.batch = InputBatch(largest.num_tokens, largest.num_seqs, self.max_blocks_per_seq,
                                 sched_cfg.max_model_len, arch.vocab_size, self.block_size)
-        scan = config.model.scan_layers
-        attention = config.model.attention_backend
-        matmul, compute_dtype = "auto", loaded.dtype
-        if mesh.size > 1 and jax.default_backend() == "cpu":  # the C++ kernels have no partitioning rules:
-            attention = "reference" if attention == "auto" else attention  # XLA would all-gather the cache
-            matmul = "reference"  # and the weights
-        elif (scan and jax.default_backend() == "cpu" and jnp.dtype(loaded.dtype) in (jnp.float32, jnp.bfloat16)
-              and stacked_matmul.available()):
-            # prepare_params packs the matmul weights for it. bfloat16 weights: the kernel rounds x to
-            # bfloat16 for its dot product, and the rest of the step (norms, rotary, residual, SwiGLU)
-            # runs in float32, which XLA's CPU backend runs 3-4x faster than bfloat16 (benchmarks/NOTES.md
-            # lever 13) and which is the more accurate
-            matmul, compute_dtype = "cpu_packed", jnp.float32
-        self.model = CausalLM(arch, compute_dtype, attention, scan_layers=scan, matmul_backend=matmul)
-        self.set_params(loaded.params)
+        self.model = step_model(arch, config, loaded.dtype, mesh)
+        self.params = self.prepare_params(loaded.params, laid_out=loaded.prepared)
         loaded.params = None  # the runner owns the weights now (the stacked copy can go)
         self._executables = ExecutableCache(executable_dir)
         started = time.perf_counter()
-        self._key = self._step_key(attention)
+        self._key = self._step_key(self.model.attention_backend)
         self.startup_seconds["step_key"] = time.perf_counter() - started
         self._step_fn = jax.jit(self._named_step(), donate_argnums=(1,))
         self._compiled: dict[Bucket, object] = {}
@@ -126,11 +136,12 @@ class ModelRunner:
         ShapeDtypeStructs and set the weights once read (scanned layers)."""
         self.params = params if prepared else self.prepare_params(params)
 
-    def prepare_params(self, params):
-        """The weights as the step reads them: packed for "cpu_packed", one array per layer when unrolled.
-        Only reads `self`: a loader thread may run it while the buckets compile."""
+    def prepare_params(self, params, *, laid_out: bool = False):
+        """The weights as the step reads them: packed for "cpu_packed" (unless `laid_out`: loaded in
+        `weight_layout` already), one array per layer when unrolled. Only reads `self`: a loader thread
+        may run it while the buckets compile."""
         started = time.perf_counter()
-        if self.model.matmul_backend == "cpu_packed":
+        if self.model.matmul_backend == "cpu_packed" and not laid_out:
             params = self.model.pack(params)
         if not self.config.model.scan_layers:
             params = unstack_layers(params, self.loaded.arch.num_layers)

@@ -19,7 +19,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jax
 from jax.sharding import Mesh
@@ -42,6 +42,16 @@ class LoadedModel:
     tokenizer: Any  # a transformers tokenizer, or None when the source has none
     dtype: Any
     load_seconds: dict[str, float] = field(default_factory=dict)  # "weights", "tokenizer" (start-up report)
+    prepared: bool = False  # params already in the step's layout (`load(layout=...)`)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A rearrangement of the parameter tree that keeps every shape (packing for a kernel): `name` keys
+    the converted weights kept on disk, so a later start maps the rearranged arrays."""
+
+    name: str
+    apply: Callable[[Any], Any]
 
 
 def _resolve_source(model: str | None) -> Path:
@@ -100,8 +110,9 @@ class ModelSource:
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
                             param_shardings(specs, mesh))
 
-    def load(self, mesh: Mesh, tokenizer: str | None = None, seed: int = 0) -> LoadedModel:
-        """The weights, placed on `mesh`, and the tokenizer (`tokenizer` overrides the model's own)."""
+    def load(self, mesh: Mesh, tokenizer: str | None = None, seed: int = 0, layout: Layout | None = None) -> LoadedModel:
+        """The weights, placed on `mesh` (and rearranged by `layout`), and the tokenizer (`tokenizer`
+        overrides the model's own)."""
         started = time.perf_counter()
         arch, jdtype, path = self.arch, self.dtype, self.path
         if self.dummy:
@@ -110,15 +121,18 @@ class ModelSource:
             params = dummy_params(arch, jdtype, mesh, seed)
         elif self.format == "gguf":  # dequantizing takes seconds: later starts map what the first converted
             shapes, specs = abstract_params(arch, jdtype)
-            params = converted.load_or_convert(
-                path, arch, jdtype, shapes, param_shardings(specs, mesh),
-                lambda: params_from_hf_tensors(arch, jdtype, self.gguf_file.tensor, mesh, str(path)))
+            convert = lambda: params_from_hf_tensors(arch, jdtype, self.gguf_file.tensor, mesh, str(path))  # noqa: E731
+            params = converted.load_or_convert(path, arch, jdtype, shapes, param_shardings(specs, mesh),
+                                               (lambda: layout.apply(convert())) if layout else convert,
+                                               layout.name if layout else "")
         elif self.format == "orbax":
             shapes, specs = abstract_params(arch, jdtype)
             params = orbax.restore_params(path, shapes, param_shardings(specs, mesh))
         else:
             params = params_from_hf_tensors(arch, jdtype, hf.SafetensorsReader(path), mesh, str(path))
 
+        if layout and self.format != "gguf":  # converted GGUF weights were rearranged before being kept
+            params = layout.apply(params)
         weights_loaded = time.perf_counter()
         if tokenizer is not None:
             tok = _load_tokenizer(tokenizer)
@@ -130,7 +144,7 @@ class ModelSource:
             tok = _load_tokenizer(path)
         seconds = {"weights": weights_loaded - started, "tokenizer": time.perf_counter() - weights_loaded}
         return LoadedModel(name=self.name, arch=arch, hf_config=self.hf_config, params=params, tokenizer=tok,
-                           dtype=jdtype, load_seconds=seconds)
+                           dtype=jdtype, load_seconds=seconds, prepared=layout is not None)
 
 
 def open_model(model: str | None = None, *, load_format: str = "auto", dtype: str = "auto") -> ModelSource:

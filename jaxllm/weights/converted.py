@@ -5,8 +5,9 @@ the layers) costs ~2-3 s of CPU for the default model at every start. The first 
 the result, one `.npy` file per leaf, under `$JAXLLM_CACHE/weights/<key>/`; later starts
 memory-map them copy-on-write (nothing is read before a step touches it, nothing can write
 the file) and, on CPU, hand them to XLA without a copy (`.npy` data is 64-byte aligned).
-The key is the source file (path, size, mtime), the architecture, the dtype and FORMAT: raise
-FORMAT whenever the conversion (`params.py`, `gguf.py`) changes what it produces. Anything
+The key is the source file (path, size, mtime), the architecture, the dtype, the layout the step
+asked for (the CPU kernel's packing: kept packed, a warm start does not pack again) and FORMAT:
+raise FORMAT whenever the conversion (`params.py`, `gguf.py`) or a layout changes what it produces. Anything
 missing or unreadable means convert again, and overwrite.
 """
 
@@ -27,14 +28,14 @@ from jaxllm.weights.default import cache_dir
 
 logger = logging.getLogger(__name__)
 
-FORMAT = 1
+FORMAT = 2
 PAGE = 4096
 
 
-def _folder(source: Path, arch, dtype) -> Path:
+def _folder(source: Path, arch, dtype, layout: str) -> Path:
     stat = source.stat()
     key = repr((str(source.resolve()), stat.st_size, stat.st_mtime_ns, repr(arch), np.dtype(dtype).str,
-                str(np.dtype(dtype)), FORMAT))
+                str(np.dtype(dtype)), layout, FORMAT))
     return cache_dir() / "weights" / hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
@@ -78,10 +79,11 @@ def _save(folder: Path, params) -> None:
         shutil.rmtree(partial, ignore_errors=True)
 
 
-def load_or_convert(source: Path, arch, dtype, shapes, shardings, convert: Callable[[], Any]) -> Any:
+def load_or_convert(source: Path, arch, dtype, shapes, shardings, convert: Callable[[], Any], layout: str = "") -> Any:
     """The parameter tree of `source`: mapped from the saved conversion, else `convert()`ed and saved.
-    `shapes` / `shardings`: the tree's ShapeDtypeStructs and shardings (params.abstract_params)."""
-    folder = _folder(source, arch, dtype)
+    `shapes` / `shardings`: the tree's ShapeDtypeStructs and shardings (params.abstract_params);
+    `layout`: names the rearrangement `convert` applies, if any (weights.Layout)."""
+    folder = _folder(source, arch, dtype, layout)
     host = _load(folder, shapes)
     if host is None:
         params = convert()
