@@ -100,10 +100,11 @@ def test_steps_compiled_from_the_config_alone_fit_the_loaded_weights(default_mod
 def test_converted_weights_are_mapped_by_the_next_load_and_reconverted_when_damaged(tmp_path, monkeypatch, caplog,
                                                                                       default_model):
     from jaxllm.parallel.mesh import make_mesh
-    from jaxllm.weights import load_model
+    from jaxllm.weights import converted, load_model
 
     monkeypatch.setenv("JAXLLM_CACHE", str(tmp_path))
-    first = load_model(None, mesh=make_mesh(), dtype="float32")  # converts and saves
+    first = load_model(None, mesh=make_mesh(), dtype="float32")  # converts, and saves in a thread
+    converted.wait_for_saves()
     [folder] = (tmp_path / "weights").iterdir()
     mapped = load_model(None, mesh=make_mesh(), dtype="float32")
     for fresh, saved, reference in zip(*map(jax.tree.leaves, (first.params, mapped.params, default_model.params))):

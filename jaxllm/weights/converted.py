@@ -2,7 +2,8 @@
 
 Turning a GGUF file into the parameter tree (dequantize, transpose to `[in, out]`, fuse, stack
 the layers) costs ~2-3 s of CPU for the default model at every start. The first start saves
-the result, one `.npy` file per leaf, under `$JAXLLM_CACHE/weights/<key>/`; later starts
+the result, one `.npy` file per leaf, under `$JAXLLM_CACHE/weights/<key>/` (in a thread, while
+the start goes on); later starts
 memory-map them copy-on-write (nothing is read before a step touches it, nothing can write
 the file) and, on CPU, hand them to XLA without a copy (`.npy` data is 64-byte aligned).
 The key is the source file (path, size, mtime), the architecture, the dtype, the layout the step
@@ -18,6 +19,7 @@ import logging
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -30,6 +32,13 @@ logger = logging.getLogger(__name__)
 
 FORMAT = 2
 PAGE = 4096
+_saving: dict[Path, threading.Thread] = {}  # folder → the thread writing it
+
+
+def wait_for_saves() -> None:
+    """Until every conversion started in this process is on disk (the interpreter also waits at exit)."""
+    while _saving:
+        _saving.pop(next(iter(_saving))).join()
 
 
 def _folder(source: Path, arch, dtype, layout: str) -> Path:
@@ -84,11 +93,16 @@ def load_or_convert(source: Path, arch, dtype, shapes, shardings, convert: Calla
     `shapes` / `shardings`: the tree's ShapeDtypeStructs and shardings (params.abstract_params);
     `layout`: names the rearrangement `convert` applies, if any (weights.Layout)."""
     folder = _folder(source, arch, dtype, layout)
+    if (writing := _saving.pop(folder, None)) is not None:
+        writing.join()
     host = _load(folder, shapes)
     if host is None:
         params = convert()
         if all(leaf.is_fully_addressable for leaf in jax.tree.leaves(params)):  # multi-host: each has a part
-            _save(folder, params)
+            # written beside the start-up, not before it: ~5 s for the default model on a slow disk. Not a
+            # daemon: a process that ends first still finishes the file (or leaves no folder, never half of one)
+            _saving[folder] = threading.Thread(target=_save, args=(folder, params), name="jaxllm-save-weights")
+            _saving[folder].start()
         return params
     for array in jax.tree.leaves(host):  # fault the pages in now, in the loading thread, not in the first step
         array.reshape(-1).view(np.uint8)[::PAGE].max(initial=0)
