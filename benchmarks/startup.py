@@ -14,9 +14,9 @@ Cold and warm rounds alternate, so a load spike on a shared machine hits both al
 Per start it reports `wall_s` (spawn to exit, what a user waits), `ready_s` (spawn to
 the engine ready, before the first token), `cpu_s` (CPU seconds of all threads up to ready:
 on a shared machine, `cpu_s / cores` is the better guess of a quiet start), the interpreter
-and import time, the engine's phases (`EngineCore.startup_phases`: weights, tokenizer and
-prepare_weights (packing for the CPU kernel), in a thread while kv_cache, step_key and buckets
-run; waiting_for_weights), and `generate_s`; then the median of each over the rounds, and the load average. Prints JSON;
+and import time, the engine's phases (`EngineCore.startup_phases`: weights, packed for the CPU
+kernel, and tokenizer, in a thread while kv_cache, step_key and buckets run; waiting_for_weights;
+prepare_weights, what the runner still rearranges), and `generate_s`; then the median of each over the rounds, and the load average. Prints JSON;
 `--output` also writes it.
 
     python benchmarks/startup.py --rounds 3 --output benchmarks/results/startup_cpu.json

@@ -21,7 +21,7 @@ def test_a_second_engine_loads_every_bucket_compiled_and_generates_the_same(llm)
     runner = second.engine.runner
     assert runner.loaded_buckets == len(runner.buckets)
     # on CPU the loader packs the weights for the matmul kernel, and the converted weights are kept packed
-    assert second.engine.loaded.prepared == (runner.model.matmul_backend == "cpu_packed")
+    assert second.engine.loaded.laid_out == (runner.model.matmul_backend == "cpu_packed")
     assert runner.startup_seconds["prepare_weights"] < 0.5  # nothing left to pack
     prompts = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,"]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

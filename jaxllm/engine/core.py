@@ -79,9 +79,6 @@ class EngineCore:
             model = LoadedModel(source.name, arch, source.hf_config, source.abstract_params(mesh), None,
                                 source.dtype) if overlap else reading.result()
             self.runner = ModelRunner(model, self.config, mesh, executable_dir=executables)
-            if overlap:  # anything else the step needs (unrolled layers are never overlapped)
-                preparing = pool.submit(lambda: self.runner.prepare_params(
-                    reading.result().params, laid_out=reading.result().prepared))
             block_size = self.config.cache.block_size
             self.kv = KVCacheManager(self.runner.num_blocks, block_size, self.config.cache.enable_prefix_caching)
             capacity = self.kv.num_usable_blocks * block_size
@@ -95,8 +92,8 @@ class EngineCore:
             self.runner.warm_up(progress=progress)
             waited = time.perf_counter()
             self.loaded = reading.result()
-            if overlap:
-                self.runner.set_params(preparing.result(), prepared=True)
+            if overlap:  # laid out by the loader: nothing left to rearrange (unrolled layers never overlap)
+                self.runner.set_params(self.loaded.params, laid_out=self.loaded.laid_out)
                 self.loaded.params = None  # the runner owns the weights now
         waited = time.perf_counter() - waited
         self.tokenizer = self.loaded.tokenizer
@@ -112,8 +109,9 @@ class EngineCore:
         self._next_seed = 0
         self.structured = StructuredOutputManager(self.tokenizer, arch.vocab_size, self.eos_token_ids)
         self.startup_seconds = time.perf_counter() - started
-        # where start-up went (benchmarks/startup.py): weights, tokenizer, prepare_weights (in a thread, beside
-        # the next three), kv_cache, step_key, buckets, waiting_for_weights (after the buckets), total
+        # where start-up went (benchmarks/startup.py): weights (packed for the CPU kernel), tokenizer (in a
+        # thread, beside the next three), kv_cache, step_key, buckets, waiting_for_weights (after the buckets),
+        # prepare_weights (what the runner still rearranges: unrolled layers), total
         self.startup_phases = {**self.loaded.load_seconds, **self.runner.startup_seconds,
                                "waiting_for_weights": waited, "total": self.startup_seconds}
         sched = self.config.scheduler

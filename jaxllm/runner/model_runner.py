@@ -84,7 +84,7 @@ def step_model(arch, config: EngineConfig, dtype, mesh: Mesh) -> CausalLM:
         matmul = "reference"  # and the weights
     elif (scan and jax.default_backend() == "cpu" and jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16)
           and stacked_matmul.available()):
-        # prepare_params packs the matmul weights for it. bfloat16 weights: the kernel rounds x to
+        # the loader (`weight_layout`) or set_params packs the matmul weights for it. bfloat16 weights: the kernel rounds x to
         # bfloat16 for its dot product, and the rest of the step (norms, rotary, residual, SwiGLU)
         # runs in float32, which XLA's CPU backend runs 3-4x faster than bfloat16 (benchmarks/NOTES.md
         # lever 13) and which is the more accurate
@@ -118,7 +118,7 @@ class ModelRunner:
         self.batch = InputBatch(largest.num_tokens, largest.num_seqs, self.max_blocks_per_seq,
                                 sched_cfg.max_model_len, arch.vocab_size, self.block_size)
         self.model = step_model(arch, config, loaded.dtype, mesh)
-        self.params = self.prepare_params(loaded.params, laid_out=loaded.prepared)
+        self.set_params(loaded.params, laid_out=loaded.laid_out)
         loaded.params = None  # the runner owns the weights now (the stacked copy can go)
         self._executables = ExecutableCache(executable_dir)
         started = time.perf_counter()
@@ -130,23 +130,18 @@ class ModelRunner:
         self.loaded_buckets = 0  # how many of them came from the executable cache
         self.stats = StepStats()
 
-    def set_params(self, params, *, prepared: bool = False) -> None:
-        """The weights, stacked `[L, ...]` as loaders make them (or, `prepared`, as `prepare_params` returns
-        them). `warm_up` needs only their shapes and shardings, so an engine may build the runner on
-        ShapeDtypeStructs and set the weights once read (scanned layers)."""
-        self.params = params if prepared else self.prepare_params(params)
-
-    def prepare_params(self, params, *, laid_out: bool = False):
-        """The weights as the step reads them: packed for "cpu_packed" (unless `laid_out`: loaded in
-        `weight_layout` already), one array per layer when unrolled. Only reads `self`: a loader thread
-        may run it while the buckets compile."""
+    def set_params(self, params, *, laid_out: bool = False) -> None:
+        """The weights, stacked `[L, ...]` as loaders make them (`laid_out`: in `weight_layout` already),
+        made what the step reads: packed for "cpu_packed", one array per layer when unrolled. `warm_up`
+        needs only their shapes and shardings, so an engine may build the runner on ShapeDtypeStructs and
+        set the weights once read (scanned layers)."""
         started = time.perf_counter()
         if self.model.matmul_backend == "cpu_packed" and not laid_out:
             params = self.model.pack(params)
         if not self.config.model.scan_layers:
             params = unstack_layers(params, self.loaded.arch.num_layers)
         self.startup_seconds["prepare_weights"] = time.perf_counter() - started
-        return params
+        self.params = params
 
     def _step(self, params, cache: KVCache, inputs: StepInputs, sampling: SamplingInputs):
         logits, cache = self.model.apply({"params": params}, cache, inputs)
@@ -156,7 +151,6 @@ class ModelRunner:
         """Everything but the shapes that decides the step's graph (see executable_cache.py)."""
         kernels = (False, False)
         if jax.default_backend() == "cpu":  # build and register the C++ kernels now: a loaded executable calls them
-            from pallas_kernels import stacked_matmul
             from pallas_kernels.ragged_paged_attention import cpu
 
             kernels = (cpu.available(), stacked_matmul.available())

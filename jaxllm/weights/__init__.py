@@ -42,7 +42,7 @@ class LoadedModel:
     tokenizer: Any  # a transformers tokenizer, or None when the source has none
     dtype: Any
     load_seconds: dict[str, float] = field(default_factory=dict)  # "weights", "tokenizer" (start-up report)
-    prepared: bool = False  # params already in the step's layout (`load(layout=...)`)
+    laid_out: bool = False  # params already in the step's layout (`load(layout=...)`)
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,7 @@ class ModelSource:
             tok = _load_tokenizer(path)
         seconds = {"weights": weights_loaded - started, "tokenizer": time.perf_counter() - weights_loaded}
         return LoadedModel(name=self.name, arch=arch, hf_config=self.hf_config, params=params, tokenizer=tok,
-                           dtype=jdtype, load_seconds=seconds, prepared=layout is not None)
+                           dtype=jdtype, load_seconds=seconds, laid_out=layout is not None)
 
 
 def open_model(model: str | None = None, *, load_format: str = "auto", dtype: str = "auto") -> ModelSource:

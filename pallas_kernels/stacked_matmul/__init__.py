@@ -43,24 +43,27 @@ def available() -> bool:
     return cpu_ffi.register(SOURCE, "StackedMatmulCpu", TARGET)
 
 
+def _pair(dtype) -> int:
+    """How many consecutive rows of K the kernel's tile reads as one: 2 for bfloat16 (its dot product's pairs)."""
+    return 2 if dtype == jnp.bfloat16 else 1
+
+
 def packable(w) -> bool:
     """Whether `pack` rearranges `w` (and "cpu_packed" reads it so): `[L, K, *N]`, N in whole panels,
     float32 or bfloat16 (K even: the kernel takes K in pairs)."""
     if w.ndim < 3 or math.prod(w.shape[2:]) % PANEL:
         return False
-    return w.dtype == jnp.float32 or (w.dtype == jnp.bfloat16 and w.shape[1] % 2 == 0)
+    return w.dtype in (jnp.float32, jnp.bfloat16) and w.shape[1] % _pair(w.dtype) == 0
 
 
 def pack(w):
     """`[L, K, *N]` → the same shape holding each layer as `[N / 32, K, 32]` panels (host or device array);
     bfloat16 as `[N / 32, K / 2, 32, 2]`: the two of each pair of K side by side, as the dot product reads them."""
     num_layers, k = w.shape[:2]
-    n = math.prod(w.shape[2:])
+    n, pair = math.prod(w.shape[2:]), _pair(w.dtype)
     xp = jnp if isinstance(w, jax.Array) else np
-    if w.dtype == jnp.bfloat16:
-        pairs = xp.reshape(w, (num_layers, k // 2, 2, n // PANEL, PANEL))
-        return xp.reshape(xp.transpose(pairs, (0, 3, 1, 4, 2)), w.shape)
-    return xp.reshape(xp.transpose(xp.reshape(w, (num_layers, k, n // PANEL, PANEL)), (0, 2, 1, 3)), w.shape)
+    pairs = xp.reshape(w, (num_layers, k // pair, pair, n // PANEL, PANEL))
+    return xp.reshape(xp.transpose(pairs, (0, 3, 1, 4, 2)), w.shape)
 
 
 def pack_matrix(w, *, transposed: bool = False):
@@ -74,10 +77,9 @@ def packed_rows(w, index: Int[Array, "T"]):
     """Rows `index` of E from `w = pack_matrix(E, transposed=True)` (a tied embedding's lookup): row v is
     column v of the packed [K, N] matrix, column v % 32 of panel v // 32."""
     n, k = w.shape
-    if w.dtype == jnp.bfloat16:  # panels [K / 2, 32, 2]
-        rows = jnp.reshape(w, (n // PANEL, k // 2, PANEL, 2))[index // PANEL, :, index % PANEL]
-        return jnp.reshape(rows, (index.shape[0], k))
-    return jnp.reshape(w, (n // PANEL, k, PANEL))[index // PANEL, :, index % PANEL]
+    pair = _pair(w.dtype)
+    rows = jnp.reshape(w, (n // PANEL, k // pair, PANEL, pair))[index // PANEL, :, index % PANEL]
+    return jnp.reshape(rows, (index.shape[0], k))
 
 
 def packed_matmul(x: Float[Array, "T K"], w) -> Float[Array, "T N"]:

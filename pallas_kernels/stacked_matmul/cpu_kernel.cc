@@ -45,73 +45,69 @@ inline Vec16 Load(const float* p) {
   return v;
 }
 
-// y[r, 0:kPanel] = x[r, :] @ panel for r < ROWS; panel is [K, kPanel] contiguous. With `next` (the
-// next panel's first row, rows `next_stride` floats apart), its rows are prefetched along the way.
+// One step of k of a register tile, float32: x[r, k] times the panel's row b (kPanel floats),
+// added to each row's two accumulators.
 template <int ROWS>
-inline void Tile(const float* x, int64_t k_dim, const float* panel, float* y, int64_t ldy, const float* next,
-                 int64_t next_stride) {
-  Vec16 lo[ROWS], hi[ROWS];
-#pragma GCC unroll 8
-  for (int r = 0; r < ROWS; ++r) lo[r] = hi[r] = Vec16{};
-  for (int64_t k = 0; k < k_dim; ++k) {
-    if (next) {
-      __builtin_prefetch(next + k * next_stride);
-      __builtin_prefetch(next + k * next_stride + 16);
-    }
-    const Vec16 b0 = Load(panel + k * kPanel), b1 = Load(panel + k * kPanel + 16);
-#pragma GCC unroll 8
-    for (int r = 0; r < ROWS; ++r) {
-      const float a = x[r * k_dim + k];
-      lo[r] += a * b0;
-      hi[r] += a * b1;
-    }
-  }
+__attribute__((always_inline)) inline void Step(const float* x, int64_t k_dim, int64_t k, const float* b,
+                                                Vec16* lo, Vec16* hi) {
+  const Vec16 b0 = Load(b), b1 = Load(b + 16);
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r) {
-    std::memcpy(y + r * ldy, &lo[r], sizeof(Vec16));
-    std::memcpy(y + r * ldy + 16, &hi[r], sizeof(Vec16));
+    const float a = x[r * k_dim + k];
+    lo[r] += a * b0;
+    hi[r] += a * b1;
   }
 }
 
-// The bfloat16 tile: x holds each row's K as pairs (one 32-bit word: k even in the low half, odd
-// in the high half), the panel [K / 2, kPanel, 2] the weights' matching pairs; one step of k covers
-// two of K. Same outputs as the float32 tile on the bfloat16 values, to float32 rounding.
+// bfloat16: x holds each row's K as pairs (one 32-bit word: k even in the low half, odd in the high
+// half), the panel's row b the weights' matching pairs ([kPanel, 2]); one step covers two of K.
+// Same outputs as the float32 step on the bfloat16 values, to float32 rounding.
 template <int ROWS>
-inline void Tile(const uint32_t* x, int64_t k_pairs, const uint16_t* panel, float* y, int64_t ldy,
-                 const uint16_t* next, int64_t next_stride) {
+__attribute__((always_inline)) inline void Step(const uint32_t* x, int64_t k_pairs, int64_t k, const uint16_t* b,
+                                                Vec16* lo, Vec16* hi) {
+#ifdef __AVX512BF16__
+  const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b), b1 = (__m512bh)_mm512_loadu_si512(b + 32);
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r) {
+    const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * k_pairs + k]));
+    lo[r] = (Vec16)_mm512_dpbf16_ps((__m512)lo[r], a, b0);
+    hi[r] = (Vec16)_mm512_dpbf16_ps((__m512)hi[r], a, b1);
+  }
+#else  // a bfloat16 is the top half of a float32: widen each half of a pair by shifting or masking
+  Vec16u u0, u1;
+  std::memcpy(&u0, b, sizeof u0);
+  std::memcpy(&u1, b + 32, sizeof u1);
+  const Vec16 b0e = (Vec16)(u0 << 16), b0o = (Vec16)(u0 & 0xffff0000u);
+  const Vec16 b1e = (Vec16)(u1 << 16), b1o = (Vec16)(u1 & 0xffff0000u);
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r) {
+    const uint32_t pair = x[r * k_pairs + k], even_bits = pair << 16, odd_bits = pair & 0xffff0000u;
+    float even, odd;
+    std::memcpy(&even, &even_bits, sizeof even);
+    std::memcpy(&odd, &odd_bits, sizeof odd);
+    lo[r] += even * b0e + odd * b0o;
+    hi[r] += even * b1e + odd * b1o;
+  }
+#endif
+}
+
+// y[r, 0:kPanel] = x[r, :] @ panel for r < ROWS; panel is `k_steps` contiguous rows of kPanel
+// columns (float32, or bfloat16 pairs: see Step). With `next` (the next panel's first row, rows
+// `next_stride` elements apart), its rows are prefetched along the way.
+template <int ROWS, typename X, typename W>
+inline void Tile(const X* x, int64_t k_steps, const W* panel, float* y, int64_t ldy, const W* next,
+                 int64_t next_stride) {
+  constexpr int64_t kRow = kPanel * sizeof(X) / sizeof(W);  // W elements per step of k (128 bytes)
   Vec16 lo[ROWS], hi[ROWS];
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r) lo[r] = hi[r] = Vec16{};
-  for (int64_t k = 0; k < k_pairs; ++k) {
+  for (int64_t k = 0; k < k_steps; ++k) {
     if (next) {
-      __builtin_prefetch(next + k * next_stride);
-      __builtin_prefetch(next + k * next_stride + 32);
+      const char* row = reinterpret_cast<const char*>(next + k * next_stride);
+      __builtin_prefetch(row);
+      __builtin_prefetch(row + 64);
     }
-    const uint16_t* b = panel + k * 2 * kPanel;
-#ifdef __AVX512BF16__
-    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b), b1 = (__m512bh)_mm512_loadu_si512(b + 32);
-#pragma GCC unroll 8
-    for (int r = 0; r < ROWS; ++r) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * k_pairs + k]));
-      lo[r] = (Vec16)_mm512_dpbf16_ps((__m512)lo[r], a, b0);
-      hi[r] = (Vec16)_mm512_dpbf16_ps((__m512)hi[r], a, b1);
-    }
-#else  // a bfloat16 is the top half of a float32: widen each half of a pair by shifting or masking
-    Vec16u u0, u1;
-    std::memcpy(&u0, b, sizeof u0);
-    std::memcpy(&u1, b + 32, sizeof u1);
-    const Vec16 b0e = (Vec16)(u0 << 16), b0o = (Vec16)(u0 & 0xffff0000u);
-    const Vec16 b1e = (Vec16)(u1 << 16), b1o = (Vec16)(u1 & 0xffff0000u);
-#pragma GCC unroll 8
-    for (int r = 0; r < ROWS; ++r) {
-      const uint32_t pair = x[r * k_pairs + k], even_bits = pair << 16, odd_bits = pair & 0xffff0000u;
-      float even, odd;
-      std::memcpy(&even, &even_bits, sizeof even);
-      std::memcpy(&odd, &odd_bits, sizeof odd);
-      lo[r] += even * b0e + odd * b0o;
-      hi[r] += even * b1e + odd * b1o;
-    }
-#endif
+    Step<ROWS>(x, k_steps, k, panel + k * kRow, lo, hi);
   }
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r) {
@@ -124,7 +120,7 @@ template <int ROWS = kTileRows, typename X, typename W>
 void TileRemainder(int rows, const X* x, int64_t k_dim, const W* panel, float* y, int64_t ldy, const W* next,
                    int64_t next_stride) {
   if constexpr (ROWS > 0) {
-    if (rows == ROWS) return Tile<ROWS>(x, k_dim, panel, y, ldy, next, next_stride);
+    if (rows == ROWS) return Tile<ROWS, X, W>(x, k_dim, panel, y, ldy, next, next_stride);
     TileRemainder<ROWS - 1, X, W>(rows, x, k_dim, panel, y, ldy, next, next_stride);
   }
 }
@@ -193,7 +189,7 @@ void Panels(const float* xp, int64_t rows, int64_t k_dim, const float* wl, int64
 // more GFLOP per CPU-second than `Panels` at 64 rows, 1.06x at 512). `k_steps`: K, or K / 2 pairs.
 template <typename X, typename W>
 void PackedPanels(const X* xp, int64_t rows, int64_t k_steps, const W* wp, int64_t n, float* y) {
-  constexpr int64_t row_size = kPanel * sizeof(X) / sizeof(W);  // W elements per step of k: kPanel columns
+  constexpr int64_t row_size = kPanel * sizeof(X) / sizeof(W);  // W elements per step of k, as in Tile
   const int64_t panels = n / kPanel, panel_size = k_steps * row_size;
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), panels)));
 #pragma omp parallel num_threads(threads)
