@@ -58,7 +58,9 @@ def child(cache_dir: str, spawned: float, max_tokens: int, engine_flags: list[st
         "cpu_s": usage.ru_utime + usage.ru_stime,  # CPU seconds to ready, all threads: less swayed by load
         "generate_s": done - ready,  # older trees (A/B runs) lack the phases
         "phases": getattr(engine, "startup_phases", {"total": engine.startup_seconds}),
-        "buckets_loaded": getattr(engine.runner, "loaded_buckets", 0), "num_buckets": len(engine.runner.buckets),
+        "num_buckets": len(engine.runner.buckets),  # older trees (A/B runs) count loaded buckets, not executables
+        "executables_loaded": getattr(engine.runner, "loaded_executables", getattr(engine.runner, "loaded_buckets", 0)),
+        "num_executables": getattr(engine.runner, "num_executables", len(engine.runner.buckets)),
         "kv_blocks": engine.runner.num_blocks,
         "tokens": len(outputs[0].outputs[0].token_ids), "text": outputs[0].outputs[0].text,
     }))

@@ -16,10 +16,12 @@ from tests.conftest import TEST_ENGINE, TEST_KV_BLOCKS, kv_bytes
 
 
 def test_a_second_engine_loads_every_bucket_compiled_and_generates_the_same(llm):
-    """The session engine compiled (or loaded) its buckets; a second one with its settings loads all of them."""
+    """The session engine compiled (or loaded) its executables; a second one with its settings loads all of them."""
     second = LLM(**TEST_ENGINE, kv_cache_memory_bytes=kv_bytes(TEST_KV_BLOCKS))
     runner = second.engine.runner
-    assert runner.loaded_buckets == len(runner.buckets)
+    # each bucket's forward, and one sampler per distinct row count (buckets with as many rows share it)
+    assert runner.num_executables == len(runner.buckets) + len({b.num_seqs for b in runner.buckets})
+    assert runner.loaded_executables == runner.num_executables
     # on CPU the loader packs the weights for the matmul kernel, and the converted weights are kept packed
     assert second.engine.loaded.laid_out == (runner.model.matmul_backend == "cpu_packed")
     assert runner.startup_seconds["prepare_weights"] < 0.5  # nothing left to pack
@@ -117,6 +119,33 @@ def test_converted_weights_are_mapped_by_the_next_load_and_reconverted_when_dama
     assert "converting again" in caplog.text
     np.testing.assert_array_equal(np.asarray(again.params["norm"]["weight"]),
                                   np.asarray(default_model.params["norm"]["weight"]))
+
+
+def test_a_full_disk_costs_only_the_kept_conversion(tmp_path, monkeypatch, caplog, default_model):
+    """Converting into the kept files: when the disk cannot take one, the rest is converted in memory, the
+    weights are the same, and no half-written folder is left behind."""
+    import errno
+    import os
+
+    from jaxllm.parallel.mesh import make_mesh
+    from jaxllm.weights import converted, load_model
+
+    monkeypatch.setenv("JAXLLM_CACHE", str(tmp_path))
+    reserved = []
+
+    def fallocate(fd, offset, length):
+        if reserved:  # the first leaf's file fits, the second does not
+            raise OSError(errno.ENOSPC, "No space left on device")
+        reserved.append(length)
+
+    monkeypatch.setattr(os, "posix_fallocate", fallocate)
+    with caplog.at_level(logging.WARNING):
+        loaded = load_model(None, mesh=make_mesh(), dtype="float32")
+    converted.wait_for_saves()
+    assert "could not keep the converted weights" in caplog.text and reserved
+    assert not any((tmp_path / "weights").iterdir())
+    for leaf, reference in zip(*map(jax.tree.leaves, (loaded.params, default_model.params))):
+        np.testing.assert_array_equal(np.asarray(leaf), np.asarray(reference))
 
 
 def test_kv_block_counts_from_free_memory_are_stable():

@@ -124,3 +124,19 @@ def test_unsupported_architecture_is_named(tmp_path):
 def test_unusable_dtype_is_named(bad):
     with pytest.raises(ValueError, match=bad):
         resolve_dtype(bad)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "F16", "BF16", "F32"])
+def test_gguf_tensors_dequantize_as_the_gguf_package_does(kind):
+    """jaxllm dequantizes many rows per call of the package's row dequantizer, not its 16: same values."""
+    import gguf
+
+    from jaxllm.weights.gguf import DEQUANTIZE_ROWS, _dequantize
+
+    qtype = gguf.GGMLQuantizationType[kind]
+    values = np.random.default_rng(0).standard_normal((2, DEQUANTIZE_ROWS + 37, 64)).astype(np.float32)
+    raw = gguf.quants.quantize(values, qtype)  # bytes as the file holds them (a ragged last chunk of rows)
+    got = _dequantize(raw, qtype)
+    assert got.dtype == np.float32 and got.shape == values.shape
+    np.testing.assert_array_equal(got, gguf.quants.dequantize(raw, qtype))
+    assert np.abs(got - values).mean() < 0.1  # and they are the values (not, say, zeros)

@@ -117,12 +117,13 @@ class EngineCore:
         sched = self.config.scheduler
         logger.info(
             "model %s (%s, %s) loaded in %.1fs; KV cache %d blocks x %d = %d tokens; max_model_len %d, "
-            "max_num_seqs %d, max_num_batched_tokens %d; %d buckets ready in %.1fs (%d loaded compiled; cache: %s); "
+            "max_num_seqs %d, max_num_batched_tokens %d; %d buckets (%d executables) ready in %.1fs (%d loaded "
+            "compiled; cache: %s); "
             "ready in %.1fs",
             self.loaded.name, arch.architecture, self.loaded.dtype.name, sum(self.loaded.load_seconds.values()),
             self.kv.num_usable_blocks, block_size, capacity, sched.max_model_len, sched.max_num_seqs,
-            sched.max_num_batched_tokens, len(self.runner.buckets), self.runner.compile_seconds,
-            self.runner.loaded_buckets, cache_folder or "off", self.startup_seconds,
+            sched.max_num_batched_tokens, len(self.runner.buckets), self.runner.num_executables,
+            self.runner.compile_seconds, self.runner.loaded_executables, cache_folder or "off", self.startup_seconds,
         )
 
     # ---- requests --------------------------------------------------------------------

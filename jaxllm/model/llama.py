@@ -120,20 +120,24 @@ class CausalLM(nn.Module):
         a = self.arch
         return self.matmul_backend == "cpu_packed" and a.vocab_size % stacked_matmul.PANEL == 0 and a.hidden_size % 2 == 0
 
+    def pack_leaf(self, path: tuple[str, ...], value):
+        """One leaf of the parameter tree as "cpu_packed" reads it (`stacked_matmul.pack`): a packable kernel of
+        the stacked layers, and the LM head when `packs_head`; others as they are. Shapes unchanged. A weights
+        `Layout`: each layer of a stack packs alone."""
+        if path[-1] == "kernel" and any("layers" in k for k in path[:-1]):
+            return stacked_matmul.pack(value) if stacked_matmul.packable(value) else value
+        if self.packs_head() and path[-2:] == ("embed_tokens", "embedding") and self.arch.tie_word_embeddings:
+            return stacked_matmul.pack_matrix(value, transposed=True)
+        if self.packs_head() and path[-2:] == ("lm_head", "kernel"):
+            return stacked_matmul.pack_matrix(value)
+        return value
+
     def pack(self, params):
-        """`params` as "cpu_packed" reads them (`stacked_matmul.pack`): every packable kernel of the stacked
-        layers, and the LM head when `packs_head`. Shapes, and so abstract params, unchanged."""
-        def leaf(path, value):
-            keys = [str(getattr(p, "key", "")) for p in path]
-            if not isinstance(value, (jax.Array, np.ndarray)):  # abstract params stay as they are
+        """`params` with every leaf packed by `pack_leaf` (abstract leaves stay as they are)."""
+        def leaf(key_path, value):
+            if not isinstance(value, (jax.Array, np.ndarray)):
                 return value
-            if keys[-1] == "kernel" and any("layers" in k for k in keys[:-1]):
-                return stacked_matmul.pack(value) if stacked_matmul.packable(value) else value
-            if self.packs_head() and keys[-2:] == ["embed_tokens", "embedding"] and self.arch.tie_word_embeddings:
-                return stacked_matmul.pack_matrix(value, transposed=True)
-            if self.packs_head() and keys[-2:] == ["lm_head", "kernel"]:
-                return stacked_matmul.pack_matrix(value)
-            return value
+            return self.pack_leaf(tuple(str(getattr(k, "key", "")) for k in key_path), value)
 
         return jax.tree_util.tree_map_with_path(leaf, params)
 

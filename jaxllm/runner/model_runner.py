@@ -1,6 +1,7 @@
-"""SchedulerOutput → padded device batch → one compiled step (forward + KV write + sampling).
+"""SchedulerOutput → padded device batch → one compiled step (forward + KV write, then sampling).
 
-Every bucket is compiled ahead of time at start-up (`warm_up`), or loaded from the
+Every bucket's forward, and the sampler of each row count (buckets with as many
+sequence rows share one), is compiled ahead of time at start-up (`warm_up`), or loaded from the
 executable cache (`executable_cache.py`) without tracing; `execute` only ever calls
 those executables, so no step compiles — a shape the buckets do not cover is a bug and
 fails loudly instead of recompiling. The KV cache is donated to each step and updated in
@@ -95,7 +96,7 @@ def step_model(arch, config: EngineConfig, dtype, mesh: Mesh) -> CausalLM:
 def weight_layout(arch, config: EngineConfig, dtype, mesh: Mesh) -> Layout | None:
     """How the step wants the loaded weights rearranged (the loader may keep the result on disk), or None."""
     model = step_model(arch, config, dtype, mesh)
-    return Layout(model.matmul_backend, model.pack) if model.matmul_backend == "cpu_packed" else None
+    return Layout(model.matmul_backend, model.pack_leaf) if model.matmul_backend == "cpu_packed" else None
 
 
 class ModelRunner:
@@ -124,10 +125,14 @@ class ModelRunner:
         started = time.perf_counter()
         self._key = self._step_key(self.model.attention_backend)
         self.startup_seconds["step_key"] = time.perf_counter() - started
-        self._step_fn = jax.jit(self._named_step(), donate_argnums=(1,))
+        # a step is two executables: the bucket's forward (logits, KV write; the cache donated) and the sampler of
+        # its row count, which buckets with as many rows share (the sampler is ~80 % of a step's compile time)
+        self._forward_fn = jax.jit(self._named(self._forward, "forward"), donate_argnums=(1,))
+        self._sample_fn = jax.jit(self._named(sample, "sample"))
         self._compiled: dict[Bucket, object] = {}
+        self._samplers: dict[int, object] = {}  # rows → sampler
         self.compile_seconds = 0.0
-        self.loaded_buckets = 0  # how many of them came from the executable cache
+        self.num_executables = self.loaded_executables = 0  # how many there are, and came from the cache
         self.stats = StepStats()
 
     def set_params(self, params, *, laid_out: bool = False) -> None:
@@ -143,9 +148,9 @@ class ModelRunner:
         self.startup_seconds["prepare_weights"] = time.perf_counter() - started
         self.params = params
 
-    def _step(self, params, cache: KVCache, inputs: StepInputs, sampling: SamplingInputs):
+    def _forward(self, params, cache: KVCache, inputs: StepInputs):
         logits, cache = self.model.apply({"params": params}, cache, inputs)
-        return sample(logits, sampling), cache
+        return jax.lax.with_sharding_constraint(logits, replicated(self.mesh)), cache  # as the sampler takes them
 
     def _step_key(self, attention: str) -> str:
         """Everything but the shapes that decides the step's graph (see executable_cache.py)."""
@@ -158,15 +163,15 @@ class ModelRunner:
         return fingerprint(environment_fingerprint(), model.arch, str(model.dtype), attention, model.scan_layers,
                            model.matmul_backend, kernels, self.mesh.shape, devices)
 
-    def _named_step(self):
-        """The step under a name carrying its key: JAX's persistent cache then never serves it under a key of ours
-        it has not seen (executable_cache.py says why that matters)."""
+    def _named(self, fn, name: str):
+        """`fn` under a name carrying the step's key: JAX's persistent cache then never serves it under a key of
+        ours it has not seen (executable_cache.py says why that matters)."""
 
-        def step(params, cache, inputs, sampling):
-            return self._step(params, cache, inputs, sampling)
+        def named(*args):
+            return fn(*args)
 
-        step.__name__ = step.__qualname__ = f"jaxllm_step_{self._key[:16]}"
-        return step
+        named.__name__ = named.__qualname__ = f"jaxllm_{name}_{self._key[:16]}"
+        return named
 
     def _abstract_inputs(self, bucket: Bucket):
         """Shapes of one bucket's inputs, replicated over the mesh."""
@@ -175,34 +180,50 @@ class ModelRunner:
         spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)  # noqa: E731
         return jax.tree.map(spec, inputs), jax.tree.map(spec, sampling)
 
-    def warm_up(self, progress: bool = True) -> float:
-        """Load or compile every bucket now. Returns seconds.
+    def _executable_jobs(self) -> dict[tuple, tuple]:
+        """Every executable a step may call, not yet made: ("forward", bucket) and ("sample", rows) → (the
+        jitted function, its abstract arguments)."""
+        jobs = {}
+        for bucket in self.buckets:
+            inputs, sampling = self._abstract_inputs(bucket)
+            if bucket not in self._compiled:
+                jobs["forward", bucket] = (self._forward_fn, (self.params, self.cache, inputs))
+            if bucket.num_seqs not in self._samplers:
+                logits = jax.ShapeDtypeStruct((bucket.num_seqs, self.loaded.arch.vocab_size), jnp.float32,
+                                              sharding=replicated(self.mesh))
+                jobs["sample", bucket.num_seqs] = (self._sample_fn, (logits, sampling))
+        return jobs
 
-        A bucket in the executable cache is deserialized; the others are traced and lowered one at
-        a time (that holds the GIL) and compiled side by side in threads (XLA's compiler does not).
+    def warm_up(self, progress: bool = True) -> float:
+        """Load or compile every executable now (each bucket's forward, each row count's sampler). Returns seconds.
+
+        One in the executable cache is deserialized; the others are traced and lowered one at a time (that
+        holds the GIL) and compiled side by side in threads (XLA's compiler does not).
         """
         from tqdm.auto import tqdm
 
         start = time.perf_counter()
-        todo = [b for b in self.buckets if b not in self._compiled]
-        args = {b: (self.params, self.cache, *self._abstract_inputs(b)) for b in todo}
-        keys = {b: fingerprint(self._key, abstract_signature(args[b])) for b in todo}
-        with ThreadPoolExecutor(max(1, min(len(todo), os.cpu_count() or 1))) as pool, \
-                tqdm(total=len(todo), desc="Compiling buckets", disable=not progress, unit="bucket") as bar:
-            loads = {b: pool.submit(self._executables.load, keys[b], self.mesh.devices.flat) for b in todo}
+        jobs = self._executable_jobs()
+        keys = {job: fingerprint(self._key, job[0], abstract_signature(args)) for job, (_, args) in jobs.items()}
+        made = {}
+        with ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool, \
+                tqdm(total=len(jobs), desc="Compiling steps", disable=not progress, unit="executable") as bar:
+            loads = {job: pool.submit(self._executables.load, keys[job], self.mesh.devices.flat) for job in jobs}
             futures = {}
-            for bucket in reversed(todo):  # largest first: the last compile to finish is a short one
-                if (loaded := loads[bucket].result()) is not None:
-                    self._compiled[bucket] = loaded
+            for job in reversed(jobs):  # largest first: the last compile to finish is a short one
+                if (loaded := loads[job].result()) is not None:
+                    made[job] = loaded
                     bar.update()
                     continue
-                lowered = self._step_fn.lower(*args[bucket])
-                futures[bucket] = pool.submit(self._executables.compile_and_store, keys[bucket], lowered)
-                futures[bucket].add_done_callback(lambda _: bar.update())
-            for bucket, future in futures.items():
-                self._compiled[bucket] = future.result()
+                fn, args = jobs[job]
+                futures[job] = pool.submit(self._executables.compile_and_store, keys[job], fn.lower(*args))
+                futures[job].add_done_callback(lambda _: bar.update())
+            made.update({job: future.result() for job, future in futures.items()})
+        for (kind, shape), executable in made.items():
+            (self._compiled if kind == "forward" else self._samplers)[shape] = executable
         self.compile_seconds = self.startup_seconds["buckets"] = time.perf_counter() - start
-        self.loaded_buckets = len(todo) - len(futures)
+        self.num_executables = len(self._compiled) + len(self._samplers)
+        self.loaded_executables = len(jobs) - len(futures)
         return self.compile_seconds
 
     def execute(self, out: SchedulerOutput, grammar=None) -> RunnerOutput:
@@ -223,11 +244,11 @@ class ModelRunner:
 
     def run(self, bucket: Bucket, inputs: StepInputs, sampling: SamplingInputs) -> SamplerOutput:
         """Launch the bucket's compiled step (the only part a multi-host follower runs); results stay on device."""
-        compiled = self._compiled.get(bucket)
-        if compiled is None:
+        forward, sampler = self._compiled.get(bucket), self._samplers.get(bucket.num_seqs)
+        if forward is None or sampler is None:
             raise RuntimeError(f"bucket {bucket} was not compiled at start-up (call warm_up first)")
-        result, self.cache = compiled(self.params, self.cache, inputs, sampling)
-        return result
+        logits, self.cache = forward(self.params, self.cache, inputs)
+        return sampler(logits, sampling)
 
     def to_host(self, result: SamplerOutput, n: int) -> RunnerOutput:
         host: SamplerOutput = jax.device_get(result)

@@ -19,7 +19,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import jax
 from jax.sharding import Mesh
@@ -28,7 +28,7 @@ from jaxllm.config import LOAD_FORMATS, resolve_dtype
 from jaxllm.model.registry import ModelArch, arch_from_hf_config
 from jaxllm.weights import converted, hf, orbax
 from jaxllm.weights.default import DEFAULT_MODEL_NAME, default_model_path
-from jaxllm.weights.params import abstract_params, param_shardings, params_from_hf_tensors
+from jaxllm.weights.params import Layout, abstract_params, host_params_from_hf_tensors, param_shardings, params_from_hf_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -43,15 +43,6 @@ class LoadedModel:
     dtype: Any
     load_seconds: dict[str, float] = field(default_factory=dict)  # "weights", "tokenizer" (start-up report)
     laid_out: bool = False  # params already in the step's layout (`load(layout=...)`)
-
-
-@dataclass(frozen=True)
-class Layout:
-    """A rearrangement of the parameter tree that keeps every shape (packing for a kernel): `name` keys
-    the converted weights kept on disk, so a later start maps the rearranged arrays."""
-
-    name: str
-    apply: Callable[[Any], Any]
 
 
 def _resolve_source(model: str | None) -> Path:
@@ -114,6 +105,7 @@ class ModelSource:
         """The weights, placed on `mesh` (and rearranged by `layout`), and the tokenizer (`tokenizer`
         overrides the model's own)."""
         started = time.perf_counter()
+        laid_out = layout is not None
         arch, jdtype, path = self.arch, self.dtype, self.path
         if self.dummy:
             from jaxllm.weights.dummy import dummy_params
@@ -121,17 +113,19 @@ class ModelSource:
             params = dummy_params(arch, jdtype, mesh, seed)
         elif self.format == "gguf":  # dequantizing takes seconds: later starts map what the first converted
             shapes, specs = abstract_params(arch, jdtype)
-            convert = lambda: params_from_hf_tensors(arch, jdtype, self.gguf_file.tensor, mesh, str(path))  # noqa: E731
-            params = converted.load_or_convert(path, arch, jdtype, shapes, param_shardings(specs, mesh),
-                                               (lambda: layout.apply(convert())) if layout else convert,
-                                               layout.name if layout else "")
+            params = converted.load_or_convert(
+                path, arch, jdtype, shapes, param_shardings(specs, mesh), layout.name if layout else "",
+                lambda allocate: host_params_from_hf_tensors(arch, jdtype, self.gguf_file.tensor, str(path), layout,
+                                                             allocate))
+            layout = None  # laid out as it was converted
         elif self.format == "orbax":
             shapes, specs = abstract_params(arch, jdtype)
             params = orbax.restore_params(path, shapes, param_shardings(specs, mesh))
         else:
-            params = params_from_hf_tensors(arch, jdtype, hf.SafetensorsReader(path), mesh, str(path))
+            params = params_from_hf_tensors(arch, jdtype, hf.SafetensorsReader(path), mesh, str(path), layout)
+            layout = None
 
-        if layout and self.format != "gguf":  # converted GGUF weights were rearranged before being kept
+        if layout:  # random or restored weights: rearranged on the devices
             params = layout.apply(params)
         weights_loaded = time.perf_counter()
         if tokenizer is not None:
@@ -144,7 +138,7 @@ class ModelSource:
             tok = _load_tokenizer(path)
         seconds = {"weights": weights_loaded - started, "tokenizer": time.perf_counter() - weights_loaded}
         return LoadedModel(name=self.name, arch=arch, hf_config=self.hf_config, params=params, tokenizer=tok,
-                           dtype=jdtype, load_seconds=seconds, laid_out=layout is not None)
+                           dtype=jdtype, load_seconds=seconds, laid_out=laid_out)
 
 
 def open_model(model: str | None = None, *, load_format: str = "auto", dtype: str = "auto") -> ModelSource:

@@ -1,11 +1,13 @@
 """Converted weights kept on disk, so that a later start maps them instead of converting again.
 
 Turning a GGUF file into the parameter tree (dequantize, transpose to `[in, out]`, fuse, stack
-the layers) costs ~2-3 s of CPU for the default model at every start. The first start saves
-the result, one `.npy` file per leaf, under `$JAXLLM_CACHE/weights/<key>/` (in a thread, while
-the start goes on); later starts
-memory-map them copy-on-write (nothing is read before a step touches it, nothing can write
-the file) and, on CPU, hand them to XLA without a copy (`.npy` data is 64-byte aligned).
+the layers, pack) costs seconds of CPU for the default model. The first start converts straight
+into the kept files, one `.npy` file per leaf under `$JAXLLM_CACHE/weights/<key>/`, each mapped
+writable: no second copy of the tree and no save pass (this VM faults fresh anonymous memory in
+at ~100 MB/s, page-cache pages much faster: 6.1 -> 3.0 s for the default model's conversion).
+A thread then flushes them and renames the folder into place while the start goes on. Later
+starts memory-map them copy-on-write (nothing is read before a step touches it, nothing can
+write the file) and, on CPU, hand them to XLA without a copy (`.npy` data is 64-byte aligned).
 The key is the source file (path, size, mtime), the architecture, the dtype, the layout the step
 asked for (the CPU kernel's packing: kept packed, a warm start does not pack again) and FORMAT:
 raise FORMAT whenever the conversion (`params.py`, `gguf.py`) or a layout changes what it produces. Anything
@@ -27,6 +29,7 @@ import jax
 import numpy as np
 
 from jaxllm.weights.default import cache_dir
+from jaxllm.weights.params import Allocate, aligned_empty, place
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +51,8 @@ def _folder(source: Path, arch, dtype, layout: str) -> Path:
     return cache_dir() / "weights" / hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
-def _leaf_name(key_path) -> str:
-    return ".".join(str(k.key) for k in key_path) + ".npy"
+def _leaf_name(path: tuple[str, ...]) -> str:
+    return ".".join(path) + ".npy"
 
 
 def _bits(dtype: np.dtype) -> np.dtype:
@@ -60,9 +63,10 @@ def _bits(dtype: np.dtype) -> np.dtype:
 def _load(folder: Path, shapes) -> Any:
     """The saved host arrays, memory-mapped, or None when any is missing or does not match its shape."""
     def leaf(key_path, shape):
-        array = np.load(folder / _leaf_name(key_path), mmap_mode="c")
+        name = _leaf_name(tuple(str(k.key) for k in key_path))
+        array = np.load(folder / name, mmap_mode="c")
         if array.shape != shape.shape or array.dtype != _bits(shape.dtype):
-            raise ValueError(f"{_leaf_name(key_path)}: {array.shape} {array.dtype}")
+            raise ValueError(f"{name}: {array.shape} {array.dtype}")
         return array.view(shape.dtype)
 
     try:
@@ -73,39 +77,83 @@ def _load(folder: Path, shapes) -> Any:
         return None
 
 
-def _save(folder: Path, params) -> None:
-    """Write every leaf's host copy; the folder appears whole or not at all."""
-    try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        partial = Path(tempfile.mkdtemp(dir=folder.parent, suffix=".partial"))
-        for key_path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-            host = np.asarray(jax.device_get(leaf))
-            np.save(partial / _leaf_name(key_path), host.view(_bits(host.dtype)))
-        shutil.rmtree(folder, ignore_errors=True)
-        os.replace(partial, folder)
-    except Exception as e:  # a full or read-only disk costs the next start its conversion, nothing else
-        logger.warning("could not keep the converted weights in %s: %s", folder, e)
-        shutil.rmtree(partial, ignore_errors=True)
+class _Writer:
+    """The folder being converted into: `allocate` gives each leaf as a new `.npy` file mapped writable (in
+    memory when the cache cannot take it: the next start converts again, nothing else is lost); `keep` flushes
+    them and renames the folder into place, so that it appears whole or not at all."""
+
+    def __init__(self, folder: Path):
+        self.folder, self.files, self.partial = folder, [], None
+        try:
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            self.partial = Path(tempfile.mkdtemp(dir=folder.parent, suffix=".partial"))
+        except OSError as e:
+            self._give_up(e)
+
+    def allocate(self, path: tuple[str, ...], shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+        if self.partial is not None:
+            file = self.partial / _leaf_name(path)
+            try:
+                array = np.lib.format.open_memmap(file, "w+", _bits(dtype), shape)
+                fd = os.open(file, os.O_RDWR)
+                try:  # a full disk fails here, not as a SIGBUS at some later write into the mapping
+                    os.posix_fallocate(fd, 0, file.stat().st_size)
+                finally:
+                    os.close(fd)
+                self.files.append(array)
+                return array.view(dtype)
+            except OSError as e:
+                self._give_up(e)
+        return aligned_empty(path, shape, dtype)
+
+    def _give_up(self, error: OSError) -> None:
+        logger.warning("could not keep the converted weights in %s: %s", self.folder, error)
+        self.discard()
+
+    def discard(self) -> None:
+        if self.partial is not None:  # mapped files stay readable until unmapped
+            shutil.rmtree(self.partial, ignore_errors=True)
+        self.partial, self.files = None, []
+
+    def keep(self) -> None:
+        if self.partial is None:
+            return
+
+        def flush():
+            try:
+                for array in self.files:
+                    array.flush()
+                shutil.rmtree(self.folder, ignore_errors=True)
+                os.replace(self.partial, self.folder)
+            except OSError as e:
+                self._give_up(e)
+
+        # beside the start, not before it. Not a daemon: a process that ends first still finishes the folder
+        _saving[self.folder] = threading.Thread(target=flush, name="jaxllm-save-weights")
+        _saving[self.folder].start()
 
 
-def load_or_convert(source: Path, arch, dtype, shapes, shardings, convert: Callable[[], Any], layout: str = "") -> Any:
-    """The parameter tree of `source`: mapped from the saved conversion, else `convert()`ed and saved.
-    `shapes` / `shardings`: the tree's ShapeDtypeStructs and shardings (params.abstract_params);
-    `layout`: names the rearrangement `convert` applies, if any (weights.Layout)."""
+def load_or_convert(source: Path, arch, dtype, shapes, shardings, layout: str,
+                    convert: Callable[[Allocate], Any]) -> Any:
+    """The parameter tree of `source`: mapped from the kept conversion, else `convert(allocate)`ed (host arrays
+    from `allocate`) and kept. `shapes` / `shardings`: the tree's ShapeDtypeStructs and shardings
+    (params.abstract_params); `layout`: names the rearrangement `convert` applies, if any (params.Layout)."""
     folder = _folder(source, arch, dtype, layout)
     if (writing := _saving.pop(folder, None)) is not None:
         writing.join()
     host = _load(folder, shapes)
     if host is None:
-        params = convert()
-        if all(leaf.is_fully_addressable for leaf in jax.tree.leaves(params)):  # multi-host: each has a part
-            # written beside the start-up, not before it: ~5 s for the default model on a slow disk. Not a
-            # daemon: a process that ends first still finishes the file (or leaves no folder, never half of one)
-            _saving[folder] = threading.Thread(target=_save, args=(folder, params), name="jaxllm-save-weights")
-            _saving[folder].start()
-        return params
-    for array in jax.tree.leaves(host):  # fault the pages in now, in the loading thread, not in the first step
-        array.reshape(-1).view(np.uint8)[::PAGE].max(initial=0)
-    # each process places only its own shards (as params_from_hf_tensors does)
-    return jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda index: a[index]),
-                        host, shardings)
+        # multi-host: each process holds a part, and a shared cache would see several writers
+        writer = _Writer(folder) if all(s.is_fully_addressable for s in jax.tree.leaves(shardings)) else None
+        try:
+            host = convert(writer.allocate if writer else aligned_empty)
+        except BaseException:
+            if writer:
+                writer.discard()
+            raise
+        if writer:
+            writer.keep()
+    else:
+        for array in jax.tree.leaves(host):  # fault the pages in now, in the loading thread, not in the first step
+            array.reshape(-1).view(np.uint8)[::PAGE].max(initial=0)
+    return place(host, shardings)

@@ -64,6 +64,26 @@ def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return weight.reshape(num_heads, head_dim // 2, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+DEQUANTIZE_ROWS = 128  # per call of the gguf package's row dequantizer (its own loop takes 16: 2-3x slower here)
+
+
+def _dequantize(raw: np.ndarray, ggml_type: int) -> np.ndarray:
+    """A tensor's float32 values from its bytes (`GGUFFile._raw`), by the gguf package's dequantizers."""
+    import gguf
+
+    kind = gguf.GGMLQuantizationType(ggml_type)
+    block, type_size = gguf.GGML_QUANT_SIZES[kind]
+    if block == 1:  # a plain float or integer type
+        return gguf.quants.dequantize(raw, kind).astype(np.float32, copy=False)
+    rows = raw.reshape(-1, raw.shape[-1])
+    width = rows.shape[1] // type_size * block
+    out = np.empty((rows.shape[0], width), np.float32)
+    quant = getattr(gguf.quants, kind.name)
+    for start in range(0, rows.shape[0], DEQUANTIZE_ROWS):
+        out[start:start + DEQUANTIZE_ROWS] = quant.dequantize_rows(rows[start:start + DEQUANTIZE_ROWS]).reshape(-1, width)
+    return out.reshape(*raw.shape[:-1], width)
+
+
 TOKENIZER_CACHE_FORMAT = 1
 MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -208,7 +228,7 @@ class GGUFFile:
         name = hf_name_to_gguf(hf_name)
         if name not in self._tensors:
             raise KeyError(f"{self.path}: tensor {name!r} (for {hf_name}) is missing")
-        data = gguf.quants.dequantize(self._raw(name), self._tensors[name].ggml_type).astype(np.float32, copy=False)
+        data = _dequantize(self._raw(name), self._tensors[name].ggml_type)
         if self.gguf_architecture in PERMUTED_QK and name.split(".")[-2] in ("attn_q", "attn_k"):
             heads_key = "attention.head_count" if name.split(".")[-2] == "attn_q" else "attention.head_count_kv"
             data = unpermute_rows(data, self.metadata[f"{self.gguf_architecture}.{heads_key}"])

@@ -4,11 +4,13 @@ Every loader (safetensors, GGUF) ends here: it supplies tensors by their transfo
 name (`model.layers.3.self_attn.q_proj.weight`, `[out, in]`), and `params_from_hf_tensors`
 transposes kernels to `[in, out]` once, at load time, fuses the projections the model
 runs as one matmul (q/k/v → `qkv_proj`, gate/up → `gate_up_proj`), stacks the layers,
-casts, and places each leaf on the mesh with its PartitionSpec.
+casts, lays each layer out as the step reads it (`Layout`), and places each leaf on the
+mesh with its PartitionSpec.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Callable
 
@@ -84,26 +86,44 @@ def _assemble(parts: list[np.ndarray], is_kernel: bool, shape: tuple[int, ...]) 
 HOST_ALIGNMENT = 64  # XLA's CPU client adopts a host array this aligned as a device buffer instead of copying it
 
 
-def _aligned_empty(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+def aligned_empty(path: tuple[str, ...], shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     """An uninitialised host array whose data starts on a HOST_ALIGNMENT boundary: on CPU, placing it on the
-    device is then free (a 538 MB copy otherwise). The parameters are never donated, so sharing is safe."""
+    device is then free (a 538 MB copy otherwise). The parameters are never donated, so sharing is safe.
+    (`path`, the leaf's, is there for allocators that name what they make: `Allocate`.)"""
     nbytes = int(np.prod(shape)) * dtype.itemsize
     raw = np.empty(nbytes + HOST_ALIGNMENT, np.uint8)
     start = -raw.ctypes.data % HOST_ALIGNMENT
     return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
-def params_from_hf_tensors(arch: ModelArch, dtype, get_tensor: GetTensor, mesh: Mesh, source: str) -> Params:
-    """Build the device parameter tree, reading each tensor by its transformers name."""
-    shapes, specs = abstract_params(arch, dtype)
-    shardings = param_shardings(specs, mesh)
+Allocate = Callable[[tuple[str, ...], tuple[int, ...], np.dtype], np.ndarray]  # (leaf path, shape, dtype) → array
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A rearrangement of the parameter tree that keeps every shape and acts on each layer of a stacked leaf
+    alone (packing for a kernel), so a loader can apply it layer by layer as it fills the tree. `name` keys
+    the converted weights kept on disk, so a later start maps the rearranged arrays."""
+
+    name: str
+    leaf: Callable[[tuple[str, ...], Any], Any]  # (leaf path, value) → value; a stacked leaf's value is `[L, ...]`
+
+    def apply(self, params: Params) -> Params:
+        return jax.tree_util.tree_map_with_path(lambda key_path, v: self.leaf(_leaf_path(key_path), v), params)
+
+
+def host_params_from_hf_tensors(arch: ModelArch, dtype, get_tensor: GetTensor, source: str,
+                                layout: Layout | None = None, allocate: Allocate = aligned_empty) -> Params:
+    """The parameter tree as host arrays from `allocate`, read by transformers name and laid out by `layout`,
+    one layer at a time (no second copy of the tree)."""
+    shapes, _ = abstract_params(arch, dtype)
     np_dtype = np.dtype(jnp.dtype(dtype))
 
-    def load(key_path, shape, sharding):
+    def load(key_path, shape):
         path = _leaf_path(key_path)
         stacked = path[0] == "layers"
         layer_shape = shape.shape[1:] if stacked else shape.shape
-        host = _aligned_empty(shape.shape, np_dtype)
+        host = allocate(path, shape.shape, np_dtype)
         for i, layer in enumerate(range(arch.num_layers) if stacked else [None]):
             names = hf_tensor_names_of(path, layer)
             parts = [np.asarray(get_tensor(name)) for name in names]
@@ -115,12 +135,28 @@ def params_from_hf_tensors(arch: ModelArch, dtype, get_tensor: GetTensor, mesh: 
                 got = ", ".join(f"{n} {p.shape}" for n, p in zip(names, parts))
                 raise ValueError(f"{source}: tensor shapes {got} do not make {path[-2]} {layer_shape} "
                                  f"for {arch.architecture}") from None
-            (host[i] if stacked else host)[...] = value.astype(np_dtype, copy=False)
-        # each process places only its own shards: device_put onto a multi-host mesh would first all-gather
-        # the whole array to check that every host holds the same value (most of a multi-host load)
-        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+            value = value.astype(np_dtype, copy=False)
+            if layout is not None:
+                value = layout.leaf(path, value[None])[0] if stacked else layout.leaf(path, value)
+            (host[i] if stacked else host)[...] = value
+        return host
 
-    return jax.tree_util.tree_map_with_path(load, shapes, shardings)
+    return jax.tree_util.tree_map_with_path(load, shapes)
+
+
+def place(host: Params, shardings: Params) -> Params:
+    """Host arrays → device arrays. Each process places only its own shards: device_put onto a multi-host mesh
+    would first all-gather the whole array to check that every host holds the same value."""
+    return jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda index: a[index]),
+                        host, shardings)
+
+
+def params_from_hf_tensors(arch: ModelArch, dtype, get_tensor: GetTensor, mesh: Mesh, source: str,
+                           layout: Layout | None = None) -> Params:
+    """Build the device parameter tree, reading each tensor by its transformers name."""
+    _, specs = abstract_params(arch, dtype)
+    return place(host_params_from_hf_tensors(arch, dtype, get_tensor, source, layout),
+                 param_shardings(specs, mesh))
 
 
 def hf_tensor_names(arch: ModelArch) -> list[str]:
