@@ -2,7 +2,8 @@
 """Where a compiled step's time goes: the model's forward beside the bare matmul chain of the same shapes.
 
 With dummy weights of a model (default: the default model), it times, median of `--reps`:
-- `forward`: `CausalLM.apply` on a decode batch of T sequences of one new token each, every
+- `forward`: the engine's model (`runner.step_model`: its backends, weights packed as the
+  loader packs them) on a decode batch of T sequences of one new token each, every
   sequence at context `--context` (what an engine step runs, minus sampling);
 - `chain_unrolled`: the same matmuls (fused QKV, O, fused gate-up, down per layer, then the
   LM head) on T rows, one weight array per layer: the ideal the forward is measured against;
@@ -82,16 +83,21 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args()
 
-    from jaxllm.model import CausalLM
+    from jaxllm.engine.args import EngineArgs
     from jaxllm.parallel.mesh import make_mesh
     from jaxllm.runner.kv_cache import allocate_kv_cache
+    from jaxllm.runner.model_runner import step_model
     from jaxllm.weights import load_model
     from jaxllm.weights.params import unstack_layers
 
     loaded = load_model(args.model, mesh=make_mesh(), load_format="dummy", dtype="float32")
     arch, block_size = loaded.arch, 16
-    model = CausalLM(arch, jnp.float32, scan_layers=args.scan_layers)
-    params = loaded.params if args.scan_layers else unstack_layers(loaded.params, arch.num_layers)
+    # the model the engine's step runs (backends, packed weights), not a default CausalLM
+    config = EngineArgs(scan_layers=args.scan_layers).create_engine_config(arch.max_position_embeddings,
+                                                                            jax.default_backend())
+    model = step_model(arch, config, jnp.float32, make_mesh())
+    params = model.pack(loaded.params) if model.matmul_backend == "cpu_packed" else loaded.params
+    params = params if args.scan_layers else unstack_layers(params, arch.num_layers)
     forward = jax.jit(lambda p, cache, inputs: model.apply({"params": p}, cache, inputs)[0])
 
     per_layer = chain_weights(arch, np.random.default_rng(0))
@@ -100,7 +106,8 @@ def main() -> None:
     unrolled = jax.jit(lambda x, ws: [x := chain_layer(x, w, q_width) for w in ws][-1] @ head.T)
     scanned = jax.jit(lambda x, ws: jax.lax.scan(lambda x, w: (chain_layer(x, w, q_width), None), x, ws)[0] @ head.T)
 
-    report = {"load_average": [round(x, 2) for x in os.getloadavg()], "scan_layers": args.scan_layers, "decode": {}}
+    report = {"load_average": [round(x, 2) for x in os.getloadavg()], "scan_layers": args.scan_layers,
+              "matmul_backend": model.matmul_backend, "decode": {}}
     for t in args.tokens:
         inputs, num_blocks = step_inputs(arch, t, 1, args.context, block_size)
         cache = allocate_kv_cache(arch, num_blocks + 1, block_size, jnp.float32, make_mesh())
