@@ -19,7 +19,13 @@ kernel, and tokenizer, in a thread while kv_cache, step_key and buckets run; wai
 prepare_weights, what the runner still rearranges), and `generate_s`; then the median of each over the rounds, and the load average. Prints JSON;
 `--output` also writes it.
 
+`--weights-only` times the reading thread's work alone instead (no compiles beside it):
+`ModelSource.load` of the default model with the step's weight layout, `load_s` and `cpu_s`
+of the load and its phases (weights, tokenizer). `--pause` idles before each cold round: on
+a VM, memory left idle is reclaimed and slow to touch again, as it is between two real starts.
+
     python benchmarks/startup.py --rounds 3 --output benchmarks/results/startup_cpu.json
+    python benchmarks/startup.py --weights-only --pause 20 --rounds 2 --output benchmarks/results/weights_load_cpu.json
 """
 
 from __future__ import annotations
@@ -35,7 +41,9 @@ import sys
 import tempfile
 import time
 
-CHILD = "--child"
+CHILD, WEIGHTS_CHILD = "--child", "--weights-child"
+START_KEYS = ("wall_s", "ready_s", "cpu_s", "interpreter_s", "imports_s", "generate_s")
+WEIGHTS_KEYS = ("wall_s", "load_s", "cpu_s")
 
 
 def child(cache_dir: str, spawned: float, max_tokens: int, engine_flags: list[str]) -> None:
@@ -66,16 +74,37 @@ def child(cache_dir: str, spawned: float, max_tokens: int, engine_flags: list[st
     }))
 
 
-def start(cache_dir: str, max_tokens: int, engine_flags: list[str]) -> dict:
-    """One start whose caches all live under `cache_dir` (the built C++ kernels copied in)."""
+def weights_child() -> None:
+    """One load of the default model's weights, as an engine's reading thread does it; prints one JSON line."""
+    import jax
+
+    from jaxllm.engine.args import EngineArgs
+    from jaxllm.parallel.mesh import make_mesh
+    from jaxllm.runner.model_runner import weight_layout
+    from jaxllm.weights import converted, open_model
+
+    mesh = make_mesh()
+    source = open_model(None)
+    config = EngineArgs().create_engine_config(source.arch.max_position_embeddings, jax.default_backend())
+    layout = weight_layout(source.arch, config, source.dtype, mesh)
+    started, cpu = time.perf_counter(), time.process_time()
+    loaded = source.load(mesh, None, 0, layout)
+    load, cpu = time.perf_counter() - started, time.process_time() - cpu
+    converted.wait_for_saves()  # the kept folder complete before the next load (not timed: beside a start)
+    print(json.dumps({"load_s": load, "cpu_s": cpu, "phases": loaded.load_seconds}))
+
+
+def start(cache_dir: str, max_tokens: int, engine_flags: list[str], weights_only: bool = False) -> dict:
+    """One start (or, `weights_only`, one weights load) whose caches all live under `cache_dir` (the built C++
+    kernels copied in)."""
     from pallas_kernels.cpu_ffi import _cache_dir as kernel_dir
 
     env = {**os.environ, "JAXLLM_CACHE": os.path.join(cache_dir, "jaxllm")}
     if kernel_dir().is_dir():
         shutil.copytree(kernel_dir(), os.path.join(cache_dir, "jaxllm", "kernels"), dirs_exist_ok=True)
     spawned = time.time()
-    cmd = [sys.executable, __file__, CHILD, os.path.join(cache_dir, "xla"), repr(spawned), str(max_tokens),
-           *engine_flags]
+    cmd = [sys.executable, __file__, WEIGHTS_CHILD] if weights_only else [
+        sys.executable, __file__, CHILD, os.path.join(cache_dir, "xla"), repr(spawned), str(max_tokens), *engine_flags]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.time() - spawned
     if done.returncode:
@@ -84,8 +113,7 @@ def start(cache_dir: str, max_tokens: int, engine_flags: list[str]) -> dict:
     return {"wall_s": wall, **result}
 
 
-def medians(runs: list[dict]) -> dict:
-    keys = ("wall_s", "ready_s", "cpu_s", "interpreter_s", "imports_s", "generate_s")
+def medians(runs: list[dict], keys: tuple[str, ...]) -> dict:
     summary = {k: round(statistics.median(r[k] for r in runs), 2) for k in keys}
     summary["phases"] = {k: round(statistics.median(r["phases"][k] for r in runs), 2) for k in runs[0]["phases"]}
     return summary
@@ -96,22 +124,29 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--output", help="also write the JSON here")
+    parser.add_argument("--weights-only", action="store_true", help="time loading the weights alone")
+    parser.add_argument("--pause", type=float, default=0.0, help="idle seconds before each cold round")
     parser.add_argument("engine_flags", nargs="*", help="extra `jaxllm generate` flags, after --")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="jaxllm-startup-") as root:
         warm_dir = os.path.join(root, "warm")
-        start(warm_dir, args.max_tokens, args.engine_flags)  # fills the warm folder
+        run = lambda folder: start(folder, args.max_tokens, args.engine_flags, args.weights_only)  # noqa: E731
+        run(warm_dir)  # fills the warm folder
         cold, warm, loads = [], [], []
         for i in range(args.rounds):
+            time.sleep(args.pause)
             loads.append(os.getloadavg()[0])
-            cold.append(start(os.path.join(root, f"cold{i}"), args.max_tokens, args.engine_flags))
-            warm.append(start(warm_dir, args.max_tokens, args.engine_flags))
+            cold.append(run(os.path.join(root, f"cold{i}")))
+            warm.append(run(warm_dir))
             print(f"round {i}: cold {cold[-1]['wall_s']:.1f}s, warm {warm[-1]['wall_s']:.1f}s "
                   f"(load {loads[-1]:.1f})", file=sys.stderr)
+    keys = WEIGHTS_KEYS if args.weights_only else START_KEYS
+    command = ("ModelSource.load of the default model" if args.weights_only else
+               "jaxllm generate Hello --max-tokens %d %s" % (args.max_tokens, " ".join(args.engine_flags)))
     result = {
-        "command": "jaxllm generate Hello --max-tokens %d %s" % (args.max_tokens, " ".join(args.engine_flags)),
-        "rounds": args.rounds, "cpu_count": os.cpu_count(), "load_average_at_round_start": loads,
-        "cold": medians(cold), "warm": medians(warm), "cold_runs": cold, "warm_runs": warm,
+        "command": command, "rounds": args.rounds, "pause_s": args.pause, "cpu_count": os.cpu_count(),
+        "load_average_at_round_start": loads,
+        "cold": medians(cold, keys), "warm": medians(warm, keys), "cold_runs": cold, "warm_runs": warm,
     }
     text = json.dumps(result, indent=2)
     print(text)
@@ -123,5 +158,7 @@ def main() -> None:
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == CHILD:
         child(sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), sys.argv[5:])
+    elif sys.argv[1:2] == [WEIGHTS_CHILD]:
+        weights_child()
     else:
         main()

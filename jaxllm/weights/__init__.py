@@ -105,7 +105,6 @@ class ModelSource:
         """The weights, placed on `mesh` (and rearranged by `layout`), and the tokenizer (`tokenizer`
         overrides the model's own)."""
         started = time.perf_counter()
-        laid_out = layout is not None
         arch, jdtype, path = self.arch, self.dtype, self.path
         if self.dummy:
             from jaxllm.weights.dummy import dummy_params
@@ -116,16 +115,14 @@ class ModelSource:
             params = converted.load_or_convert(
                 path, arch, jdtype, shapes, param_shardings(specs, mesh), layout.name if layout else "",
                 lambda allocate: host_params_from_hf_tensors(arch, jdtype, self.gguf_file.tensor, str(path), layout,
-                                                             allocate))
-            layout = None  # laid out as it was converted
+                                                             allocate))  # laid out as it is converted
         elif self.format == "orbax":
             shapes, specs = abstract_params(arch, jdtype)
             params = orbax.restore_params(path, shapes, param_shardings(specs, mesh))
         else:
             params = params_from_hf_tensors(arch, jdtype, hf.SafetensorsReader(path), mesh, str(path), layout)
-            layout = None
 
-        if layout:  # random or restored weights: rearranged on the devices
+        if layout and (self.dummy or self.format == "orbax"):  # made or restored whole: rearranged on the devices
             params = layout.apply(params)
         weights_loaded = time.perf_counter()
         if tokenizer is not None:
@@ -138,7 +135,7 @@ class ModelSource:
             tok = _load_tokenizer(path)
         seconds = {"weights": weights_loaded - started, "tokenizer": time.perf_counter() - weights_loaded}
         return LoadedModel(name=self.name, arch=arch, hf_config=self.hf_config, params=params, tokenizer=tok,
-                           dtype=jdtype, load_seconds=seconds, laid_out=laid_out)
+                           dtype=jdtype, load_seconds=seconds, laid_out=layout is not None)
 
 
 def open_model(model: str | None = None, *, load_format: str = "auto", dtype: str = "auto") -> ModelSource:

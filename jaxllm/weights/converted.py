@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from jaxllm.weights.default import cache_dir
-from jaxllm.weights.params import Allocate, aligned_empty, place
+from jaxllm.weights.params import Allocate, aligned_empty, leaf_path, place
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ def _bits(dtype: np.dtype) -> np.dtype:
 def _load(folder: Path, shapes) -> Any:
     """The saved host arrays, memory-mapped, or None when any is missing or does not match its shape."""
     def leaf(key_path, shape):
-        name = _leaf_name(tuple(str(k.key) for k in key_path))
+        name = _leaf_name(leaf_path(key_path))
         array = np.load(folder / name, mmap_mode="c")
         if array.shape != shape.shape or array.dtype != _bits(shape.dtype):
             raise ValueError(f"{name}: {array.shape} {array.dtype}")

@@ -70,7 +70,8 @@ def hf_tensor_names_of(path: tuple[str, ...], layer: int | None) -> list[str]:
     return [f"{prefix}.{part}.{kind}" for part in FUSED_MODULES.get(module, (module,))]
 
 
-def _leaf_path(key_path) -> tuple[str, ...]:
+def leaf_path(key_path) -> tuple[str, ...]:
+    """A pytree key path as the tuple of its dict keys ("layers", "mlp", "down_proj", "kernel")."""
     return tuple(k.key for k in key_path)
 
 
@@ -109,7 +110,7 @@ class Layout:
     leaf: Callable[[tuple[str, ...], Any], Any]  # (leaf path, value) → value; a stacked leaf's value is `[L, ...]`
 
     def apply(self, params: Params) -> Params:
-        return jax.tree_util.tree_map_with_path(lambda key_path, v: self.leaf(_leaf_path(key_path), v), params)
+        return jax.tree_util.tree_map_with_path(lambda key_path, v: self.leaf(leaf_path(key_path), v), params)
 
 
 def host_params_from_hf_tensors(arch: ModelArch, dtype, get_tensor: GetTensor, source: str,
@@ -120,7 +121,7 @@ def host_params_from_hf_tensors(arch: ModelArch, dtype, get_tensor: GetTensor, s
     np_dtype = np.dtype(jnp.dtype(dtype))
 
     def load(key_path, shape):
-        path = _leaf_path(key_path)
+        path = leaf_path(key_path)
         stacked = path[0] == "layers"
         layer_shape = shape.shape[1:] if stacked else shape.shape
         host = allocate(path, shape.shape, np_dtype)
@@ -164,7 +165,7 @@ def hf_tensor_names(arch: ModelArch) -> list[str]:
     shapes, _ = abstract_params(arch, jnp.float32)
     names = []
     for key_path, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]:
-        path = _leaf_path(key_path)
+        path = leaf_path(key_path)
         for layer in range(arch.num_layers) if path[0] == "layers" else [None]:
             names.extend(hf_tensor_names_of(path, layer))
     return names
