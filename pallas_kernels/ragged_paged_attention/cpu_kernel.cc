@@ -386,6 +386,10 @@ struct Unit {
 // one, a skewed batch) then still use every core. Merging costs one [Hq, D] pass per slice.
 constexpr int64_t kMinSliceKeys = 512;
 constexpr int64_t kSlicesPerThread = 4;
+// Less work than this (keys x query rows, summed over the units): the calling thread alone. Waking
+// an OpenMP team costs ~50-100 us a call on a VM, more than such a step's attention takes on one
+// core (a decode batch of one at short context: 108 -> 8 us a call; benchmarks/NOTES.md lever 15).
+constexpr int64_t kMinTeamCost = 4096;
 
 template <typename T>
 void run(const float* q, const T* k, const T* v, const int32_t* kv_lens, const int32_t* tables,
@@ -414,7 +418,7 @@ void run(const float* q, const T* k, const T* v, const int32_t* kv_lens, const i
     }
   }
   for (const Unit& w : units) total_keys += w.cost;
-  const int64_t threads = omp_get_max_threads();
+  const int64_t threads = total_keys >= kMinTeamCost ? omp_get_max_threads() : 1;
   const int64_t slice_keys = (std::max(kMinSliceKeys, total_keys / (kSlicesPerThread * threads)) + B - 1) / B * B;
   int64_t slots = 0;
   for (size_t u = 0, n = units.size(); u < n; ++u) {
@@ -441,7 +445,7 @@ void run(const float* q, const T* k, const T* v, const int32_t* kv_lens, const i
   const T* v_layer = v + layer * layer_elems;
   std::vector<float> states(slots * state_size);
   const int64_t n_units = static_cast<int64_t>(units.size()), n_split = static_cast<int64_t>(split_rows.size());
-#pragma omp parallel
+#pragma omp parallel if (threads > 1 && n_units > 1)
   {
     std::vector<float> scratch, state;
 #pragma omp for schedule(dynamic, 1)

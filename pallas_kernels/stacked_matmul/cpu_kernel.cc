@@ -3,10 +3,9 @@
 //
 // x [T, K] float32, w [L, K, N...] float32 (trailing dims flattened to N), layer [1] int32,
 // out [T, N] float32. Two regimes:
-// - few rows (decode of a tiny batch, T <= kStreamRows): bound by reading the weights. Each
-//   thread takes a contiguous range of K and streams its rows of w front to back (whole rows:
-//   the hardware prefetcher follows them), accumulating T partial output rows in its own
-//   buffer; the partial sums are then added up, each thread a share of the outputs.
+// - few rows (decode of a tiny batch, T <= kStreamRows): bound by reading the weights. One
+//   thread streams w's rows front to back (whole rows: the hardware prefetcher follows them),
+//   accumulating T output rows.
 // - more rows: bound by arithmetic. Threads split N into panels of kPanel columns; a panel's
 //   K x kPanel weights are copied once into a contiguous buffer that stays in L2 (read straight
 //   from w, K rows kPanel floats apart by N floats, they would all fall into a few cache sets),
@@ -31,10 +30,20 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kMinRowsPerThread = 64;  // fewer K rows than this per thread: not worth a thread
+// Fewer rows of x than this: one thread. Such a matmul is bound by reading the weights, which one
+// core streams at about the machine's memory bandwidth, and waking an OpenMP team costs more than
+// a second core saves: ~50-100 us a call on a VM, ~6 ms of a 22 ms T=1 decode step (measured,
+// benchmarks/NOTES.md lever 15). From 16 rows up the arithmetic pays for the team.
+constexpr int64_t kMinTeamRows = 16;
 constexpr int64_t kStreamRows = 4;         // up to this many rows of x: the streaming regime (measured crossover)
 constexpr int64_t kPanel = 32;             // columns of w per packed panel (two vectors of 16 floats)
 constexpr int kTileRows = 8;               // rows of x per register tile: 16 accumulators
+
+// How many threads to split `items` ways (K rows, panels) for a matmul of `rows` rows of x.
+int TeamSize(int64_t rows, int64_t items) {
+  if (rows < kMinTeamRows) return 1;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), items)));
+}
 
 typedef float Vec16 __attribute__((vector_size(64)));  // AVX-512 register; split by the compiler elsewhere
 typedef uint32_t Vec16u __attribute__((vector_size(64)));
@@ -125,38 +134,24 @@ void TileRemainder(int rows, const X* x, int64_t k_dim, const W* panel, float* y
   }
 }
 
+// One thread (rows < kMinTeamRows): streams w's rows front to back, x's rows accumulated side by side.
 void Stream(const float* xp, int64_t rows, int64_t k_dim, const float* wl, int64_t n, float* y) {
-  const int threads = static_cast<int>(
-      std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), k_dim / kMinRowsPerThread)));
-  std::vector<float> partial(static_cast<size_t>(threads - 1) * rows * n);
-#pragma omp parallel num_threads(threads)
-  {
-    const int id = omp_get_thread_num(), team = omp_get_num_threads();
-    const int64_t k0 = k_dim * id / team, k1 = k_dim * (id + 1) / team;
-    float* acc = id == 0 ? y : partial.data() + static_cast<size_t>(id - 1) * rows * n;
-    std::memset(acc, 0, sizeof(float) * rows * n);
-    for (int64_t k = k0; k < k1; ++k) {
-      const float* wrow = wl + k * n;
-      for (int64_t t = 0; t < rows; ++t) {
-        const float a = xp[t * k_dim + k];
-        float* o = acc + t * n;
+  static_assert(kStreamRows < kMinTeamRows, "the streaming regime runs on one thread");
+  std::memset(y, 0, sizeof(float) * rows * n);
+  for (int64_t k = 0; k < k_dim; ++k) {
+    const float* wrow = wl + k * n;
+    for (int64_t t = 0; t < rows; ++t) {
+      const float a = xp[t * k_dim + k];
+      float* o = y + t * n;
 #pragma omp simd
-        for (int64_t c = 0; c < n; ++c) o[c] += a * wrow[c];
-      }
-    }
-#pragma omp barrier
-    const int64_t e0 = rows * n * id / team, e1 = rows * n * (id + 1) / team;
-    for (int p = 0; p + 1 < team; ++p) {
-      const float* src = partial.data() + static_cast<size_t>(p) * rows * n;
-#pragma omp simd
-      for (int64_t e = e0; e < e1; ++e) y[e] += src[e];
+      for (int64_t c = 0; c < n; ++c) o[c] += a * wrow[c];
     }
   }
 }
 
 void Panels(const float* xp, int64_t rows, int64_t k_dim, const float* wl, int64_t n, float* y) {
   const int64_t panels = (n + kPanel - 1) / kPanel;
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), panels)));
+  const int threads = TeamSize(rows, panels);
 #pragma omp parallel num_threads(threads)
   {
     const int id = omp_get_thread_num(), team = omp_get_num_threads();
@@ -191,7 +186,7 @@ template <typename X, typename W>
 void PackedPanels(const X* xp, int64_t rows, int64_t k_steps, const W* wp, int64_t n, float* y) {
   constexpr int64_t row_size = kPanel * sizeof(X) / sizeof(W);  // W elements per step of k, as in Tile
   const int64_t panels = n / kPanel, panel_size = k_steps * row_size;
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), panels)));
+  const int threads = TeamSize(rows, panels);
 #pragma omp parallel num_threads(threads)
   {
     const int id = omp_get_thread_num(), team = omp_get_num_threads();

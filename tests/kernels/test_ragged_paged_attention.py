@@ -117,11 +117,12 @@ def test_bfloat16_cache_float32_queries(backend, group, block_size, head_dim):
 # --- the C++ CPU kernel's decode path: rows split over threads, and its fallbacks ----------
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("sliding_window,soft_cap", [(None, None), (700, 30.0)])
+@pytest.mark.parametrize("sliding_window,soft_cap", [(None, None), (1900, 30.0)])
 def test_cpu_decode_rows_split_into_slices(dtype, sliding_window, soft_cap):
-    """Decode rows long enough to be split into slices (flash-decoding, on >= 2 threads) beside
-    short ones; slices start mid-block under the window, and the last block has a tail."""
-    batch = make_batch(np.random.default_rng(1), [1] * 5, [2100, 37, 1, 1333, 603], num_q_heads=9, num_kv_heads=3,
+    """Decode rows long enough to be split into slices (flash-decoding, on >= 2 threads: more than the
+    kernel's kMinTeamCost of 4096 keys in all) beside short ones; slices start mid-block under the window,
+    and the last block has a tail."""
+    batch = make_batch(np.random.default_rng(1), [1] * 6, [2900, 37, 1, 1333, 603, 2500], num_q_heads=9, num_kv_heads=3,
                        head_dim=64, block_size=16, dtype=jnp.dtype(dtype), sliding_window=sliding_window)
     out = _compiled("cpu", 64 ** -0.5, sliding_window, soft_cap)(*batch.args())
     _check(batch, out, dtype, sm_scale=64 ** -0.5, sliding_window=sliding_window, soft_cap=soft_cap)
