@@ -14,6 +14,7 @@ from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.request import Request
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.sampling_params import SamplingParams
+import jaxllm.sim.calibrate as calibrate
 from jaxllm.sim.calibrate import fit_host_overhead
 from jaxllm.sim.costmodel import CostModel, StepShape, fit_cost_model
 from jaxllm.sim.engine_run import run_trace_on_engine
@@ -136,6 +137,22 @@ def test_host_overhead_fit_ignores_steps_slowed_by_other_work():
     per_step, per_seq = fit_host_overhead(seqs, residual)
     assert per_step == pytest.approx(0.004, abs=0.001)
     assert per_seq == pytest.approx(0.001, abs=0.0002)
+
+
+def test_the_sweep_keeps_each_points_median_over_rounds(monkeypatch):
+    """A real run meets the machine's usual jitter: the fastest of the rounds would predict it short
+    (by more for steps that jitter more), and one round slowed by a neighbour must not count either."""
+    rounds = {"a": iter([0.050, 0.040, 0.900, 0.045, 0.060]), "b": iter([0.010, 0.012, 0.011, 0.500, 0.013])}
+    warm_rounds = []
+
+    def fake_time_step(core, layout, warm):
+        warm_rounds.append(warm)
+        return StepShape(1, 1, 1, 1), next(rounds[layout[0][0]])
+
+    monkeypatch.setattr(calibrate, "_time_step", fake_time_step)
+    result = calibrate.time_sweep(None, [[("a", 1)], [("b", 1)]], repeats=5, progress=False)
+    assert [t for _, t in result] == [pytest.approx(0.050), pytest.approx(0.012)]
+    assert warm_rounds == [True, True] + [False] * 8  # each point's first use is run once untimed
 
 
 def test_matches_a_real_engine_run_step_for_step(llm):

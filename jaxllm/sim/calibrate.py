@@ -5,7 +5,7 @@ Two passes over one loaded engine, and one over a server:
 1. **Device sweep**: synthetic `SchedulerOutput`s straight into `ModelRunner.execute` over a grid
    of (sequences, tokens per sequence, context) — pure decode batches at several context lengths,
    single prefill chunks of every bucket size at several starting positions, and mixed steps
-   (decodes plus one prefill chunk). Each point is timed as the fastest of a few rounds over the
+   (decodes plus one prefill chunk). Each point is timed as the median of a few rounds over the
    whole sweep, after one warm run (`time_sweep`). Rows sample greedily, as every replay does
    (`forced_params`): a sampled row adds the random draw to the step. This fits the bucket bases
    and the context and attention terms.
@@ -96,22 +96,26 @@ def _time_step(core, layout: list[tuple[int, int]], warm: bool) -> tuple[StepSha
 
 
 def time_sweep(core, points: list[list[tuple[int, int]]], repeats: int, progress: bool) -> list[tuple[StepShape, float]]:
-    """Each point's fastest time over `repeats` rounds of the whole sweep.
+    """Each point's median time over `repeats` rounds of the whole sweep.
 
-    Rounds, not back-to-back repeats: on a shared machine other work only ever adds time, and a
-    neighbour's burst lasting seconds would spoil every repeat of the points it overlaps.
+    The median, not the fastest: a real run meets the machine's usual jitter, and the fastest of five
+    is biased low by how much a step jitters — measured on a 2-core VM (25 back-to-back runs each),
+    median/fastest 1.11-1.13 for decode steps but 1.18 for a 64-token prefill and 1.27 for a mixed
+    step, which had the model predict steps carrying a prefill 15-24 % short. Rounds, not back-to-back
+    repeats: a neighbour's burst lasting seconds then disturbs one round of the points it overlaps,
+    and the median drops it.
     """
     from tqdm.auto import tqdm
 
-    best: list[tuple[StepShape, float] | None] = [None] * len(points)
+    times: list[list[float]] = [[] for _ in points]
+    shapes: list[StepShape | None] = [None] * len(points)
     with tqdm(total=repeats * len(points), desc="Timing steps", disable=not progress, unit="step") as bar:
         for round_ in range(repeats):
             for i, layout in enumerate(points):
-                shape, seconds = _time_step(core, layout, warm=round_ == 0)
-                if best[i] is None or seconds < best[i][1]:
-                    best[i] = (shape, seconds)
+                shapes[i], seconds = _time_step(core, layout, warm=round_ == 0)
+                times[i].append(seconds)
                 bar.update()
-    return best
+    return [(shape, float(np.median(t))) for shape, t in zip(shapes, times)]
 
 
 def engine_pass_trace(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, seed: int = 0):
@@ -204,9 +208,9 @@ def calibrate_server(model: CostModel, server_flags: list[str]) -> CostModel:
     def simulated(m: CostModel):
         return simulate(trace, config, cost_model_step_time(m, config), **m.event_costs()).records
 
-    # per step: the event loop streaming to clients shares the CPU with the steps. Never negative: the
-    # sweep keeps each step's fastest time, so a server faster than the model is the machine's speed
-    # drifting between the passes (seen: -2.3 ms here, then the validation's real steps 8 % slower)
+    # per step: the event loop streaming to clients shares the CPU with the steps. Never negative: a
+    # server faster than the model is the machine's speed drifting between the passes (seen: -2.3 ms
+    # here, then the validation's real steps 8 % slower)
     measured_per_step = float(np.median([r.tpot - s.tpot for r, s in zip(records, simulated(model))]))
     per_step = max(measured_per_step, 0.0)
     model = replace(model, bucket_base_s=[b + per_step for b in model.bucket_base_s])

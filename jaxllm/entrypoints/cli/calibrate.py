@@ -15,7 +15,7 @@ def register(sub) -> None:
     parser = sub.add_parser("calibrate", help="fit the simulator's step-time model on this machine",
                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--out", required=True, metavar="FILE", help="the cost model JSON to write")
-    parser.add_argument("--repeats", type=int, default=5, help="rounds over the sweep (each point keeps its fastest)")
+    parser.add_argument("--repeats", type=int, default=5, help="rounds over the sweep (each point keeps its median)")
     parser.add_argument("--server", action=argparse.BooleanOptionalAction, default=True,
                         help="also fit what `jaxllm serve` adds (a child server on a light trace), for simulating "
                              "a server; --no-server models the offline engine")
