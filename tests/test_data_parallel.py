@@ -58,11 +58,16 @@ def complete(url: str, prompt: str, max_tokens: int, **extra) -> httpx.Response:
     return httpx.post(f"{url}/v1/completions", json=body, timeout=600)
 
 
-async def many(url: str, n: int, max_tokens: int, **extra) -> list[httpx.Response]:
+async def many(url: str, n: int, max_tokens: int, on_first_done=None, **extra) -> list[httpx.Response]:
+    """`n` concurrent completions; `on_first_done()` runs as soon as the first one has returned."""
     async with httpx.AsyncClient(timeout=600) as client:
         body = lambda i: {"model": "dp", "prompt": PROMPTS[i % len(PROMPTS)] + f" {i}",  # noqa: E731
                           "max_tokens": max_tokens, "temperature": 0, **extra}
-        return await asyncio.gather(*(client.post(f"{url}/v1/completions", json=body(i)) for i in range(n)))
+        tasks = [asyncio.ensure_future(client.post(f"{url}/v1/completions", json=body(i))) for i in range(n)]
+        if on_first_done is not None:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            on_first_done()
+        return await asyncio.gather(*tasks)
 
 
 def generation_tokens(url: str) -> dict[str, float]:
@@ -98,13 +103,10 @@ def test_a_dead_replica_fails_only_its_requests(server):
     replicas = _replica_pids(process.pid)
     assert len(replicas) == 2, replicas
 
-    async def load_then_kill():
-        task = asyncio.ensure_future(many(url, 32, 48, ignore_eos=True))
-        await asyncio.sleep(3)
-        os.kill(replicas[1], signal.SIGKILL)
-        return await task
-
-    responses = asyncio.run(load_then_kill())
+    # 16 requests a replica, 8 at a time: when the first returns, each replica still has a wave in flight
+    # (a fixed sleep was not: a faster engine finished all 32 before it)
+    responses = asyncio.run(many(url, 32, 48, on_first_done=lambda: os.kill(replicas[1], signal.SIGKILL),
+                                 ignore_eos=True))
     codes = [r.status_code for r in responses]
     failed = [r for r in responses if r.status_code != 200]
     assert failed and len(failed) < 32, codes
