@@ -6,7 +6,8 @@
 // - few rows (decode of a tiny batch, T <= kStreamRows): bound by reading the weights. One
 //   thread streams w's rows front to back (whole rows: the hardware prefetcher follows them),
 //   accumulating T output rows.
-// - more rows: bound by arithmetic. Threads split N into panels of kPanel columns; a panel's
+// - more rows: bound by arithmetic. N is split into panels of kPanel columns, shared out among
+//   threads from kMinTeamRows rows of x (below that, one thread: see there); a panel's
 //   K x kPanel weights are copied once into a contiguous buffer that stays in L2 (read straight
 //   from w, K rows kPanel floats apart by N floats, they would all fall into a few cache sets),
 //   then every tile of kTileRows rows of x is multiplied against it with the tile's outputs held
