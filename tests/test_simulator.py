@@ -3,6 +3,7 @@ deterministic, forces the trace's output lengths, returns every block, matches a
 run step for step when given its step times, and `jaxllm simulate` handles 10,000 requests."""
 
 import json
+from dataclasses import replace
 import time
 
 import numpy as np
@@ -15,12 +16,12 @@ from jaxllm.engine.request import Request
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.sampling_params import SamplingParams
 import jaxllm.sim.calibrate as calibrate
-from jaxllm.sim.calibrate import fit_host_overhead
+from jaxllm.sim.calibrate import fit_host_overhead, fit_idle_wake
 from jaxllm.sim.costmodel import CostModel, StepShape, fit_cost_model
 from jaxllm.sim.engine_run import run_trace_on_engine
 from jaxllm.sim.simulator import SimConfig, cost_model_step_time, simulate
 from jaxllm.sim.synth import LengthDist, synthesize
-from jaxllm.sim.trace import load_trace
+from jaxllm.sim.trace import TraceRequest, load_trace
 
 COST = CostModel(bucket_tokens=[1, 64, 512], bucket_base_s=[0.004, 0.01, 0.05], per_context_token_s=2e-6,
                  per_attention_pair_s=1e-9, per_seq_s=1e-4)
@@ -204,3 +205,17 @@ def test_cli_simulates_ten_thousand_requests(tmp_path):
     for name in ("latency_cdf.png", "throughput.png", "kv_cache_usage.png"):
         assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["simulate", str(trace), "--cost", str(cost), "--scheduling-policy", "nope"]) == 2
+
+
+def test_idle_wake_is_fitted_on_requests_that_found_the_engine_idle():
+
+    engine = {"max_num_seqs": 4, "max_num_batched_tokens": 32, "max_model_len": 128, "num_blocks": 64,
+              "block_size": 16, "enable_prefix_caching": True}
+    model = CostModel(bucket_tokens=[1, 32], bucket_base_s=[0.01, 0.02], engine=engine)
+    trace = [TraceRequest(arrival_time=t, prompt_len=20, output_len=3) for t in (0.0, 5.0, 10.0)]
+    config = calibrate.sim_config_for(engine)
+    sim = simulate(trace, config, cost_model_step_time(model, config)).records
+    real = [replace(r, ttft=r.ttft + 0.03) for r in sim]  # every request arrived to an idle engine
+    fitted, idle = fit_idle_wake(model, trace, real)
+    assert idle == 3 and fitted.idle_wake_s == pytest.approx(0.03)
+    assert fit_idle_wake(model, trace, sim)[0].idle_wake_s == pytest.approx(0.0)
