@@ -116,7 +116,7 @@ class EngineRunner:
 
 def table(rounds: list[dict], label: str) -> tuple[str, dict]:
     """Median simulated vs median real per trace and metric, and each round's paired error."""
-    lines = [f"| trace | metric | simulated | real | error | paired errors, round by round |",
+    lines = ["| trace | metric | simulated | real | error | paired errors, round by round |",
              "|---|---|---:|---:|---:|---|"]
     rows = {}
     for name in rounds[0]["simulated"]:

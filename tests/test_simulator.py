@@ -3,8 +3,8 @@ deterministic, forces the trace's output lengths, returns every block, matches a
 run step for step when given its step times, and `jaxllm simulate` handles 10,000 requests."""
 
 import json
-from dataclasses import replace
 import time
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -208,7 +208,6 @@ def test_cli_simulates_ten_thousand_requests(tmp_path):
 
 
 def test_idle_wake_is_fitted_on_requests_that_found_the_engine_idle():
-
     engine = {"max_num_seqs": 4, "max_num_batched_tokens": 32, "max_model_len": 128, "num_blocks": 64,
               "block_size": 16, "enable_prefix_caching": True}
     model = CostModel(bucket_tokens=[1, 32], bucket_base_s=[0.01, 0.02], engine=engine)

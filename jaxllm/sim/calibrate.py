@@ -204,8 +204,7 @@ def calibrate_server(model: CostModel, server_flags: list[str]) -> CostModel:
     from jaxllm.bench.serve import first_model, run
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
-    engine = model.engine
-    trace = light_trace(engine["max_model_len"])
+    trace = light_trace(model.engine["max_model_len"])
     with ServerProcess(server_flags) as server:
         name = first_model(server.url, {})
         records, _ = asyncio.run(run(trace, url=server.url + "/v1/completions", model=name, headers={}))
@@ -213,15 +212,11 @@ def calibrate_server(model: CostModel, server_flags: list[str]) -> CostModel:
     failed = [r.error for r in records if not r.success]
     if failed:
         raise RuntimeError(f"server pass: {len(failed)} requests failed, e.g. {failed[0]}")
-    config = sim_config_for(engine)
-
-    def simulated(m: CostModel):
-        return simulate(trace, config, cost_model_step_time(m, config), **m.event_costs()).records
 
     # per step: the event loop streaming to clients shares the CPU with the steps. Never negative: a
     # server faster than the model is the machine's speed drifting between the passes (seen: -2.3 ms
     # here, then the validation's real steps 8 % slower)
-    measured_per_step = float(np.median([r.tpot - s.tpot for r, s in zip(records, simulated(model))]))
+    measured_per_step = float(np.median([r.tpot - s.tpot for r, s in zip(records, simulated(model, trace))]))
     per_step = max(measured_per_step, 0.0)
     model = replace(model, bucket_base_s=[b + per_step for b in model.bucket_base_s])
     # per request: the client's TTFT minus the server's own (arrival at its front to the first token out)
@@ -229,7 +224,7 @@ def calibrate_server(model: CostModel, server_flags: list[str]) -> CostModel:
     model = replace(model, request_latency_s=max(float(np.mean([r.ttft for r in records])) - served_ttft, 0.0))
     model, idle = fit_idle_wake(model, trace, records)
 
-    check = simulated(model)
+    check = simulated(model, trace)
     ttft_err = abs(sum(s.ttft for s in check) - sum(r.ttft for r in records)) / sum(r.ttft for r in records)
     tpot_err = abs(sum(s.tpot for s in check) - sum(r.tpot for r in records)) / sum(r.tpot for r in records)
     model.fit.update({"server_requests": len(records), "server_overhead_per_step_s": per_step,
@@ -243,12 +238,16 @@ def fit_idle_wake(model: CostModel, trace, records) -> tuple[CostModel, int]:
     """`model` with `idle_wake_s` fitted on a real run of `trace` (its `records`), and the number of
     requests it rests on: the median over requests that found the engine idle of real minus
     simulated TTFT, not below zero."""
-    config = sim_config_for(model.engine)
-    sim = simulate(trace, config, cost_model_step_time(model, config),
-                   **{**model.event_costs(), "idle_wake_s": 0.0}).records
+    sim = simulated(replace(model, idle_wake_s=0.0), trace)
     idle = [i for i, s in enumerate(sim) if all(p.start + p.latency <= s.start for p in sim[:i])]
     wake = max(float(np.median([records[i].ttft - sim[i].ttft for i in idle])), 0.0) if idle else 0.0
     return replace(model, idle_wake_s=wake), len(idle)
+
+
+def simulated(model: CostModel, trace) -> list:
+    """Each request's record in a simulation of `trace` on `model`'s engine with `model`'s costs."""
+    config = sim_config_for(model.engine)
+    return simulate(trace, config, cost_model_step_time(model, config), **model.event_costs()).records
 
 
 def sim_config_for(engine: dict) -> SimConfig:
