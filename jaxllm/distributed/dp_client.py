@@ -161,7 +161,7 @@ class DataParallelClient:
             replica = self._least_loaded()
             if replica is None:
                 self._on_outputs([failed_output(request_id, prompt_token_ids, params, prompt,
-                                                "every engine replica has died")], 0, time.monotonic())
+                                                "every engine replica has died")], 0, time.monotonic(), None)
                 return
             replica.in_flight[request_id] = (prompt_token_ids, params)
             replica.routed_since_push += 1
@@ -244,8 +244,8 @@ class DataParallelClient:
                     if out.finished:
                         replica.in_flight.pop(out.request_id, None)
                         self._owner.pop(out.request_id, None)
-            if outputs:
-                self._on_outputs(outputs, replica.index, timestamp)
+            if outputs or stats is not None:
+                self._on_outputs(outputs, replica.index, timestamp, stats)
 
     def _lost(self, replica: _Replica) -> None:
         if not replica.alive:  # shut down on purpose
@@ -263,7 +263,7 @@ class DataParallelClient:
                      "" if self.is_alive() else "; no replica is left")
         if lost:
             self._on_outputs([failed_output(rid, ids, params, None, message) for rid, (ids, params) in lost.items()],
-                             replica.index, time.monotonic())
+                             replica.index, time.monotonic(), None)
         if not self.is_alive():
             self._on_dead("every engine replica has died")
 

@@ -93,7 +93,8 @@ class AsyncLLM:
         self._streams: dict[str, RequestStream] = {}
         self._dead: str | None = None  # why the engine cannot serve any more
         self._tracker = OutputStatsTracker()
-        num_engines = len(self.client.stats())
+        self._scraped_stats = list(self.client.stats())  # as of the last outputs handed to the loop
+        num_engines = len(self._scraped_stats)
         self._prometheus = [PrometheusStatLogger(self.model_name, i) for i in range(num_engines)]
         self._loggers = [LoggingStatLogger(i) for i in range(num_engines)]
         self._log_task: asyncio.Task | None = None
@@ -173,9 +174,10 @@ class AsyncLLM:
         elif loop is not self._loop:
             raise RuntimeError("AsyncLLM serves one event loop; this is another")
 
-    def _on_outputs(self, outputs: list[RequestOutput], engine_index: int, timestamp: float) -> None:
+    def _on_outputs(self, outputs: list[RequestOutput], engine_index: int, timestamp: float,
+                    stats: dict | None) -> None:
         """Called on the client's thread: hand over to the event loop and return at once."""
-        self._call_in_loop(self._dispatch, outputs, engine_index, timestamp)
+        self._call_in_loop(self._dispatch, outputs, engine_index, timestamp, stats)
 
     def _call_in_loop(self, fn, *args) -> None:
         loop = self._loop
@@ -186,7 +188,10 @@ class AsyncLLM:
         except RuntimeError:  # the loop closed meanwhile
             pass
 
-    def _dispatch(self, outputs: list[RequestOutput], engine_index: int, timestamp: float) -> None:
+    def _dispatch(self, outputs: list[RequestOutput], engine_index: int, timestamp: float,
+                  stats: dict | None) -> None:
+        if stats is not None:
+            self._scraped_stats[engine_index] = stats
         for out in outputs:
             if (stream := self._streams.get(out.request_id)) is not None:
                 stream.put(out)
@@ -230,8 +235,11 @@ class AsyncLLM:
         return {**total, "engines": per_engine}
 
     def refresh_metrics(self) -> None:
-        """Bring the gauges and engine counters up to date (called before each /metrics scrape)."""
-        for logger_, stats in zip(self._prometheus, self.client.stats()):
+        """Bring the gauges and engine counters up to date (called before each /metrics scrape).
+
+        They come from the stats that arrived with the outputs already counted, not the cores' latest, so that a
+        scrape sees a request's end and the blocks it freed together."""
+        for logger_, stats in zip(self._prometheus, self._scraped_stats):
             logger_.record_engine(stats)
 
     async def _log_periodically(self) -> None:

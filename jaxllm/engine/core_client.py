@@ -38,7 +38,10 @@ from jaxllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxllm")
 
-OutputHandler = Callable[[list[RequestOutput], int, float], None]
+# (outputs, engine index, timestamp, the core's stats after the step or None if unchanged): the stats ride with the
+# outputs so that the front's gauges and counters change together (a scrape never sees the KV cache freed before
+# the request that freed it is counted)
+OutputHandler = Callable[[list[RequestOutput], int, float, dict | None], None]
 DeadHandler = Callable[[str], None]
 
 
@@ -153,9 +156,11 @@ class InProcessClient:
                 outputs = self._apply_commands(block)
                 if self.core.has_unfinished_requests() and not self._stopping:
                     outputs += self.core.step()
-                self._stats = [self.core.stats()]
-                if outputs:
-                    self._on_outputs(outputs, 0, time.monotonic())
+                stats = self.core.stats()
+                changed = stats != self._stats[0]
+                self._stats = [stats]
+                if outputs or changed:
+                    self._on_outputs(outputs, 0, time.monotonic(), stats)
         except Exception as e:  # a bug in the engine: say so once, the front fails what is in flight
             logger.exception("the engine core loop died")
             self._stopping = True
