@@ -108,7 +108,6 @@ class EngineRunner:
 
         if self.core is None:
             self.core = EngineCore(engine_args_for(engine), progress=False)
-        self.core.kv.reset_prefix_cache()  # an empty prefix cache, as simulated
         before = self.core.scheduler.num_preemptions
         run = run_trace_on_engine(self.core, trace)
         return {**summarize(run.records, run.duration), "num_preemptions": self.core.scheduler.num_preemptions - before}

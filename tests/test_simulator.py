@@ -16,7 +16,7 @@ from jaxllm.engine.request import Request
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.sampling_params import SamplingParams
 import jaxllm.sim.calibrate as calibrate
-from jaxllm.sim.calibrate import fit_host_overhead, fit_idle_wake
+from jaxllm.sim.calibrate import BUSY_SEED, fit_event_costs, fit_host_overhead, fit_idle_wake
 from jaxllm.sim.costmodel import CostModel, StepShape, fit_cost_model
 from jaxllm.sim.engine_run import run_trace_on_engine
 from jaxllm.sim.simulator import SimConfig, cost_model_step_time, simulate
@@ -218,3 +218,23 @@ def test_idle_wake_is_fitted_on_requests_that_found_the_engine_idle():
     fitted, idle = fit_idle_wake(model, trace, real)
     assert idle == 3 and fitted.idle_wake_s == pytest.approx(0.03)
     assert fit_idle_wake(model, trace, sim)[0].idle_wake_s == pytest.approx(0.0)
+
+
+def test_wake_and_prefill_step_costs_are_recovered_from_the_light_and_busy_traces():
+    """Runs simulated with known costs stand in for real ones: the joint fit finds those costs again,
+    and finds none in runs that had none."""
+    engine = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 512, "num_blocks": 128,
+              "block_size": 16, "enable_prefix_caching": True}
+    model = CostModel(bucket_tokens=[1, 64], bucket_base_s=[0.015, 0.05], per_context_token_s=2e-6,
+                      per_seq_s=2e-4, engine=engine)
+    light, busy = calibrate.light_trace(512), calibrate.busy_trace(512)
+    truth = replace(model, idle_wake_s=0.02, per_prefill_step_s=0.006)
+    runs = (light, calibrate.simulated(truth, light), busy, calibrate.simulated(truth, busy, seed=BUSY_SEED))
+    fitted, fit = fit_event_costs(model, *runs)
+    assert fitted.per_prefill_step_s == pytest.approx(0.006, abs=5e-4)
+    assert fitted.idle_wake_s == pytest.approx(0.02, abs=1e-3)
+    assert abs(fit["busy_mean_ttft_rel_error"]) < 1e-3 and fit["busy_requests"] == 24
+    plain = (light, calibrate.simulated(model, light), busy, calibrate.simulated(model, busy, seed=BUSY_SEED))
+    fitted, _ = fit_event_costs(model, *plain)
+    assert fitted.per_prefill_step_s == 0.0 and fitted.idle_wake_s == pytest.approx(0.0, abs=1e-9)
+

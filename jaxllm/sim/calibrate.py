@@ -13,15 +13,19 @@ Two passes over one loaded engine, and one over a server:
    assembly, sampling, output bookkeeping), each step timed start to next start as the simulator
    counts it. The residual over the device model is fitted as a per-step plus per-sequence host
    overhead (a median fit, `fit_host_overhead`), which the cost model then includes. Then a light
-   trace with idle gaps (`light_trace`) through the same engine fits `idle_wake_s` (`fit_idle_wake`):
-   the first step after the engine sat idle runs slower (measured: a 48-token prefill +28-43 %).
-3. **Server pass** (`calibrate_server`, on by default in the CLI): a light trace through a child
-   `jaxllm serve` with the same engine flags, replayed by `jaxllm bench serve`'s client. Three
-   costs, each from its own evidence: per step, the median over requests of real minus simulated
-   TPOT, not below zero (the event loop streaming to clients shares the CPU with the steps); per request,
-   `request_latency_s` = the client's mean TTFT minus the server's own (its /metrics histogram),
-   i.e. HTTP and the hand-offs, measured rather than fitted, so step-time errors cannot hide in it;
-   per idle period, `idle_wake_s` again, as the server meets it (`fit_idle_wake`).
+   trace with idle gaps (`light_trace`) and a busy one (`busy_trace`) through the same engine fit
+   `idle_wake_s` and `per_prefill_step_s` together on TTFT (`fit_event_costs`): the first step after
+   the engine sat idle runs slower (measured: a 48-token prefill +28-43 %), and so may every step
+   that carries a prefill chunk when other work shares the CPU.
+3. **Server pass** (`calibrate_server`, on by default in the CLI): the light and busy traces through
+   a child `jaxllm serve` with the same engine flags, replayed by `jaxllm bench serve`'s client.
+   The costs, each from its own evidence: per step, the median over the light trace's requests of
+   real minus simulated TPOT, not below zero (the event loop streaming to clients shares the CPU
+   with the steps); per request, `request_latency_s` = the client's mean TTFT minus the server's own
+   (its /metrics histogram), i.e. HTTP and the hand-offs, measured rather than fitted, so step-time
+   errors cannot hide in it; per idle period and per prefill step, `idle_wake_s` and
+   `per_prefill_step_s` again, as the server meets them (`fit_event_costs`): there the front end's
+   work for arriving requests and first tokens lands on prefill steps, which leave it no free core.
 
 The fit errors go into the JSON (`fit`).
 """
@@ -168,9 +172,10 @@ def calibrate(core, *, repeats: int = 5, progress: bool = True) -> CostModel:
                       "engine_total_rel_error": float(abs(predicted.sum() - measured.sum()) / measured.sum()),
                       "host_overhead_per_step_s": per_step, "host_overhead_per_seq_s": float(per_seq)})
     model.engine = _engine_description(core)
-    light = light_trace(sched.max_model_len)
-    model, idle = fit_idle_wake(model, light, run_trace_on_engine(core, light).records)
-    model.fit.update({"engine_idle_arrivals": idle})
+    light, busy = light_trace(sched.max_model_len), busy_trace(sched.max_model_len)
+    model, fit = fit_event_costs(model, light, run_trace_on_engine(core, light).records,
+                                 busy, run_trace_on_engine(core, busy, seed=BUSY_SEED).records)
+    model.fit.update({f"engine_{k}": v for k, v in fit.items()})
     return model
 
 
@@ -196,6 +201,17 @@ def light_trace(max_model_len: int, seed: int = 3):
     return synthesize(16, request_rate=1.0, input_len=prompt, output_len=output, seed=seed)
 
 
+def busy_trace(max_model_len: int, seed: int = 4):
+    """Requests overlapping (three a second) with prompts of one to three chunks: prefill steps run while
+    other requests decode, arrive and get their first token."""
+    prompt = LengthDist(min(96, max_model_len // 4), "uniform", range_ratio=0.8)
+    output = LengthDist(max(4, min(16, max_model_len // 8)), "uniform", range_ratio=0.5)
+    return synthesize(24, request_rate=3.0, input_len=prompt, output_len=output, seed=seed)
+
+
+BUSY_SEED = 1  # the busy trace's prompt tokens: request i's must differ from the light trace's (no prefix hits)
+
+
 def calibrate_server(model: CostModel, server_flags: list[str]) -> CostModel:
     """Add the serving front-end's costs and the idle wake-up to `model` (the module docstring, pass 3)."""
     import asyncio
@@ -204,12 +220,14 @@ def calibrate_server(model: CostModel, server_flags: list[str]) -> CostModel:
     from jaxllm.bench.serve import first_model, run
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
-    trace = light_trace(model.engine["max_model_len"])
+    trace, busy = light_trace(model.engine["max_model_len"]), busy_trace(model.engine["max_model_len"])
     with ServerProcess(server_flags) as server:
         name = first_model(server.url, {})
         records, _ = asyncio.run(run(trace, url=server.url + "/v1/completions", model=name, headers={}))
         metrics = server.metrics()
-    failed = [r.error for r in records if not r.success]
+        busy_records, _ = asyncio.run(run(busy, url=server.url + "/v1/completions", model=name, headers={},
+                                          seed=BUSY_SEED))
+    failed = [r.error for r in records + busy_records if not r.success]
     if failed:
         raise RuntimeError(f"server pass: {len(failed)} requests failed, e.g. {failed[0]}")
 
@@ -222,16 +240,42 @@ def calibrate_server(model: CostModel, server_flags: list[str]) -> CostModel:
     # per request: the client's TTFT minus the server's own (arrival at its front to the first token out)
     served_ttft = metrics["jaxllm:time_to_first_token_seconds_sum"] / metrics["jaxllm:time_to_first_token_seconds_count"]
     model = replace(model, request_latency_s=max(float(np.mean([r.ttft for r in records])) - served_ttft, 0.0))
-    model, idle = fit_idle_wake(model, trace, records)
+    model, fit = fit_event_costs(model, trace, records, busy, busy_records)
 
     check = simulated(model, trace)
     ttft_err = abs(sum(s.ttft for s in check) - sum(r.ttft for r in records)) / sum(r.ttft for r in records)
     tpot_err = abs(sum(s.tpot for s in check) - sum(r.tpot for r in records)) / sum(r.tpot for r in records)
     model.fit.update({"server_requests": len(records), "server_overhead_per_step_s": per_step,
                       "server_measured_per_step_s": measured_per_step,
-                      "server_idle_arrivals": idle, "server_mean_ttft_rel_error": ttft_err,
+                      **{f"server_{k}": v for k, v in fit.items()}, "server_mean_ttft_rel_error": ttft_err,
                       "server_mean_tpot_rel_error": tpot_err})
     return model
+
+
+def fit_event_costs(model: CostModel, light, light_records, busy, busy_records,
+                    iterations: int = 30) -> tuple[CostModel, dict]:
+    """`model` with `per_prefill_step_s` and `idle_wake_s` fitted together on real runs of the light and
+    busy traces, and what the fit rests on.
+
+    The light trace's requests mostly find the engine idle, so their TTFT carries the wake-up and the
+    prefill-step cost together; the busy trace's carry mostly the prefill-step cost. So: for a trial
+    `p`, fit the wake on the light trace; choose the `p` (bisection, >= 0) at which the busy trace's
+    simulated mean TTFT equals the real one."""
+    real = float(np.mean([r.ttft for r in busy_records]))
+
+    def with_p(p: float) -> tuple[CostModel, int, float]:
+        fitted, idle = fit_idle_wake(replace(model, per_prefill_step_s=p), light, light_records)
+        return fitted, idle, float(np.mean([r.ttft for r in simulated(fitted, busy, seed=BUSY_SEED)])) - real
+
+    low, high = 0.0, 0.1
+    fitted, idle, error = with_p(low)
+    if error < 0:  # the busy trace runs slower than the model: some p > 0 makes up for it
+        for _ in range(iterations):
+            mid = (low + high) / 2
+            fitted, idle, error = with_p(mid)
+            low, high = (mid, high) if error < 0 else (low, mid)
+    return fitted, {"idle_wake_s": fitted.idle_wake_s, "per_prefill_step_s": fitted.per_prefill_step_s,
+                    "idle_arrivals": idle, "busy_requests": len(busy_records), "busy_mean_ttft_rel_error": error / real}
 
 
 def fit_idle_wake(model: CostModel, trace, records) -> tuple[CostModel, int]:
@@ -244,10 +288,10 @@ def fit_idle_wake(model: CostModel, trace, records) -> tuple[CostModel, int]:
     return replace(model, idle_wake_s=wake), len(idle)
 
 
-def simulated(model: CostModel, trace) -> list:
+def simulated(model: CostModel, trace, seed: int = 0) -> list:
     """Each request's record in a simulation of `trace` on `model`'s engine with `model`'s costs."""
     config = sim_config_for(model.engine)
-    return simulate(trace, config, cost_model_step_time(model, config), **model.event_costs()).records
+    return simulate(trace, config, cost_model_step_time(model, config), seed=seed, **model.event_costs()).records
 
 
 def sim_config_for(engine: dict) -> SimConfig:

@@ -2,7 +2,7 @@
 
 Form (fitted by `jaxllm calibrate`):
 
-    t(step) = base(T_b) + a · context_tokens + b · attention_pairs + c · num_seqs
+    t(step) = base(T_b) + a · context_tokens + b · attention_pairs + c · num_seqs + p · [prefill in step]
 
 - `T_b` is the compiled bucket the step runs in (the token count rounded up to a power of two,
   capped at max_num_batched_tokens). The engine pads every step to its bucket, so the dense work
@@ -13,6 +13,12 @@ Form (fitted by `jaxllm calibrate`):
   attention's KV reads, the term that grows with context during decode.
 - `attention_pairs` = Σ new tokens × KV length: the quadratic attention work of prefill chunks.
 - `num_seqs`: per-sequence host work (input assembly, sampling, scheduler and output bookkeeping).
+- `[prefill in step]`: 1 when the step carries a prefill chunk (more tokens than sequences). On a
+  CPU such a step keeps every core busy, so other work on the machine lengthens it — in a server,
+  the front end answering arrivals and streaming first tokens, which land on exactly these steps;
+  a decode step leaves a core free for it. Fitted on TTFT by the calibration's busy trace
+  (`jaxllm.sim.calibrate.fit_event_costs`); measured on a 2-core VM's server: 64-token prefill
+  steps 5-18 % over the offline model, decode steps within it.
 
 Besides the step time, two per-event costs (both measured by `jaxllm calibrate`'s server pass):
 
@@ -35,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-FORM = "base(bucket) + a*context_tokens + b*attention_pairs + c*num_seqs"
+FORM = "base(bucket) + a*context_tokens + b*attention_pairs + c*num_seqs + p*[prefill in step]"
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,7 @@ class CostModel:
     per_context_token_s: float = 0.0
     per_attention_pair_s: float = 0.0
     per_seq_s: float = 0.0
+    per_prefill_step_s: float = 0.0  # p: extra time of a step that carries a prefill chunk
     request_latency_s: float = 0.0  # serving front-end, per request (see the module docstring)
     idle_wake_s: float = 0.0  # extra time of the first step after the engine was idle
     fit: dict = field(default_factory=dict)  # fit error and sample counts
@@ -93,7 +100,8 @@ class CostModel:
         return (self.base(bucket_tokens(shape.num_tokens, max_num_batched_tokens))
                 + self.per_context_token_s * shape.context_tokens
                 + self.per_attention_pair_s * shape.attention_pairs
-                + self.per_seq_s * shape.num_seqs)
+                + self.per_seq_s * shape.num_seqs
+                + (self.per_prefill_step_s if shape.num_tokens > shape.num_seqs else 0.0))
 
     def event_costs(self) -> dict[str, float]:
         """`simulate()`'s per-request and per-wake-up costs from this model."""

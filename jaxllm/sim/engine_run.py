@@ -61,7 +61,14 @@ def forced_params(output_len: int) -> SamplingParams:
 
 
 def run_trace_on_engine(core, trace: list[TraceRequest], *, seed: int = 0) -> EngineRun:
-    """Replay `trace` (sorted by arrival) through `core` in real time; request ids are trace indices."""
+    """Replay `trace` (sorted by arrival) through `core` in real time; request ids are trace indices.
+
+    The run starts with an empty prefix cache, as a simulation does: traces made with one seed give
+    request i the same first tokens, so a cache left by an earlier run would serve hits that the
+    simulation cannot know of (calibration's light trace ran after its engine pass 20-50 ms faster
+    than simulated, and the idle wake-up it fits came out as 0)."""
+    if not core.reset_prefix_cache():
+        raise ValueError("the engine has requests in flight: a trace run needs it to itself")
     captured = []
     schedule = core.scheduler.schedule
 

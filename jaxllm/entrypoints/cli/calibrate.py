@@ -40,9 +40,15 @@ def run(args) -> None:
     fit = model.fit
     print(f"cost model ({model.form}) fitted on {fit['samples']} device steps: mean |error| "
           f"{fit['mean_abs_rel_error']:.1%}, p90 {fit['p90_abs_rel_error']:.1%}; on {fit['engine_steps']} engine steps: "
-          f"mean {fit['engine_mean_abs_rel_error']:.1%}, total time {fit['engine_total_rel_error']:.1%}")
+          f"mean {fit['engine_mean_abs_rel_error']:.1%}, total time {fit['engine_total_rel_error']:.1%}; "
+          f"{event_costs(fit, 'engine')}")
     if args.server:
         print(f"server: +{fit['server_overhead_per_step_s'] * 1e3:.1f} ms per step, {model.request_latency_s * 1e3:.1f} ms "
-              f"per request, +{model.idle_wake_s * 1e3:.1f} ms on the first step after idling; mean TTFT error {fit['server_mean_ttft_rel_error']:.1%}, "
+              f"per request, {event_costs(fit, 'server')}; mean TTFT error {fit['server_mean_ttft_rel_error']:.1%}, "
               f"mean TPOT error {fit['server_mean_tpot_rel_error']:.1%} on {fit['server_requests']} requests")
     print(f"wrote {args.out}")
+
+
+def event_costs(fit: dict, prefix: str) -> str:
+    return (f"+{fit[prefix + '_idle_wake_s'] * 1e3:.1f} ms on the first step after idling, "
+            f"+{fit[prefix + '_per_prefill_step_s'] * 1e3:.1f} ms per prefill step")
