@@ -13,22 +13,24 @@ Form (fitted by `jaxllm calibrate`):
   attention's KV reads, the term that grows with context during decode.
 - `attention_pairs` = Σ new tokens × KV length: the quadratic attention work of prefill chunks.
 - `num_seqs`: per-sequence host work (input assembly, sampling, scheduler and output bookkeeping).
-- `[prefill in step]`: 1 when the step carries a prefill chunk (more tokens than sequences). On a
-  CPU such a step keeps every core busy, so other work on the machine lengthens it — in a server,
-  the front end answering arrivals and streaming first tokens, which land on exactly these steps;
-  a decode step leaves a core free for it. Fitted on TTFT by the calibration's busy trace
-  (`jaxllm.sim.calibrate.fit_event_costs`); measured on a 2-core VM's server: 64-token prefill
-  steps 5-18 % over the offline model, decode steps within it.
+- `[prefill in step]`: 1 when the step carries a prefill chunk (more tokens than sequences): what
+  such a step takes in a live run beyond its time in the isolated sweep. On a CPU it keeps every
+  core busy, so other work lengthens it (in a server, the front end answering arrivals and
+  streaming first tokens, which land on exactly these steps), and after single-thread decode steps
+  its second thread has to wake. Fitted on TTFT by the calibration's busy trace
+  (`jaxllm.sim.calibrate.fit_event_costs`); measured on a 2-core VM: 5-13 ms offline, 0-12 ms in a
+  server, on 45-55 ms 64-token steps.
 
-Besides the step time, two per-event costs (both measured by `jaxllm calibrate`'s server pass):
+Besides the step time, two per-event costs (measured by `jaxllm calibrate`, the first in its server pass):
 
 - `request_latency_s`: the serving front-end's share of each request (HTTP, hand-off to the
   engine loop, streaming the first chunk back), measured as the client's mean TTFT minus the
   server's own (its /metrics): the simulator lets a request reach the scheduler that long after
   it was sent. 0 describes the offline engine.
 - `idle_wake_s`: how much longer the first step after the engine sat idle takes than the same
-  step back to back (measured on a 2-core VM: +20-50 ms on a ~130 ms prefill step after an idle
-  gap of 0.5 s or more; a machine effect — caches and clocks — not scheduling work).
+  step back to back (measured on a 2-core VM, in-process: a 64-token prefill 1.33-1.41x after any
+  idle gap from 0.1 to 3 s; fitted 6-17 ms; a machine effect — threads and caches waking — not
+  scheduling work). Fitted together with `per_prefill_step_s` (`fit_event_costs`), offline as well.
 
 Coefficients are fitted by least squares on relative error and kept non-negative. No JAX here.
 """
