@@ -3,6 +3,7 @@ deterministic, forces the trace's output lengths, returns every block, matches a
 run step for step when given its step times, and `jaxllm simulate` handles 10,000 requests."""
 
 import json
+from pathlib import Path
 import time
 from dataclasses import replace
 
@@ -238,3 +239,28 @@ def test_wake_and_prefill_step_costs_are_recovered_from_the_light_and_busy_trace
     fitted, _ = fit_event_costs(model, *plain)
     assert fitted.per_prefill_step_s == 0.0 and fitted.idle_wake_s == pytest.approx(0.0, abs=1e-9)
 
+
+
+@pytest.mark.parametrize("script", ["chunked_prefill", "lpm_vs_fcfs", "priority_fair", "batched_tokens_sweep"])
+def test_research_experiment_writes_its_plot_and_the_committed_figures(script, tmp_path):
+    """Each experiment runs on the shipped cost model and reproduces the JSON committed beside it (the
+    figures docs/research.md quotes)."""
+    import subprocess
+    import sys
+
+    folder = Path(__file__).parent.parent / "examples" / "research"
+    subprocess.run([sys.executable, str(folder / f"{script}.py"), "--out", str(tmp_path)], check=True,
+                   capture_output=True, timeout=300)
+    assert (tmp_path / f"{script}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    got, committed = (json.loads(path.read_text()) for path in (tmp_path / f"{script}.json",
+                                                                folder / "results" / f"{script}.json"))
+    assert leaves(got) == pytest.approx(leaves(committed), rel=1e-6)
+
+
+def leaves(tree, path: str = "") -> dict:
+    """A JSON value's numbers by path, flat, so nested results compare with `pytest.approx`."""
+    if isinstance(tree, dict):
+        return {k: v for key, sub in tree.items() for k, v in leaves(sub, f"{path}/{key}").items()}
+    if isinstance(tree, list):
+        return {k: v for i, sub in enumerate(tree) for k, v in leaves(sub, f"{path}/{i}").items()}
+    return {path: tree}
