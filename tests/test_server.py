@@ -327,6 +327,20 @@ def test_a_client_that_leaves_a_plain_request_aborts_it(server):
     assert server.core.kv.num_free_blocks == server.core.kv.num_usable_blocks
 
 
+def test_the_engine_stats_a_scrape_sees_come_with_the_outputs_they_describe(server, client, monkeypatch):
+    """A scrape must never see a request's blocks freed before its end is counted: the core's stats
+    reach the event loop in the same hand-over as the outputs of the step they follow."""
+    handed = []
+    hand_over = server.engine.client._on_outputs
+    monkeypatch.setattr(server.engine.client, "_on_outputs",
+                        lambda outputs, *rest: (handed.append((outputs, rest[-1])), hand_over(outputs, *rest)))
+    wait_idle(server)
+    client.completions.create(model=MODEL, prompt="Count to ten:", max_tokens=5, extra_body={"ignore_eos": True})
+    (last_outputs, stats), = [h for h in handed if any(o.finished for o in h[0])]
+    assert stats["num_running"] == stats["num_waiting"] == 0 and stats["kv_cache_usage"] == 0
+    assert all(s is not None for _, s in handed), "every step's outputs carry the stats after it"
+
+
 def test_metrics_have_vllms_names(server, client):
     client.completions.create(model=MODEL, prompt="Hi there", max_tokens=3)
     page = httpx.get(server.url + "/metrics").text
