@@ -201,6 +201,9 @@ def light_trace(max_model_len: int, seed: int = 3):
     return synthesize(16, request_rate=1.0, input_len=prompt, output_len=output, seed=seed)
 
 
+BUSY_SEED = 1  # the busy trace's prompt tokens: request i's must differ from the light trace's (no prefix hits)
+
+
 def busy_trace(max_model_len: int, seed: int = 4):
     """Requests overlapping (three a second) with prompts of one to three chunks: prefill steps run while
     other requests decode, arrive and get their first token."""
@@ -209,11 +212,9 @@ def busy_trace(max_model_len: int, seed: int = 4):
     return synthesize(24, request_rate=3.0, input_len=prompt, output_len=output, seed=seed)
 
 
-BUSY_SEED = 1  # the busy trace's prompt tokens: request i's must differ from the light trace's (no prefix hits)
-
-
 def calibrate_server(model: CostModel, server_flags: list[str]) -> CostModel:
-    """Add the serving front-end's costs and the idle wake-up to `model` (the module docstring, pass 3)."""
+    """Add the serving front-end's costs, the idle wake-up and the prefill-step cost to `model` as a server
+    meets them (the module docstring, pass 3)."""
     import asyncio
 
     from jaxllm.bench.server_process import ServerProcess
@@ -259,7 +260,7 @@ def fit_event_costs(model: CostModel, light, light_records, busy, busy_records,
 
     The light trace's requests mostly find the engine idle, so their TTFT carries the wake-up and the
     prefill-step cost together; the busy trace's carry mostly the prefill-step cost. So: for a trial
-    `p`, fit the wake on the light trace; choose the `p` (bisection, >= 0) at which the busy trace's
+    `p`, fit the wake on the light trace; choose the `p` (bisection, 0-100 ms) at which the busy trace's
     simulated mean TTFT equals the real one."""
     real = float(np.mean([r.ttft for r in busy_records]))
 
