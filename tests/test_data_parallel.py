@@ -70,10 +70,15 @@ async def many(url: str, n: int, max_tokens: int, on_first_done=None, **extra) -
         return await asyncio.gather(*tasks)
 
 
-def generation_tokens(url: str) -> dict[str, float]:
+def per_engine(url: str, name: str) -> dict[str, float]:
+    """One metric's value for each engine replica, from /metrics."""
     text = httpx.get(f"{url}/metrics").text
-    found = re.findall(r'^jaxllm:generation_tokens_total\{[^}]*engine="(\d+)"[^}]*\} (\S+)$', text, re.M)
+    found = re.findall(rf'^jaxllm:{name}\{{[^}}]*engine="(\d+)"[^}}]*\}} (\S+)$', text, re.M)
     return {engine: float(value) for engine, value in found}
+
+
+def generation_tokens(url: str) -> dict[str, float]:
+    return per_engine(url, "generation_tokens_total")
 
 
 def test_greedy_text_equals_offline(server, llm):
@@ -116,6 +121,7 @@ def test_a_dead_replica_fails_only_its_requests(server):
     assert [r.status_code for r in later] == [200] * 8
     health = httpx.get(f"{url}/health")
     assert health.status_code == 200 and health.json() == {"status": "degraded", "dead_engines": [1]}
+    assert per_engine(url, "num_requests_running")["1"] == 0, "the dead replica runs nothing"
 
 
 def _replica_pids(server_pid: int) -> list[int]:

@@ -258,12 +258,12 @@ class DataParallelClient:
             replica.in_flight.clear()
             for rid in lost:
                 self._owner.pop(rid, None)
-            replica.stats = {**replica.stats, "num_running": 0, "num_waiting": 0}
+            replica.stats = stats = {**replica.stats, "num_running": 0, "num_waiting": 0}
         logger.error("%s; failing its %d in-flight request(s)%s", message, len(lost),
                      "" if self.is_alive() else "; no replica is left")
-        if lost:
-            self._on_outputs([failed_output(rid, ids, params, None, message) for rid, (ids, params) in lost.items()],
-                             replica.index, time.monotonic(), None)
+        # the failed requests and the emptied replica reach the front's counters and gauges together
+        self._on_outputs([failed_output(rid, ids, params, None, message) for rid, (ids, params) in lost.items()],
+                         replica.index, time.monotonic(), stats)
         if not self.is_alive():
             self._on_dead("every engine replica has died")
 
