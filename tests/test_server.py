@@ -336,7 +336,7 @@ def test_the_engine_stats_a_scrape_sees_come_with_the_outputs_they_describe(serv
                         lambda outputs, *rest: (handed.append((outputs, rest[-1])), hand_over(outputs, *rest)))
     wait_idle(server)
     client.completions.create(model=MODEL, prompt="Count to ten:", max_tokens=5, extra_body={"ignore_eos": True})
-    (last_outputs, stats), = [h for h in handed if any(o.finished for o in h[0])]
+    (_, stats), = [h for h in handed if any(o.finished for o in h[0])]
     assert stats["num_running"] == stats["num_waiting"] == 0 and stats["kv_cache_usage"] == 0
     assert all(s is not None for _, s in handed), "every step's outputs carry the stats after it"
 

@@ -3,9 +3,11 @@ deterministic, forces the trace's output lengths, returns every block, matches a
 run step for step when given its step times, and `jaxllm simulate` handles 10,000 requests."""
 
 import json
-from pathlib import Path
+import subprocess
+import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -240,14 +242,10 @@ def test_wake_and_prefill_step_costs_are_recovered_from_the_light_and_busy_trace
     assert fitted.per_prefill_step_s == 0.0 and fitted.idle_wake_s == pytest.approx(0.0, abs=1e-9)
 
 
-
 @pytest.mark.parametrize("script", ["chunked_prefill", "lpm_vs_fcfs", "priority_fair", "batched_tokens_sweep"])
 def test_research_experiment_writes_its_plot_and_the_committed_figures(script, tmp_path):
     """Each experiment runs on the shipped cost model and reproduces the JSON committed beside it (the
     figures docs/research.md quotes)."""
-    import subprocess
-    import sys
-
     folder = Path(__file__).parent.parent / "examples" / "research"
     subprocess.run([sys.executable, str(folder / f"{script}.py"), "--out", str(tmp_path)], check=True,
                    capture_output=True, timeout=300)
