@@ -125,7 +125,7 @@ class Embed(nn.Module):
             self.dtype,
         )
 
-    def __call__(self, token_ids: Int[Array, "T"]) -> Float[Array, "T H"]:
+    def __call__(self, token_ids: Int[Array, " T"]) -> Float[Array, "T H"]:
         if self.packed:
             return packed_rows(self.embedding, token_ids)
         return jnp.take(self.embedding, token_ids, axis=0)
@@ -153,7 +153,7 @@ class GatedMLP(nn.Module):
         return down(nn.silu(gate_up[:, 0]) * gate_up[:, 1], layer)
 
 
-def rotary_cos_sin(arch: ModelArch, positions: Int[Array, "T"], dtype: Dtype) -> tuple[Array, Array]:
+def rotary_cos_sin(arch: ModelArch, positions: Int[Array, " T"], dtype: Dtype) -> tuple[Array, Array]:
     """cos and sin `[T, head_dim]` for the rotate-half convention, computed in float32."""
     inv_freq, scale = arch.rope.inv_freq_and_scale(arch.max_position_embeddings)
     freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]

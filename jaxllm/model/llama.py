@@ -33,14 +33,14 @@ from jaxllm.model.registry import ModelArch
 class StepInputs(NamedTuple):
     """The flattened ragged batch of one engine step (docs/design.md, "One engine step")."""
 
-    token_ids: Int[Array, "T"]
-    positions: Int[Array, "T"]
-    slot_mapping: Int[Array, "T"]  # cache slot of each token's K/V; padding → a scratch slot
-    cu_q_lens: Int[Array, "S1"]  # sequence i owns rows cu_q_lens[i]:cu_q_lens[i+1]
-    kv_lens: Int[Array, "S"]  # context length of each sequence after this step
+    token_ids: Int[Array, " T"]
+    positions: Int[Array, " T"]
+    slot_mapping: Int[Array, " T"]  # cache slot of each token's K/V; padding → a scratch slot
+    cu_q_lens: Int[Array, " S1"]  # sequence i owns rows cu_q_lens[i]:cu_q_lens[i+1]
+    kv_lens: Int[Array, " S"]  # context length of each sequence after this step
     block_tables: Int[Array, "S M"]
     num_seqs: Int[Array, "1"]
-    logits_indices: Int[Array, "R"]  # rows whose logits are wanted
+    logits_indices: Int[Array, " R"]  # rows whose logits are wanted
 
 
 class KVCache(NamedTuple):

@@ -52,25 +52,25 @@ BISECT_UNROLL = 2  # bisection steps per loop iteration: full unrolling compiles
 
 
 class SamplingInputs(NamedTuple):
-    temperature: Float[Array, "S"]  # 0 → greedy (argmax after penalties and mask)
-    top_k: Int[Array, "S"]  # 0 → off
-    top_p: Float[Array, "S"]  # 1 → off
-    min_p: Float[Array, "S"]  # 0 → off
-    repetition_penalty: Float[Array, "S"]  # 1 → off; applies to tokens in prompt or output
-    presence_penalty: Float[Array, "S"]  # 0 → off; output tokens only
-    frequency_penalty: Float[Array, "S"]  # 0 → off; output tokens only
-    seeds: Int[Array, "S"]  # per-request seed (int32)
-    steps: Int[Array, "S"]  # number of tokens the request has generated so far
+    temperature: Float[Array, " S"]  # 0 → greedy (argmax after penalties and mask)
+    top_k: Int[Array, " S"]  # 0 → off
+    top_p: Float[Array, " S"]  # 1 → off
+    min_p: Float[Array, " S"]  # 0 → off
+    repetition_penalty: Float[Array, " S"]  # 1 → off; applies to tokens in prompt or output
+    presence_penalty: Float[Array, " S"]  # 0 → off; output tokens only
+    frequency_penalty: Float[Array, " S"]  # 0 → off; output tokens only
+    seeds: Int[Array, " S"]  # per-request seed (int32)
+    steps: Int[Array, " S"]  # number of tokens the request has generated so far
     history: Int[Array, "S P"]  # prompt then output token ids, -1 padded (filled only for rows using penalties)
-    prompt_lens: Int[Array, "S"]  # how many leading history entries are prompt
+    prompt_lens: Int[Array, " S"]  # how many leading history entries are prompt
     allowed: UInt32[Array, "S W"]  # bit t%32 of word t//32 set → token t may be sampled (all ones: no mask)
-    num_logprobs: Int[Array, "S"]  # top logprobs wanted (-1: none)
+    num_logprobs: Int[Array, " S"]  # top logprobs wanted (-1: none)
 
 
 class SamplerOutput(NamedTuple):
-    token_ids: Int[Array, "S"]
-    logprobs: Float[Array, "S"]  # raw log-softmax of the model's logits at the sampled token
-    ranks: Int[Array, "S"]  # 1 + number of tokens with a strictly higher raw logprob (0 when no row asked for logprobs)
+    token_ids: Int[Array, " S"]
+    logprobs: Float[Array, " S"]  # raw log-softmax of the model's logits at the sampled token
+    ranks: Int[Array, " S"]  # 1 + number of tokens with a strictly higher raw logprob (0 when no row asked for logprobs)
     top_token_ids: Int[Array, "S K"]  # K = MAX_LOGPROBS, by decreasing raw logprob
     top_logprobs: Float[Array, "S K"]
 
@@ -163,7 +163,7 @@ def _first(mask: Array) -> Int[Array, "..."]:
     return jnp.argmax(mask, axis=-1).astype(jnp.int32)
 
 
-def _argmax(x: Float[Array, "S V"]) -> Int[Array, "S"]:
+def _argmax(x: Float[Array, "S V"]) -> Int[Array, " S"]:
     """argmax, lowest index on ties, by blocks: one pass of block maxima, then one block.
 
     XLA CPU's variadic argmax reduction over [64, 49152] is 5-20x slower than this.
@@ -241,7 +241,7 @@ def _top_k(x: Float[Array, "S V"], k: int) -> tuple[Float[Array, "S k"], Int[Arr
     return vals, jnp.take_along_axis(blocks, j // B, axis=1) * B + j % B
 
 
-def _largest_key(satisfied, S: int) -> UInt32[Array, "S"]:
+def _largest_key(satisfied, S: int) -> UInt32[Array, " S"]:
     """The largest key t with satisfied(t) (a monotone, row-wise predicate true at 0), bit by bit."""
 
     def step(i, t):
@@ -251,7 +251,7 @@ def _largest_key(satisfied, S: int) -> UInt32[Array, "S"]:
     return jax.lax.fori_loop(0, 32, step, jnp.zeros(S, jnp.uint32), unroll=BISECT_UNROLL)
 
 
-def _truncation_bisect(x, e, key_min, k_on, top_k, p_on, top_p) -> UInt32[Array, "S"]:
+def _truncation_bisect(x, e, key_min, k_on, top_k, p_on, top_p) -> UInt32[Array, " S"]:
     """Exact threshold keys for top_k and top_p by bisection over the float order (no candidates needed)."""
     S = x.shape[0]
     key = _order_key(x)
@@ -271,8 +271,8 @@ def _truncation_bisect(x, e, key_min, k_on, top_k, p_on, top_p) -> UInt32[Array,
     return jnp.maximum(key_k, key_p)
 
 
-def _truncation(x: Float[Array, "S V"], thr_min: Float[Array, "S"], top_k, top_p,
-                candidates: int = TOPK_CANDIDATES) -> UInt32[Array, "S"]:
+def _truncation(x: Float[Array, "S V"], thr_min: Float[Array, " S"], top_k, top_p,
+                candidates: int = TOPK_CANDIDATES) -> UInt32[Array, " S"]:
     """Threshold keys of top_k then top_p on the scaled logits x, after a min_p threshold thr_min.
 
     The k-th largest of the min_p-filtered logits is max(thr_min, k-th largest of x), so top_k
@@ -306,7 +306,7 @@ def _truncation(x: Float[Array, "S V"], thr_min: Float[Array, "S"], top_k, top_p
     )
 
 
-def _scaled_threshold(z: Float[Array, "S V"], inp: SamplingInputs) -> tuple[Float[Array, "S V"], UInt32[Array, "S"]]:
+def _scaled_threshold(z: Float[Array, "S V"], inp: SamplingInputs) -> tuple[Float[Array, "S V"], UInt32[Array, " S"]]:
     """Stage e before the draw: (z / temperature, key threshold): a row keeps the tokens whose
     `_order_key` is >= its threshold (min_p, top_k, top_p). Greedy rows are scaled by 1."""
     t = inp.temperature.astype(jnp.float32)
@@ -324,7 +324,7 @@ def _scaled_threshold(z: Float[Array, "S V"], inp: SamplingInputs) -> tuple[Floa
     return x, key
 
 
-def _keep(x: Float[Array, "S V"], key: UInt32[Array, "S"]) -> Float[Array, "S V"]:
+def _keep(x: Float[Array, "S V"], key: UInt32[Array, " S"]) -> Float[Array, "S V"]:
     return jnp.where(_order_key(x) >= key[:, None], x, _NEG_INF)
 
 
@@ -335,19 +335,19 @@ def processed_logits(logits: Float[Array, "S V"], inputs: SamplingInputs) -> Flo
     return jnp.where((inputs.temperature > 0)[:, None], _keep(x, key), z)
 
 
-def _uniforms(seeds: Int[Array, "S"], steps: Int[Array, "S"]) -> Float[Array, "S"]:
+def _uniforms(seeds: Int[Array, " S"], steps: Int[Array, " S"]) -> Float[Array, " S"]:
     def one(seed, step):
         return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), step), dtype=jnp.float32)
 
     return jax.vmap(one)(seeds.astype(jnp.int32), steps.astype(jnp.int32))
 
 
-def _last_positive(p: Float[Array, "S N"]) -> Int[Array, "S"]:
+def _last_positive(p: Float[Array, "S N"]) -> Int[Array, " S"]:
     iota = jax.lax.broadcasted_iota(jnp.int32, p.shape, 1)
     return jnp.max(jnp.where(p > 0, iota, 0), axis=-1)
 
 
-def _draw(x: Float[Array, "S V"], key: UInt32[Array, "S"], u: Float[Array, "S"]) -> Int[Array, "S"]:
+def _draw(x: Float[Array, "S V"], key: UInt32[Array, " S"], u: Float[Array, " S"]) -> Int[Array, " S"]:
     """Inverse-CDF draw from softmax(x) over the tokens `key` keeps, one uniform per row, two levels
     deep (blocks, then tokens). Never returns an excluded token unless the row excludes everything.
     The row's max token is always kept, so x's max normalises the kept ones too.

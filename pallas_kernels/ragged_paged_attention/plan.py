@@ -26,15 +26,15 @@ from jaxtyping import Array, Int
 
 
 class TilePlan(NamedTuple):
-    seq: Int[Array, "NT"]  # sequence of the tile (0 for an empty tile)
-    row0: Int[Array, "NT"]  # first query row of the tile in q
-    nrows: Int[Array, "NT"]  # real rows in the tile (0: empty tile)
-    pos0: Int[Array, "NT"]  # absolute position of the tile's first row
-    kv_len: Int[Array, "NT"]  # the sequence's context length
-    key_lo: Int[Array, "NT"]  # first key any row of the tile needs
-    key_hi: Int[Array, "NT"]  # one past the last key any row of the tile needs
-    row_tile: Int[Array, "T"]  # for each query row: its tile
-    row_slot: Int[Array, "T"]  # for each query row: its index within the tile
+    seq: Int[Array, " NT"]  # sequence of the tile (0 for an empty tile)
+    row0: Int[Array, " NT"]  # first query row of the tile in q
+    nrows: Int[Array, " NT"]  # real rows in the tile (0: empty tile)
+    pos0: Int[Array, " NT"]  # absolute position of the tile's first row
+    kv_len: Int[Array, " NT"]  # the sequence's context length
+    key_lo: Int[Array, " NT"]  # first key any row of the tile needs
+    key_hi: Int[Array, " NT"]  # one past the last key any row of the tile needs
+    row_tile: Int[Array, " T"]  # for each query row: its tile
+    row_slot: Int[Array, " T"]  # for each query row: its index within the tile
     row_real: Array  # bool [T]: the row belongs to a sequence < num_seqs
 
 
@@ -51,8 +51,8 @@ def _searchsorted(sorted_arr, x):
 
 
 def make_tile_plan(
-    cu_q_lens: Int[Array, "S1"],
-    kv_lens: Int[Array, "S"],
+    cu_q_lens: Int[Array, " S1"],
+    kv_lens: Int[Array, " S"],
     num_seqs: Int[Array, "1"],
     *,
     num_tokens: int,

@@ -73,7 +73,7 @@ def pack_matrix(w, *, transposed: bool = False):
     return xp.reshape(pack((w.T if transposed else w)[None]), w.shape)
 
 
-def packed_rows(w, index: Int[Array, "T"]):
+def packed_rows(w, index: Int[Array, " T"]):
     """Rows `index` of E from `w = pack_matrix(E, transposed=True)` (a tied embedding's lookup): row v is
     column v of the packed [K, N] matrix, column v % 32 of panel v // 32."""
     n, k = w.shape
@@ -94,7 +94,7 @@ def kernel_applies(x, w) -> bool:
 
 
 def stacked_matmul(x: Float[Array, "T K"], w: Float[Array, "L K *N"], layer: Int[Array, ""] | int,
-                   *, backend: str = "auto") -> Float[Array, "T *N"]:
+                   *, backend: str = "auto") -> Float[Array, " T *N"]:
     """`x @ w[layer]`, contracting x's last axis with the layer's first."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
