@@ -26,15 +26,38 @@ ENGINE = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-
 
 def one_run(size: int, args, workdir: Path, round_: int) -> dict:
     out = workdir / f"dp{size}-{round_}.json"
-    with ServerProcess([*ENGINE, "--data-parallel-size", str(size)],
-                       log_path=workdir / f"dp{size}-{round_}.log") as server:
-        subprocess.run([sys.executable, "-m", "jaxllm.entrypoints.cli", "bench", "serve", "--base-url", server.url,
-                        "--num-prompts", str(args.num_prompts), "--random-input-len", str(args.input_len),
-                        "--random-output-len", str(args.output_len), "--request-rate", "inf", "--output", str(out),
-                        "--disable-tqdm"], check=True, capture_output=True)
+    with ServerProcess(
+        [*ENGINE, "--data-parallel-size", str(size)], log_path=workdir / f"dp{size}-{round_}.log"
+    ) as server:
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "jaxllm.entrypoints.cli",
+                "bench",
+                "serve",
+                "--base-url",
+                server.url,
+                "--num-prompts",
+                str(args.num_prompts),
+                "--random-input-len",
+                str(args.input_len),
+                "--random-output-len",
+                str(args.output_len),
+                "--request-rate",
+                "inf",
+                "--output",
+                str(out),
+                "--disable-tqdm",
+            ],
+            check=True,
+            capture_output=True,
+        )
     result = json.loads(out.read_text())
-    return {key: result[key] for key in ("duration", "completed", "failed", "output_throughput", "mean_ttft_ms",
-                                         "mean_tpot_ms")}
+    return {
+        key: result[key]
+        for key in ("duration", "completed", "failed", "output_throughput", "mean_ttft_ms", "mean_tpot_ms")
+    }
 
 
 def main() -> None:
@@ -55,12 +78,22 @@ def main() -> None:
             print(f"round {round_} DP={size}: {runs[size][-1]['output_throughput']:.1f} output tok/s", flush=True)
     load.append(os.getloadavg()[0])
     base = args.sizes[0]
-    summary = {size: {"median_output_tok_per_s": statistics.median(r["output_throughput"] for r in rs),
-                      "ratio_vs_dp%d" % base: statistics.median(
-                          r["output_throughput"] / b["output_throughput"] for r, b in zip(rs, runs[base]))}
-               for size, rs in runs.items()}
-    result = {"workload": vars(args), "engine_flags": ENGINE, "load_average_start_end": load, "runs": runs,
-              "summary": summary}
+    summary = {
+        size: {
+            "median_output_tok_per_s": statistics.median(r["output_throughput"] for r in rs),
+            "ratio_vs_dp%d" % base: statistics.median(
+                r["output_throughput"] / b["output_throughput"] for r, b in zip(rs, runs[base])
+            ),
+        }
+        for size, rs in runs.items()
+    }
+    result = {
+        "workload": vars(args),
+        "engine_flags": ENGINE,
+        "load_average_start_end": load,
+        "runs": runs,
+        "summary": summary,
+    }
     print(json.dumps(summary, indent=1))
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=1) + "\n")

@@ -91,7 +91,7 @@ def build(case: Case, seed: int = 0):
     tables = np.zeros((case.max_seqs, case.max_blocks), np.int32)
     cursor = 0
     for i, n in enumerate(n_blocks):
-        tables[i, :n] = perm[cursor:cursor + n]
+        tables[i, :n] = perm[cursor : cursor + n]
         cursor += n
     n = len(case.q_lens)
     cu = np.full(case.max_seqs + 1, sum(case.q_lens), np.int32)
@@ -104,23 +104,26 @@ def build(case: Case, seed: int = 0):
     k_cache = jax.random.normal(kk, shape, case.kv_dtype or dtype)
     v_cache = jax.random.normal(kv_key, shape, case.kv_dtype or dtype)
     q = jax.random.normal(kq, (case.num_tokens, case.num_q_heads, case.head_dim), dtype)
-    return (q, k_cache, v_cache, jnp.asarray(kv), jnp.asarray(tables), jnp.asarray(cu),
-            jnp.asarray([n], jnp.int32))
+    return (q, k_cache, v_cache, jnp.asarray(kv), jnp.asarray(tables), jnp.asarray(cu), jnp.asarray([n], jnp.int32))
 
 
 def backend_fn(name: str, case: Case, interpret: bool, args=None, **kw):
     """A jitted callable and the arguments to time it on."""
-    sm_scale = case.head_dim ** -0.5
+    sm_scale = case.head_dim**-0.5
     if name == "pallas_kernel":  # the pallas_call alone, on inputs prepared outside the timing
         q, k_cache, v_cache, kv_lens, tables, cu, num_seqs = args
         hkv = case.num_kv_heads
         cfg = triton_gpu.resolve_config(q.shape, k_cache.shape, tables.shape, **kw)
         prep = jax.jit(lambda q, kv, t, c, n: triton_gpu.prepare(q, kv, t, c, n, num_kv_heads=hkv, cfg=cfg))(
-            q, kv_lens, tables, cu, num_seqs)
+            q, kv_lens, tables, cu, num_seqs
+        )
         prep = jax.block_until_ready(prep)._replace(plan=None)
         group = case.num_q_heads // hkv
-        f = jax.jit(lambda prep, k, v: triton_gpu.launch(prep, k, v, cfg=cfg, group=group, sm_scale=sm_scale,
-                                                         interpret=interpret))
+        f = jax.jit(
+            lambda prep, k, v: triton_gpu.launch(
+                prep, k, v, cfg=cfg, group=group, sm_scale=sm_scale, interpret=interpret
+            )
+        )
         return f, (prep, k_cache, v_cache)
     if name == "reference":
         f = lambda *a: ragged_paged_attention_reference(*a, sm_scale=sm_scale, **kw)  # noqa: E731
@@ -155,15 +158,20 @@ def copy_bandwidth(mib: int, reps: int = 7) -> dict:
     x = jnp.ones((n,), jnp.float32)
     f = jax.jit(lambda a: a + 1.0)
     med, best, _, _ = time_fn(f, (x,), reps, min_reps=reps)
-    out = {"device_copy_gb_s": round(2 * n * 4 / med / 1e9, 2), "device_copy_gb_s_best": round(2 * n * 4 / best / 1e9, 2),
-           "copy_mib": mib}
+    out = {
+        "device_copy_gb_s": round(2 * n * 4 / med / 1e9, 2),
+        "device_copy_gb_s_best": round(2 * n * 4 / best / 1e9, 2),
+        "copy_mib": mib,
+    }
     med, _, _, _ = time_fn(jax.jit(jnp.sum), (x,), reps, min_reps=reps)
     out["device_read_gb_s"] = round(n * 4 / med / 1e9, 2)
     if jax.default_backend() == "cpu":
         src = np.ones(n, np.float32)
         dst = np.empty_like(src)
-        for name, op, nbytes in (("numpy_copy_gb_s", lambda: np.copyto(dst, src), 2 * n * 4),
-                                 ("numpy_read_gb_s", lambda: src.sum(), n * 4)):
+        for name, op, nbytes in (
+            ("numpy_copy_gb_s", lambda: np.copyto(dst, src), 2 * n * 4),
+            ("numpy_read_gb_s", lambda: src.sum(), n * 4),
+        ):
             ts = []
             for _ in range(reps):
                 t = time.perf_counter()
@@ -186,18 +194,35 @@ def cpu_cases() -> list[Case]:
     return [
         Case("decode_s16_ctx256-1k_smollm2", [1] * 16, dec16, **smol, num_tokens=16, max_seqs=16, max_blocks=128),
         Case("decode_s64_ctx128-2k_smollm2", [1] * 64, dec64, **smol, num_tokens=64, max_seqs=64, max_blocks=128),
-        Case("decode_s64_ctx1k-2k_smollm2", [1] * 64, dec64_long, **smol, num_tokens=64, max_seqs=64,
-             max_blocks=128),
-        Case("decode_s64_ctx1k-2k_smollm2_bf16kv", [1] * 64, dec64_long, **smol, num_tokens=64, max_seqs=64,
-             max_blocks=128, kv_dtype="bfloat16"),
-        Case("decode_s32_skewed_1x4k_31x128_smollm2", [1] * 32, skew, **smol, num_tokens=32, max_seqs=32,
-             max_blocks=256),
-        Case("mixed_t256_s16_prefill128_15dec_smollm2", [128] + [1] * 15, mixed_kv, **smol, num_tokens=256,
-             max_seqs=16, max_blocks=128),
-        Case("prefill_t512_s8_2x256_smollm2", [256, 256], [256, 512], **smol, num_tokens=512, max_seqs=8,
-             max_blocks=128),
-        Case("decode_s8_ctx2k_llama8b_heads_f32", [1] * 8, [2048] * 8, **llama, num_tokens=8, max_seqs=8,
-             max_blocks=128),
+        Case("decode_s64_ctx1k-2k_smollm2", [1] * 64, dec64_long, **smol, num_tokens=64, max_seqs=64, max_blocks=128),
+        Case(
+            "decode_s64_ctx1k-2k_smollm2_bf16kv",
+            [1] * 64,
+            dec64_long,
+            **smol,
+            num_tokens=64,
+            max_seqs=64,
+            max_blocks=128,
+            kv_dtype="bfloat16",
+        ),
+        Case(
+            "decode_s32_skewed_1x4k_31x128_smollm2", [1] * 32, skew, **smol, num_tokens=32, max_seqs=32, max_blocks=256
+        ),
+        Case(
+            "mixed_t256_s16_prefill128_15dec_smollm2",
+            [128] + [1] * 15,
+            mixed_kv,
+            **smol,
+            num_tokens=256,
+            max_seqs=16,
+            max_blocks=128,
+        ),
+        Case(
+            "prefill_t512_s8_2x256_smollm2", [256, 256], [256, 512], **smol, num_tokens=512, max_seqs=8, max_blocks=128
+        ),
+        Case(
+            "decode_s8_ctx2k_llama8b_heads_f32", [1] * 8, [2048] * 8, **llama, num_tokens=8, max_seqs=8, max_blocks=128
+        ),
     ]
 
 
@@ -207,15 +232,44 @@ def gpu_cases() -> list[Case]:
     cases = []
     for s in (64, 128, 256):
         for ctx in (1024, 2048, 4096, 8192):
-            cases.append(Case(f"decode_s{s}_ctx{ctx}_llama8b", [1] * s, [ctx] * s, **llama, num_tokens=s,
-                              max_seqs=s, max_blocks=8192 // 16, with_reference=s * ctx <= 128 * 2048))
+            cases.append(
+                Case(
+                    f"decode_s{s}_ctx{ctx}_llama8b",
+                    [1] * s,
+                    [ctx] * s,
+                    **llama,
+                    num_tokens=s,
+                    max_seqs=s,
+                    max_blocks=8192 // 16,
+                    with_reference=s * ctx <= 128 * 2048,
+                )
+            )
     rng = np.random.default_rng(1)
     kv = [int(x) for x in rng.integers(512, 8193, 128)]
-    cases.append(Case("decode_s128_ctx512-8k_llama8b", [1] * 128, kv, **llama, num_tokens=128, max_seqs=128,
-                      max_blocks=512, with_reference=False))
+    cases.append(
+        Case(
+            "decode_s128_ctx512-8k_llama8b",
+            [1] * 128,
+            kv,
+            **llama,
+            num_tokens=128,
+            max_seqs=128,
+            max_blocks=512,
+            with_reference=False,
+        )
+    )
     mixed_kv = [2048, 2048] + [int(x) for x in rng.integers(1024, 4097, 62)]
-    cases.append(Case("mixed_t1024_s64_2x480prefill_62dec_llama8b", [480, 480] + [1] * 62, mixed_kv, **llama,
-                      num_tokens=1024, max_seqs=64, max_blocks=512))
+    cases.append(
+        Case(
+            "mixed_t1024_s64_2x480prefill_62dec_llama8b",
+            [480, 480] + [1] * 62,
+            mixed_kv,
+            **llama,
+            num_tokens=1024,
+            max_seqs=64,
+            max_blocks=512,
+        )
+    )
     return cases
 
 
@@ -228,18 +282,42 @@ def smoke_cases() -> list[Case]:
 
 
 CHECKS = [  # (name, layout, batch, kernel overrides); sizes scale down with smoke
-    ("llama_decode_bf16", dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16"),
-     dict(kind="decode", n=16, ctx=3000), {}),
-    ("llama_mixed_bf16", dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16"),
-     dict(kind="mixed", n=12, ctx=2000), {}),
-    ("llama_decode_bf16_splits4", dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16,
-                                       dtype="bfloat16"), dict(kind="decode", n=8, ctx=3000), dict(num_kv_splits=4)),
-    ("gqa3_d64_b8_f32_prefill", dict(num_q_heads=12, num_kv_heads=4, head_dim=64, block_size=8, dtype="float32"),
-     dict(kind="prefill", n=4, ctx=600), {}),
-    ("mha_d128_b32_bf16_layer1of3", dict(num_q_heads=4, num_kv_heads=4, head_dim=128, block_size=32,
-                                         dtype="bfloat16"), dict(kind="mixed", n=6, ctx=900, layers=3), {}),
-    ("window_softcap_f32", dict(num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32"),
-     dict(kind="mixed", n=6, ctx=900, window=200, soft_cap=30.0), {}),
+    (
+        "llama_decode_bf16",
+        dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16"),
+        dict(kind="decode", n=16, ctx=3000),
+        {},
+    ),
+    (
+        "llama_mixed_bf16",
+        dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16"),
+        dict(kind="mixed", n=12, ctx=2000),
+        {},
+    ),
+    (
+        "llama_decode_bf16_splits4",
+        dict(num_q_heads=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16"),
+        dict(kind="decode", n=8, ctx=3000),
+        dict(num_kv_splits=4),
+    ),
+    (
+        "gqa3_d64_b8_f32_prefill",
+        dict(num_q_heads=12, num_kv_heads=4, head_dim=64, block_size=8, dtype="float32"),
+        dict(kind="prefill", n=4, ctx=600),
+        {},
+    ),
+    (
+        "mha_d128_b32_bf16_layer1of3",
+        dict(num_q_heads=4, num_kv_heads=4, head_dim=128, block_size=32, dtype="bfloat16"),
+        dict(kind="mixed", n=6, ctx=900, layers=3),
+        {},
+    ),
+    (
+        "window_softcap_f32",
+        dict(num_q_heads=8, num_kv_heads=2, head_dim=64, block_size=16, dtype="float32"),
+        dict(kind="mixed", n=6, ctx=900, window=200, soft_cap=30.0),
+        {},
+    ),
 ]
 
 
@@ -257,9 +335,17 @@ def _check_batch(rng, layout, spec, smoke: bool):
     else:
         q_lens = [1 if i % 2 else min(kv, 5 + 9 * i) for i, kv in enumerate(kv_lens)]
     num_tokens = max(8, 1 << (sum(q_lens) - 1).bit_length())
-    return make_batch(rng, q_lens, kv_lens, **layout, max_seqs=n + 2, num_tokens=num_tokens,
-                      num_layers=spec.get("layers"), layer=1 if spec.get("layers") else None,
-                      sliding_window=spec.get("window"))
+    return make_batch(
+        rng,
+        q_lens,
+        kv_lens,
+        **layout,
+        max_seqs=n + 2,
+        num_tokens=num_tokens,
+        num_layers=spec.get("layers"),
+        layer=1 if spec.get("layers") else None,
+        sliding_window=spec.get("window"),
+    )
 
 
 def run_checks(smoke: bool, interpret: bool) -> list[dict]:
@@ -272,29 +358,40 @@ def run_checks(smoke: bool, interpret: bool) -> list[dict]:
         kw = dict(sm_scale=sm_scale, sliding_window=spec.get("window"), soft_cap=spec.get("soft_cap"))
         args = [jnp.asarray(a) for a in batch.args()]
         lay = None if batch.layer is None else jnp.int32(batch.layer)
-        pallas = jax.jit(lambda *a, layer: ragged_paged_attention_triton(*a, layer=layer, interpret=interpret,
-                                                                          **kw, **overrides))
+        pallas = jax.jit(
+            lambda *a, layer: ragged_paged_attention_triton(*a, layer=layer, interpret=interpret, **kw, **overrides)
+        )
         ref = jax.jit(lambda *a, layer: ragged_paged_attention_reference(*a, layer=layer, **kw))
         out_p = np.asarray(pallas(*args, layer=lay).astype(jnp.float32))
         out_r = np.asarray(ref(*args, layer=lay).astype(jnp.float32))
         oracle = reference_f64(batch, sm_scale=sm_scale, sliding_window=kw["sliding_window"], soft_cap=kw["soft_cap"])
         n = sum(batch.q_lens)
         tol = 3e-2 if layout["dtype"] == "bfloat16" else 2e-4
-        row = {"what": "check", "name": name, "num_seqs": len(batch.q_lens), "num_tokens_real": n,
-               "max_kv_len": int(max(batch.kv_lens)), "dtype": layout["dtype"], **overrides,
-               "pallas_vs_f64": relative_error(out_p, oracle, batch.q_lens),
-               "reference_vs_f64": relative_error(out_r, oracle, batch.q_lens),
-               "pallas_vs_reference": relative_error(out_p, out_r.astype(np.float64), batch.q_lens),
-               "nan_in_real_rows": bool(np.isnan(out_p[:n]).any() or np.isnan(out_r[:n]).any()),
-               "tolerance": tol, "seconds": round(time.perf_counter() - t0, 2)}
-        row["ok"] = (not row["nan_in_real_rows"] and row["pallas_vs_f64"] <= tol and row["reference_vs_f64"] <= tol)
+        row = {
+            "what": "check",
+            "name": name,
+            "num_seqs": len(batch.q_lens),
+            "num_tokens_real": n,
+            "max_kv_len": int(max(batch.kv_lens)),
+            "dtype": layout["dtype"],
+            **overrides,
+            "pallas_vs_f64": relative_error(out_p, oracle, batch.q_lens),
+            "reference_vs_f64": relative_error(out_r, oracle, batch.q_lens),
+            "pallas_vs_reference": relative_error(out_p, out_r.astype(np.float64), batch.q_lens),
+            "nan_in_real_rows": bool(np.isnan(out_p[:n]).any() or np.isnan(out_r[:n]).any()),
+            "tolerance": tol,
+            "seconds": round(time.perf_counter() - t0, 2),
+        }
+        row["ok"] = not row["nan_in_real_rows"] and row["pallas_vs_f64"] <= tol and row["reference_vs_f64"] <= tol
         print(json.dumps(row), flush=True)
         rows.append(row)
     return rows
 
 
-TUNE = [dict(chunk_blocks=c, num_warps=w, num_stages=st) for c, w, st in
-        [(4, 4, 2), (4, 4, 3), (8, 4, 2), (8, 4, 3), (8, 8, 3), (16, 8, 3)]] + [dict(block_q=16), dict(num_kv_splits=2)]
+TUNE = [
+    dict(chunk_blocks=c, num_warps=w, num_stages=st)
+    for c, w, st in [(4, 4, 2), (4, 4, 3), (8, 4, 2), (8, 4, 3), (8, 8, 3), (16, 8, 3)]
+] + [dict(block_q=16), dict(num_kv_splits=2)]
 
 
 def run_tune(cases: list[Case], interpret: bool, reps: int, budget_s: float, ceiling_gb_s: float) -> list[dict]:
@@ -309,8 +406,14 @@ def run_tune(cases: list[Case], interpret: bool, reps: int, budget_s: float, cei
                 row = {"what": "tune", "case": case.name, **overrides, "error": f"{type(e).__name__}: {e}"[:300]}
             else:
                 gb_s = case.needed_bytes() / med / 1e9
-                row = {"what": "tune", "case": case.name, **overrides, "median_ms": round(med * 1e3, 4),
-                       "gb_s": round(gb_s, 2), "fraction_of_ceiling": round(gb_s / ceiling_gb_s, 4)}
+                row = {
+                    "what": "tune",
+                    "case": case.name,
+                    **overrides,
+                    "median_ms": round(med * 1e3, 4),
+                    "gb_s": round(gb_s, 2),
+                    "fraction_of_ceiling": round(gb_s / ceiling_gb_s, 4),
+                }
             print(json.dumps(row), flush=True)
             rows.append(row)
         del args
@@ -319,8 +422,7 @@ def run_tune(cases: list[Case], interpret: bool, reps: int, budget_s: float, cei
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--suite", choices=("cpu", "gpu", "smoke"), default=None,
-                    help="default: gpu on a GPU, else cpu")
+    ap.add_argument("--suite", choices=("cpu", "gpu", "smoke"), default=None, help="default: gpu on a GPU, else cpu")
     ap.add_argument("--backends", default=None, help="comma list of reference,dense,pallas")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--rounds", type=int, default=3, help="backends alternate, reps/rounds calls each per round")
@@ -362,27 +464,47 @@ def main(argv=None):
             return {"checks": checks}
 
     ceiling = copy_bandwidth(a.copy_mib or (2048 if on_gpu else 512 if suite != "smoke" else 16))
-    ceiling_gb_s = max(v for k, v in ceiling.items() if k in (
-        "device_copy_gb_s", "device_read_gb_s", "numpy_copy_gb_s", "numpy_read_gb_s"))
+    ceiling_gb_s = max(
+        v
+        for k, v in ceiling.items()
+        if k in ("device_copy_gb_s", "device_read_gb_s", "numpy_copy_gb_s", "numpy_read_gb_s")
+    )
     header = {
-        "what": "machine", "jax": jax.__version__, "backend": jax.default_backend(),
-        "device": str(jax.devices()[0].device_kind), "cpu_count": os.cpu_count(), "python": platform.python_version(),
-        **ceiling, "ceiling_gb_s": ceiling_gb_s,
+        "what": "machine",
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "device": str(jax.devices()[0].device_kind),
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        **ceiling,
+        "ceiling_gb_s": ceiling_gb_s,
         "loadavg_1m_at_start": round(os.getloadavg()[0], 2),  # this machine may be shared
     }
     print(json.dumps(header), flush=True)
     results = []
-    for case in ([] if a.tune_only else cases):
+    for case in [] if a.tune_only else cases:
         args = build(case)
         nbytes = case.needed_bytes()
         timed = []
         for backend in backends:
-            row = {"what": "attention", "case": case.name, "kind": case.kind, "backend": backend,
-                   "num_seqs": len(case.q_lens), "num_tokens_real": sum(case.q_lens), "T": case.num_tokens,
-                   "S": case.max_seqs, "max_blocks": case.max_blocks, "heads": [case.num_q_heads, case.num_kv_heads],
-                   "head_dim": case.head_dim, "block_size": case.block_size, "dtype": case.dtype,
-                   "kv_dtype": case.kv_dtype or case.dtype,
-                   "sum_kv_len": sum(case.kv_lens), "kv_bytes_needed": nbytes}
+            row = {
+                "what": "attention",
+                "case": case.name,
+                "kind": case.kind,
+                "backend": backend,
+                "num_seqs": len(case.q_lens),
+                "num_tokens_real": sum(case.q_lens),
+                "T": case.num_tokens,
+                "S": case.max_seqs,
+                "max_blocks": case.max_blocks,
+                "heads": [case.num_q_heads, case.num_kv_heads],
+                "head_dim": case.head_dim,
+                "block_size": case.block_size,
+                "dtype": case.dtype,
+                "kv_dtype": case.kv_dtype or case.dtype,
+                "sum_kv_len": sum(case.kv_lens),
+                "kv_bytes_needed": nbytes,
+            }
             if backend == "reference" and not case.with_reference:
                 continue
             if backend == "dense" and case.dense_gather_bytes() > a.dense_max_gib * 2**30:
@@ -406,13 +528,18 @@ def main(argv=None):
                     cpus.append(time.process_time() - c)
         for row, fn, targs, walls, cpus in timed:
             med = statistics.median(walls)
-            row.update({
-                "median_ms": round(med * 1e3, 4), "min_ms": round(min(walls) * 1e3, 4), "reps": len(walls),
-                "rounds": a.rounds, "cpu_ms_median": round(statistics.median(cpus) * 1e3, 4),
-                "gb_s": round(nbytes / med / 1e9, 3),
-                "gb_s_at_min": round(nbytes / min(walls) / 1e9, 3),
-                "fraction_of_ceiling": round(nbytes / med / 1e9 / ceiling_gb_s, 4),
-            })
+            row.update(
+                {
+                    "median_ms": round(med * 1e3, 4),
+                    "min_ms": round(min(walls) * 1e3, 4),
+                    "reps": len(walls),
+                    "rounds": a.rounds,
+                    "cpu_ms_median": round(statistics.median(cpus) * 1e3, 4),
+                    "gb_s": round(nbytes / med / 1e9, 3),
+                    "gb_s_at_min": round(nbytes / min(walls) / 1e9, 3),
+                    "fraction_of_ceiling": round(nbytes / med / 1e9 / ceiling_gb_s, 4),
+                }
+            )
             if row["backend"].startswith("pallas") and interpret:
                 row["note"] = "interpret mode: not a speed figure"
             print(json.dumps(row), flush=True)

@@ -39,8 +39,9 @@ def node(rank: int, args) -> None:
     for num_seqs in args.num_seqs:
         runner = argparse.Namespace(buckets=[b for b in make_buckets(num_seqs, num_seqs) if b.num_seqs == num_seqs])
         largest = runner.buckets[-1]
-        runner.batch = InputBatch(largest.num_tokens, largest.num_seqs, -(-args.max_model_len // 16),
-                                  args.max_model_len, args.vocab_size, 16)
+        runner.batch = InputBatch(
+            largest.num_tokens, largest.num_seqs, -(-args.max_model_len // 16), args.max_model_len, args.vocab_size, 16
+        )
         payloads = Payloads(runner)
         payloads.warm_up()
         inputs, sampling = runner.batch.fill(SchedulerOutput(step=-1), largest)
@@ -56,12 +57,20 @@ def node(rank: int, args) -> None:
                 broadcast_one_to_all(buffer)
                 times.append(time.perf_counter() - started)
             assert is_full == full
-            rows.append({"num_seqs": num_seqs, "num_tokens": largest.num_tokens, "nnodes": args.nnodes,
-                         "payload": "full" if full else "light", "max_model_len": args.max_model_len,
-                         "vocab_size": args.vocab_size, "bytes_per_step": buffer.nbytes + HEADER_SIZE * 4,
-                         "ms_per_step_median": round(1000 * sorted(times)[len(times) // 2], 3),
-                         "ms_per_step_min": round(1000 * min(times), 3),
-                         "load_average": os.getloadavg()[0]})
+            rows.append(
+                {
+                    "num_seqs": num_seqs,
+                    "num_tokens": largest.num_tokens,
+                    "nnodes": args.nnodes,
+                    "payload": "full" if full else "light",
+                    "max_model_len": args.max_model_len,
+                    "vocab_size": args.vocab_size,
+                    "bytes_per_step": buffer.nbytes + HEADER_SIZE * 4,
+                    "ms_per_step_median": round(1000 * sorted(times)[len(times) // 2], 3),
+                    "ms_per_step_min": round(1000 * min(times), 3),
+                    "load_average": os.getloadavg()[0],
+                }
+            )
             if rank == 0:
                 print(json.dumps(rows[-1]), flush=True)
     if rank == 0 and args.output:
@@ -88,8 +97,10 @@ def main() -> None:
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
-    procs = [subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--rank", str(r), "--port", str(port)],
-                              env=env) for r in range(args.nnodes)]
+    procs = [
+        subprocess.Popen([sys.executable, __file__, *sys.argv[1:], "--rank", str(r), "--port", str(port)], env=env)
+        for r in range(args.nnodes)
+    ]
     sys.exit(max(p.wait() for p in procs))
 
 

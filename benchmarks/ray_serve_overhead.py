@@ -24,8 +24,13 @@ import psutil
 
 # the tests' shapes (their compiled buckets are in the cache) and a 256-block KV cache (180 MB),
 # not one sized from the machine's free memory
-ENGINE = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 512, "dtype": "float32",
-          "kv_cache_memory_bytes": 256 * 2 * 30 * 16 * 3 * 64 * 4}
+ENGINE = {
+    "max_num_seqs": 8,
+    "max_num_batched_tokens": 64,
+    "max_model_len": 512,
+    "dtype": "float32",
+    "kv_cache_memory_bytes": 256 * 2 * 30 * 16 * 3 * 64 * 4,
+}
 COMPLETION = {"prompt": "The capital of France is", "max_tokens": 1, "temperature": 0}
 
 
@@ -58,8 +63,11 @@ def memory(direct_pid: int) -> dict:
         else:
             groups["ray_other_mb"] += pss
             others.append(p.name())
-    return {**{k: round(v) for k, v in groups.items()}, "ray_other_processes": len(others),
-            "ray_other_names": sorted(set(others))}
+    return {
+        **{k: round(v) for k, v in groups.items()},
+        "ray_other_processes": len(others),
+        "ray_other_names": sorted(set(others)),
+    }
 
 
 def main() -> None:
@@ -92,9 +100,18 @@ def main() -> None:
                             times[server, route].append(timed(http, base + path, route))
             for route in paths:
                 direct_q, ray_q = quartiles(times["direct", route]), quartiles(times["ray", route])
-                print(json.dumps({"route": route, "requests": args.requests, "direct": direct_q, "ray": ray_q,
-                                  "ray_overhead_median_ms": round(ray_q["median_ms"] - direct_q["median_ms"], 2),
-                                  "loadavg": [round(x, 2) for x in os.getloadavg()]}))
+                print(
+                    json.dumps(
+                        {
+                            "route": route,
+                            "requests": args.requests,
+                            "direct": direct_q,
+                            "ray": ray_q,
+                            "ray_overhead_median_ms": round(ray_q["median_ms"] - direct_q["median_ms"], 2),
+                            "loadavg": [round(x, 2) for x in os.getloadavg()],
+                        }
+                    )
+                )
             print(json.dumps(memory(direct.process.pid)))
         finally:
             serve.shutdown()

@@ -63,9 +63,12 @@ class StepTimer:
 
     def summary(self) -> dict:
         n = max(self.steps, 1)
-        return {"steps": self.steps, "mean_step_ms": round(1e3 * self.step_s / n, 3),
-                "mean_execute_ms": round(1e3 * self.execute_s / n, 3),
-                "mean_host_outside_execute_ms": round(1e3 * (self.step_s - self.execute_s) / n, 3)}
+        return {
+            "steps": self.steps,
+            "mean_step_ms": round(1e3 * self.step_s / n, 3),
+            "mean_execute_ms": round(1e3 * self.execute_s / n, 3),
+            "mean_host_outside_execute_ms": round(1e3 * (self.step_s - self.execute_s) / n, 3),
+        }
 
 
 class FrontTimer:
@@ -97,15 +100,22 @@ class FrontTimer:
 
     def summary(self, steps: int) -> dict:
         n = max(steps, 1)
-        return {"mean_dispatch_ms_per_step": round(1e3 * self.dispatch_s / n, 3),
-                "mean_sse_ms_per_step": round(1e3 * self.sse_s / n, 3)}
+        return {
+            "mean_dispatch_ms_per_step": round(1e3 * self.dispatch_s / n, 3),
+            "mean_sse_ms_per_step": round(1e3 * self.sse_s / n, 3),
+        }
 
 
 def engine_kwargs(args) -> dict:
     """Room in the KV cache for every request at once: no preemption in either setting."""
     blocks = max(args.batch * -(-(args.prompt_len + args.new_tokens) // 16), -(-args.max_model_len // 16)) + 16
-    return dict(max_num_seqs=args.batch, max_num_batched_tokens=args.max_num_batched_tokens,
-                max_model_len=args.max_model_len, dtype=args.dtype, kv_cache_memory_bytes=blocks * KV_BYTES_PER_BLOCK)
+    return dict(
+        max_num_seqs=args.batch,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+        dtype=args.dtype,
+        kv_cache_memory_bytes=blocks * KV_BYTES_PER_BLOCK,
+    )
 
 
 class Offline:
@@ -129,8 +139,13 @@ class Offline:
         wall, cpu = time.perf_counter() - start, cpu_seconds() - cpu
         total = sum(len(o.outputs[0].token_ids) for o in outputs)
         assert total == len(prompts) * self.params.max_tokens, total
-        return {"wall_s": round(wall, 3), "output_tokens": total, "output_tok_per_s": round(total / wall, 2),
-                "engine_process_cpu_s": round(cpu, 2), **self.timer.summary()}
+        return {
+            "wall_s": round(wall, 3),
+            "output_tokens": total,
+            "output_tok_per_s": round(total / wall, 2),
+            "engine_process_cpu_s": round(cpu, 2),
+            **self.timer.summary(),
+        }
 
 
 class Served:
@@ -144,19 +159,27 @@ class Served:
         from jaxllm.entrypoints.openai.api_server import build_app
         from jaxllm.entrypoints.openai.launcher import GracefulServer
 
-        self.engine = AsyncLLM(EngineArgs(**engine_kwargs(args)), served_model_name="bench", progress=False,
-                               log_stats=False)
+        self.engine = AsyncLLM(
+            EngineArgs(**engine_kwargs(args)), served_model_name="bench", progress=False, log_stats=False
+        )
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        self.server = GracefulServer(uvicorn.Config(build_app(self.engine), port=port, log_level="warning",
-                                                    lifespan="off"), self.engine)
+        self.server = GracefulServer(
+            uvicorn.Config(build_app(self.engine), port=port, log_level="warning", lifespan="off"), self.engine
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         while not self.server.started:
             time.sleep(0.05)
-        self.client = [sys.executable, __file__, "--client", f"http://127.0.0.1:{port}",
-                       "--new-tokens", str(args.new_tokens)]
+        self.client = [
+            sys.executable,
+            __file__,
+            "--client",
+            f"http://127.0.0.1:{port}",
+            "--new-tokens",
+            str(args.new_tokens),
+        ]
         self.timer, self.front = StepTimer(self.engine.client.core), FrontTimer(self.engine)
 
     def run(self, prompts) -> dict:
@@ -168,8 +191,11 @@ class Served:
         done = subprocess.run(self.client, input=json.dumps(prompts), text=True, check=True, capture_output=True)
         result = json.loads(done.stdout)
         result["engine_process_cpu_s"] = round(cpu_seconds() - cpu, 2)
-        result.update(self.timer.summary(), **self.front.summary(self.timer.steps),
-                      compilations_while_serving=compilation_count() - compiled)
+        result.update(
+            self.timer.summary(),
+            **self.front.summary(self.timer.steps),
+            compilations_while_serving=compilation_count() - compiled,
+        )
         return result
 
     def stop(self) -> None:
@@ -198,8 +224,15 @@ async def client_main(url: str, prompts: list[list[int]], new_tokens: int) -> di
     import httpx
 
     async def one(http, ids):
-        body = {"model": "bench", "prompt": ids, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": "bench",
+            "prompt": ids,
+            "max_tokens": new_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         sent, first, usage = time.perf_counter(), None, None
         async with http.stream("POST", url + "/v1/completions", json=body) as response:
             response.raise_for_status()
@@ -220,8 +253,13 @@ async def client_main(url: str, prompts: list[list[int]], new_tokens: int) -> di
     total = sum(r[0] for r in results)
     assert total == len(prompts) * new_tokens, total
     ttfts = sorted(r[1] for r in results)
-    return {"wall_s": round(wall, 3), "output_tokens": total, "output_tok_per_s": round(total / wall, 2),
-            "median_ttft_s": round(ttfts[len(ttfts) // 2], 3), "client_process_cpu_s": round(cpu_seconds(), 2)}
+    return {
+        "wall_s": round(wall, 3),
+        "output_tokens": total,
+        "output_tok_per_s": round(total / wall, 2),
+        "median_ttft_s": round(ttfts[len(ttfts) // 2], 3),
+        "client_process_cpu_s": round(cpu_seconds(), 2),
+    }
 
 
 def main() -> None:
@@ -251,12 +289,19 @@ def main() -> None:
     for _ in range(args.rounds):  # alternate, so both settings see the same drift in machine load
         rounds.append({"offline": offline.run(offline.prompts), "server": served.run(offline.prompts)})
         rounds[-1]["server_over_offline"] = round(
-            rounds[-1]["server"]["output_tok_per_s"] / rounds[-1]["offline"]["output_tok_per_s"], 3)
+            rounds[-1]["server"]["output_tok_per_s"] / rounds[-1]["offline"]["output_tok_per_s"], 3
+        )
     idle = idle_cpu(args.idle_seconds)
     served.stop()
     result = {
-        "workload": {"requests": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                     "greedy": True, "ignore_eos": True, **engine_kwargs(args)},
+        "workload": {
+            "requests": args.batch,
+            "prompt_len": args.prompt_len,
+            "new_tokens": args.new_tokens,
+            "greedy": True,
+            "ignore_eos": True,
+            **engine_kwargs(args),
+        },
         "rounds": rounds,
         "median_server_over_offline": statistics.median(r["server_over_offline"] for r in rounds),
         "idle_cpu_percent": idle,

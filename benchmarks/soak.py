@@ -79,11 +79,18 @@ async def send_malformed(client: httpx.AsyncClient, url: str, name: str, body, t
                 response = await client.post(url, content=body, headers={"Content-Type": "application/json"})
             else:
                 response = await client.post(url, json=body)
-        error = response.json().get("error", {}) if response.headers.get("content-type", "").startswith(
-            "application/json") else {}
+        error = (
+            response.json().get("error", {})
+            if response.headers.get("content-type", "").startswith("application/json")
+            else {}
+        )
         outcome = "ok" if 400 <= response.status_code < 500 and "message" in error else "failed"
-        return {"name": name, "status": response.status_code, "outcome": outcome,
-                "message": str(error.get("message", response.text[:200]))}
+        return {
+            "name": name,
+            "status": response.status_code,
+            "outcome": outcome,
+            "message": str(error.get("message", response.text[:200])),
+        }
     except TimeoutError:
         return {"name": name, "status": None, "outcome": "hung", "message": f"no answer in {timeout:g} s"}
     except (httpx.HTTPError, ValueError) as e:
@@ -101,9 +108,17 @@ def classify(record, asked: int) -> str:
     return "failed"
 
 
-async def soak(url: str, model: str, trace: list[TraceRequest], aborts: dict[int, tuple[str, float]],
-               malformed: list[tuple[float, str, str, bytes | dict]], *, seed: int, timeout: float,
-               max_duration: float) -> dict:
+async def soak(
+    url: str,
+    model: str,
+    trace: list[TraceRequest],
+    aborts: dict[int, tuple[str, float]],
+    malformed: list[tuple[float, str, str, bytes | dict]],
+    *,
+    seed: int,
+    timeout: float,
+    max_duration: float,
+) -> dict:
     """Everything at its time; outcomes per request (trace order) and per malformed request."""
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits) as client:
@@ -112,9 +127,16 @@ async def soak(url: str, model: str, trace: list[TraceRequest], aborts: dict[int
         async def good(i: int, request: TraceRequest) -> tuple[str, object]:
             body = serve.request_body(request, i, model=model, seed=seed)
             kind, value = aborts.get(i, (None, 0))
-            call = serve.stream_completion(client, url + serve.ENDPOINT, body, {}, prompt_len=request.prompt_len,
-                                           clock0=clock0, timeout=timeout,
-                                           abort_after=int(value) if kind == "tokens" else None)
+            call = serve.stream_completion(
+                client,
+                url + serve.ENDPOINT,
+                body,
+                {},
+                prompt_len=request.prompt_len,
+                clock0=clock0,
+                timeout=timeout,
+                abort_after=int(value) if kind == "tokens" else None,
+            )
             if kind == "early":
                 try:
                     record = await asyncio.wait_for(call, value)
@@ -133,8 +155,10 @@ async def soak(url: str, model: str, trace: list[TraceRequest], aborts: dict[int
             return await coroutine
 
         good_tasks = [asyncio.create_task(at(r.arrival_time, good(i, r))) for i, r in enumerate(trace)]
-        bad_tasks = [asyncio.create_task(at(when, send_malformed(client, url + endpoint, name, body, timeout)))
-                     for when, name, endpoint, body in malformed]
+        bad_tasks = [
+            asyncio.create_task(at(when, send_malformed(client, url + endpoint, name, body, timeout)))
+            for when, name, endpoint, body in malformed
+        ]
         try:
             done, _ = await asyncio.wait(good_tasks + bad_tasks, timeout=max_duration)
         finally:  # past the deadline, or interrupted: close every stream before the client goes
@@ -143,8 +167,10 @@ async def soak(url: str, model: str, trace: list[TraceRequest], aborts: dict[int
             await asyncio.gather(*good_tasks, *bad_tasks, return_exceptions=True)
         duration = time.perf_counter() - clock0
     outcomes = [t.result() if t in done else ("hung", None) for t in good_tasks]
-    bad = [t.result() if t in done else {"name": "?", "status": None, "outcome": "hung", "message": "still open"}
-           for t in bad_tasks]
+    bad = [
+        t.result() if t in done else {"name": "?", "status": None, "outcome": "hung", "message": "still open"}
+        for t in bad_tasks
+    ]
     return {"duration": duration, "outcomes": outcomes, "malformed": bad}
 
 
@@ -176,9 +202,17 @@ def main() -> None:
     args = parser.parse_args()
 
     rng = random.Random(args.seed)
-    trace = datasets.retime(datasets.random_requests(args.num_requests, input_len=args.input_len,
-                                                     output_len=args.output_len, range_ratio=args.range_ratio,
-                                                     seed=args.seed), args.request_rate, seed=args.seed)
+    trace = datasets.retime(
+        datasets.random_requests(
+            args.num_requests,
+            input_len=args.input_len,
+            output_len=args.output_len,
+            range_ratio=args.range_ratio,
+            seed=args.seed,
+        ),
+        args.request_rate,
+        seed=args.seed,
+    )
     aborts = {}
     for n, i in enumerate(sorted(rng.sample(range(len(trace)), round(args.abort_fraction * len(trace))))):
         if n % 2 and trace[i].output_len > 1:
@@ -192,18 +226,43 @@ def main() -> None:
         kinds = malformed_requests(model, max_model_len)
         span = trace[-1].arrival_time
         malformed = sorted((rng.uniform(0, span), *kinds[k % len(kinds)]) for k in range(args.num_malformed))
-        warm = asyncio.run(serve.run(datasets.random_requests(2, input_len=16, output_len=4, seed=99),
-                                     url=server.url + serve.ENDPOINT, model=model, headers={}))[0]
+        warm = asyncio.run(
+            serve.run(
+                datasets.random_requests(2, input_len=16, output_len=4, seed=99),
+                url=server.url + serve.ENDPOINT,
+                model=model,
+                headers={},
+            )
+        )[0]
         assert all(r.success for r in warm), [r.error for r in warm]
         before, _ = wait_idle(server)
         rss_before = server.rss_bytes()
-        print(f"soak: {len(trace)} requests at {args.request_rate:g} req/s ({len(aborts)} aborted by the client), "
-              f"{len(malformed)} malformed; server RSS {rss_before / 2**20:.0f} MiB", flush=True)
-        run = asyncio.run(soak(server.url, model, trace, aborts, malformed, seed=args.seed, timeout=args.timeout,
-                               max_duration=args.max_duration))
+        print(
+            f"soak: {len(trace)} requests at {args.request_rate:g} req/s ({len(aborts)} aborted by the client), "
+            f"{len(malformed)} malformed; server RSS {rss_before / 2**20:.0f} MiB",
+            flush=True,
+        )
+        run = asyncio.run(
+            soak(
+                server.url,
+                model,
+                trace,
+                aborts,
+                malformed,
+                seed=args.seed,
+                timeout=args.timeout,
+                max_duration=args.max_duration,
+            )
+        )
         after, drain_s = wait_idle(server)
-        check = asyncio.run(serve.run(datasets.random_requests(1, input_len=32, output_len=8, seed=7),
-                                      url=server.url + serve.ENDPOINT, model=model, headers={}))[0][0]
+        check = asyncio.run(
+            serve.run(
+                datasets.random_requests(1, input_len=32, output_len=8, seed=7),
+                url=server.url + serve.ENDPOINT,
+                model=model,
+                headers={},
+            )
+        )[0][0]
         after_check, _ = wait_idle(server)
         rss_after = server.rss_bytes()
         blocks = server.kv_blocks()
@@ -221,24 +280,51 @@ def main() -> None:
         return after.get(name, 0.0) - before.get(name, 0.0)
 
     result = {
-        "config": {k: getattr(args, k) for k in ("num_requests", "input_len", "output_len", "range_ratio",
-                                                  "request_rate", "abort_fraction", "num_malformed", "timeout",
-                                                  "max_duration", "seed", "server_flags")},
+        "config": {
+            k: getattr(args, k)
+            for k in (
+                "num_requests",
+                "input_len",
+                "output_len",
+                "range_ratio",
+                "request_rate",
+                "abort_fraction",
+                "num_malformed",
+                "timeout",
+                "max_duration",
+                "seed",
+                "server_flags",
+            )
+        },
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "load_average": os.getloadavg()},
         "duration_s": run["duration"],
-        "requests": {"sent": len(trace), "meant_to_complete": good_total, "client_aborts_planned": expected_aborts,
-                     **{k: counts.get(k, 0) for k in ("ok", "lost", "hung", "failed", "aborted",
-                                                      "finished before its abort")}},
-        "malformed": {"sent": len(malformed), "answered_4xx": bad_counts.get("ok", 0),
-                      "failed": bad_counts.get("failed", 0), "hung": bad_counts.get("hung", 0),
-                      "status_by_kind": {name: sorted({m["status"] for m in run["malformed"] if m["name"] == name},
-                                                      key=str) for name in sorted({m["name"] for m in run["malformed"]})}},
+        "requests": {
+            "sent": len(trace),
+            "meant_to_complete": good_total,
+            "client_aborts_planned": expected_aborts,
+            **{k: counts.get(k, 0) for k in ("ok", "lost", "hung", "failed", "aborted", "finished before its abort")},
+        },
+        "malformed": {
+            "sent": len(malformed),
+            "answered_4xx": bad_counts.get("ok", 0),
+            "failed": bad_counts.get("failed", 0),
+            "hung": bad_counts.get("hung", 0),
+            "status_by_kind": {
+                name: sorted({m["status"] for m in run["malformed"] if m["name"] == name}, key=str)
+                for name in sorted({m["name"] for m in run["malformed"]})
+            },
+        },
         "server_after": {
-            "drain_s": drain_s, "num_requests_running": after["jaxllm:num_requests_running"],
-            "num_requests_waiting": after["jaxllm:num_requests_waiting"], "kv_cache_usage_perc": usage,
-            "kv_blocks": blocks, "leaked_kv_blocks": round(usage * blocks) if blocks else None,
-            "finished_by_reason": {reason: delta(f'jaxllm:request_success_total{{finished_reason="{reason}"}}')
-                                   for reason in ("stop", "length", "abort", "error")},
+            "drain_s": drain_s,
+            "num_requests_running": after["jaxllm:num_requests_running"],
+            "num_requests_waiting": after["jaxllm:num_requests_waiting"],
+            "kv_cache_usage_perc": usage,
+            "kv_blocks": blocks,
+            "leaked_kv_blocks": round(usage * blocks) if blocks else None,
+            "finished_by_reason": {
+                reason: delta(f'jaxllm:request_success_total{{finished_reason="{reason}"}}')
+                for reason in ("stop", "length", "abort", "error")
+            },
             "generation_tokens": delta("jaxllm:generation_tokens_total"),
             "prompt_tokens": delta("jaxllm:prompt_tokens_total"),
             "preemptions": delta("jaxllm:num_preemptions_total"),
@@ -246,22 +332,31 @@ def main() -> None:
         "fresh_request_after_soak": {"ok": check.success and check.output_len == 8, "error": check.error},
         "rss_mib": {"before": rss_before / 2**20, "after": rss_after / 2**20},
         "sigterm": {"exit_status": exit_status, "seconds": stop_s},
-        "problems": [{"index": i, "outcome": o, "error": r.error if r else None}
-                     for i, (o, r) in enumerate(run["outcomes"]) if o in ("lost", "hung", "failed")][:50]
-                    + [m for m in run["malformed"] if m["outcome"] != "ok"],
+        "problems": [
+            {"index": i, "outcome": o, "error": r.error if r else None}
+            for i, (o, r) in enumerate(run["outcomes"])
+            if o in ("lost", "hung", "failed")
+        ][:50]
+        + [m for m in run["malformed"] if m["outcome"] != "ok"],
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     r, m, s = result["requests"], result["malformed"], result["server_after"]
-    print(f"requests: {r['ok']}/{good_total} ok, lost {r['lost']}, hung {r['hung']}, failed {r['failed']}; "
-          f"aborted {r['aborted']} (+{r['finished before its abort']} finished first)")
+    print(
+        f"requests: {r['ok']}/{good_total} ok, lost {r['lost']}, hung {r['hung']}, failed {r['failed']}; "
+        f"aborted {r['aborted']} (+{r['finished before its abort']} finished first)"
+    )
     print(f"malformed: {m['answered_4xx']}/{m['sent']} answered 4xx, failed {m['failed']}, hung {m['hung']}")
-    print(f"after: running {s['num_requests_running']:g}, waiting {s['num_requests_waiting']:g}, "
-          f"KV usage {usage:g} ({s['leaked_kv_blocks']} leaked blocks), drained in {s['drain_s']:.1f} s; "
-          f"fresh request ok: {result['fresh_request_after_soak']['ok']}")
-    print(f"RSS {result['rss_mib']['before']:.0f} → {result['rss_mib']['after']:.0f} MiB; "
-          f"SIGTERM exit {exit_status} in {stop_s:.1f} s; {run['duration']:.0f} s; result: {out}")
+    print(
+        f"after: running {s['num_requests_running']:g}, waiting {s['num_requests_waiting']:g}, "
+        f"KV usage {usage:g} ({s['leaked_kv_blocks']} leaked blocks), drained in {s['drain_s']:.1f} s; "
+        f"fresh request ok: {result['fresh_request_after_soak']['ok']}"
+    )
+    print(
+        f"RSS {result['rss_mib']['before']:.0f} → {result['rss_mib']['after']:.0f} MiB; "
+        f"SIGTERM exit {exit_status} in {stop_s:.1f} s; {run['duration']:.0f} s; result: {out}"
+    )
 
 
 if __name__ == "__main__":

@@ -52,8 +52,14 @@ def time_variants(variants: dict, calls: int) -> dict:
             f(*f_args).block_until_ready()
             times[name]["wall"].append(time.perf_counter() - wall)
             times[name]["cpu"].append(time.process_time() - cpu)
-    return {name: {f"{k}_{stat}_ms": round(fn(v) * 1e3, 2) for k, v in t.items()
-                   for stat, fn in (("min", min), ("median", statistics.median))} for name, t in times.items()}
+    return {
+        name: {
+            f"{k}_{stat}_ms": round(fn(v) * 1e3, 2)
+            for k, v in t.items()
+            for stat, fn in (("min", min), ("median", statistics.median))
+        }
+        for name, t in times.items()
+    }
 
 
 def main() -> None:
@@ -66,12 +72,19 @@ def main() -> None:
     key = jax.random.key(0)
     if args.head:
         embedding = jax.random.normal(key, (VOCAB, HIDDEN), jnp.float32) * 0.02
-        weights = {"xla_dot": (jax.jit(lambda x, e: (e @ x.T).T), embedding),
-                   "cpu_kernel_packed": (jax.jit(packed_matmul), pack_matrix(embedding, transposed=True))}
+        weights = {
+            "xla_dot": (jax.jit(lambda x, e: (e @ x.T).T), embedding),
+            "cpu_kernel_packed": (jax.jit(packed_matmul), pack_matrix(embedding, transposed=True)),
+        }
     else:
-        ws = [jax.random.normal(jax.random.fold_in(key, i), (LAYERS, *s), jnp.float32) * 0.02
-              for i, s in enumerate(SHAPES)]
-        weights = {"xla_slice_dot": (chain(stacked_matmul_reference), ws), "cpu_kernel": (chain(stacked_matmul_cpu), ws)}
+        ws = [
+            jax.random.normal(jax.random.fold_in(key, i), (LAYERS, *s), jnp.float32) * 0.02
+            for i, s in enumerate(SHAPES)
+        ]
+        weights = {
+            "xla_slice_dot": (chain(stacked_matmul_reference), ws),
+            "cpu_kernel": (chain(stacked_matmul_cpu), ws),
+        }
     results = {"load_average": os.getloadavg(), "what": "lm_head" if args.head else "chain", "rows": {}}
     for rows in args.rows:
         x = jax.random.normal(key, (rows, HIDDEN), jnp.float32)

@@ -53,25 +53,37 @@ def child(cache_dir: str, spawned: float, max_tokens: int, engine_flags: list[st
     from jaxllm.entrypoints.cli.common import make_llm, sampling_params
 
     imported = time.time()
-    args = build_parser().parse_args(["generate", "Hello", "--max-tokens", str(max_tokens),
-                                      "--compilation-cache-dir", cache_dir, *engine_flags])
+    args = build_parser().parse_args(
+        ["generate", "Hello", "--max-tokens", str(max_tokens), "--compilation-cache-dir", cache_dir, *engine_flags]
+    )
     llm = make_llm(args)
     ready = time.time()
     usage = resource.getrusage(resource.RUSAGE_SELF)
     outputs = llm.chat([[{"role": "user", "content": "Hello"}]], sampling_params(args), use_tqdm=False)
     done = time.time()
     engine = llm.engine
-    print(json.dumps({
-        "interpreter_s": entered - spawned, "imports_s": imported - entered, "ready_s": ready - spawned,
-        "cpu_s": usage.ru_utime + usage.ru_stime,  # CPU seconds to ready, all threads: less swayed by load
-        "generate_s": done - ready,  # older trees (A/B runs) lack the phases
-        "phases": getattr(engine, "startup_phases", {"total": engine.startup_seconds}),
-        "num_buckets": len(engine.runner.buckets),  # older trees (A/B runs) count loaded buckets, not executables
-        "executables_loaded": getattr(engine.runner, "loaded_executables", getattr(engine.runner, "loaded_buckets", 0)),
-        "num_executables": getattr(engine.runner, "num_executables", len(engine.runner.buckets)),
-        "kv_blocks": engine.runner.num_blocks,
-        "tokens": len(outputs[0].outputs[0].token_ids), "text": outputs[0].outputs[0].text,
-    }))
+    print(
+        json.dumps(
+            {
+                "interpreter_s": entered - spawned,
+                "imports_s": imported - entered,
+                "ready_s": ready - spawned,
+                "cpu_s": usage.ru_utime + usage.ru_stime,  # CPU seconds to ready, all threads: less swayed by load
+                "generate_s": done - ready,  # older trees (A/B runs) lack the phases
+                "phases": getattr(engine, "startup_phases", {"total": engine.startup_seconds}),
+                "num_buckets": len(
+                    engine.runner.buckets
+                ),  # older trees (A/B runs) count loaded buckets, not executables
+                "executables_loaded": getattr(
+                    engine.runner, "loaded_executables", getattr(engine.runner, "loaded_buckets", 0)
+                ),
+                "num_executables": getattr(engine.runner, "num_executables", len(engine.runner.buckets)),
+                "kv_blocks": engine.runner.num_blocks,
+                "tokens": len(outputs[0].outputs[0].token_ids),
+                "text": outputs[0].outputs[0].text,
+            }
+        )
+    )
 
 
 def weights_child() -> None:
@@ -103,8 +115,19 @@ def start(cache_dir: str, max_tokens: int, engine_flags: list[str], weights_only
     if kernel_dir().is_dir():
         shutil.copytree(kernel_dir(), os.path.join(cache_dir, "jaxllm", "kernels"), dirs_exist_ok=True)
     spawned = time.time()
-    cmd = [sys.executable, __file__, WEIGHTS_CHILD] if weights_only else [
-        sys.executable, __file__, CHILD, os.path.join(cache_dir, "xla"), repr(spawned), str(max_tokens), *engine_flags]
+    cmd = (
+        [sys.executable, __file__, WEIGHTS_CHILD]
+        if weights_only
+        else [
+            sys.executable,
+            __file__,
+            CHILD,
+            os.path.join(cache_dir, "xla"),
+            repr(spawned),
+            str(max_tokens),
+            *engine_flags,
+        ]
+    )
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     wall = time.time() - spawned
     if done.returncode:
@@ -138,15 +161,26 @@ def main() -> None:
             loads.append(os.getloadavg()[0])
             cold.append(run(os.path.join(root, f"cold{i}")))
             warm.append(run(warm_dir))
-            print(f"round {i}: cold {cold[-1]['wall_s']:.1f}s, warm {warm[-1]['wall_s']:.1f}s "
-                  f"(load {loads[-1]:.1f})", file=sys.stderr)
+            print(
+                f"round {i}: cold {cold[-1]['wall_s']:.1f}s, warm {warm[-1]['wall_s']:.1f}s (load {loads[-1]:.1f})",
+                file=sys.stderr,
+            )
     keys = WEIGHTS_KEYS if args.weights_only else START_KEYS
-    command = ("ModelSource.load of the default model" if args.weights_only else
-               "jaxllm generate Hello --max-tokens %d %s" % (args.max_tokens, " ".join(args.engine_flags)))
+    command = (
+        "ModelSource.load of the default model"
+        if args.weights_only
+        else "jaxllm generate Hello --max-tokens %d %s" % (args.max_tokens, " ".join(args.engine_flags))
+    )
     result = {
-        "command": command, "rounds": args.rounds, "pause_s": args.pause, "cpu_count": os.cpu_count(),
+        "command": command,
+        "rounds": args.rounds,
+        "pause_s": args.pause,
+        "cpu_count": os.cpu_count(),
         "load_average_at_round_start": loads,
-        "cold": medians(cold, keys), "warm": medians(warm, keys), "cold_runs": cold, "warm_runs": warm,
+        "cold": medians(cold, keys),
+        "warm": medians(warm, keys),
+        "cold_runs": cold,
+        "warm_runs": warm,
     }
     text = json.dumps(result, indent=2)
     print(text)

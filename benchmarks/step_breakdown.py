@@ -50,19 +50,30 @@ def step_inputs(arch, num_seqs: int, tokens_per_seq: int, context: int, block_si
     slots = tables[seq, positions // block_size] * block_size + positions % block_size
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
     inputs = StepInputs(
-        token_ids=i32(np.arange(t) % arch.vocab_size), positions=i32(positions), slot_mapping=i32(slots),
-        cu_q_lens=i32(np.arange(num_seqs + 1) * tokens_per_seq), kv_lens=i32(np.full(num_seqs, context)),
-        block_tables=i32(tables), num_seqs=i32([num_seqs]), logits_indices=i32((np.arange(num_seqs) + 1) * tokens_per_seq - 1),
+        token_ids=i32(np.arange(t) % arch.vocab_size),
+        positions=i32(positions),
+        slot_mapping=i32(slots),
+        cu_q_lens=i32(np.arange(num_seqs + 1) * tokens_per_seq),
+        kv_lens=i32(np.full(num_seqs, context)),
+        block_tables=i32(tables),
+        num_seqs=i32([num_seqs]),
+        logits_indices=i32((np.arange(num_seqs) + 1) * tokens_per_seq - 1),
     )
     return inputs, 1 + num_seqs * blocks_per_seq
 
 
 def chain_weights(arch, rng):
     h, i, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
-    shapes = {"qkv": (h, (arch.num_heads + 2 * arch.num_kv_heads) * d), "o": (arch.num_heads * d, h),
-              "gate_up": (h, 2 * i), "down": (i, h)}
-    return [{k: jnp.asarray(0.02 * rng.standard_normal(s, np.float32)) for k, s in shapes.items()}
-            for _ in range(arch.num_layers)]
+    shapes = {
+        "qkv": (h, (arch.num_heads + 2 * arch.num_kv_heads) * d),
+        "o": (arch.num_heads * d, h),
+        "gate_up": (h, 2 * i),
+        "down": (i, h),
+    }
+    return [
+        {k: jnp.asarray(0.02 * rng.standard_normal(s, np.float32)) for k, s in shapes.items()}
+        for _ in range(arch.num_layers)
+    ]
 
 
 def chain_layer(x, w, q_width):
@@ -93,8 +104,9 @@ def main() -> None:
     loaded = load_model(args.model, mesh=make_mesh(), load_format="dummy", dtype="float32")
     arch, block_size = loaded.arch, 16
     # the model the engine's step runs (backends, packed weights), not a default CausalLM
-    config = EngineArgs(scan_layers=args.scan_layers).create_engine_config(arch.max_position_embeddings,
-                                                                            jax.default_backend())
+    config = EngineArgs(scan_layers=args.scan_layers).create_engine_config(
+        arch.max_position_embeddings, jax.default_backend()
+    )
     model = step_model(arch, config, jnp.float32, make_mesh())
     params = model.pack(loaded.params) if model.matmul_backend == "cpu_packed" else loaded.params
     params = params if args.scan_layers else unstack_layers(params, arch.num_layers)
@@ -106,15 +118,21 @@ def main() -> None:
     unrolled = jax.jit(lambda x, ws: [x := chain_layer(x, w, q_width) for w in ws][-1] @ head.T)
     scanned = jax.jit(lambda x, ws: jax.lax.scan(lambda x, w: (chain_layer(x, w, q_width), None), x, ws)[0] @ head.T)
 
-    report = {"load_average": [round(x, 2) for x in os.getloadavg()], "scan_layers": args.scan_layers,
-              "matmul_backend": model.matmul_backend, "decode": {}}
+    report = {
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+        "scan_layers": args.scan_layers,
+        "matmul_backend": model.matmul_backend,
+        "decode": {},
+    }
     for t in args.tokens:
         inputs, num_blocks = step_inputs(arch, t, 1, args.context, block_size)
         cache = allocate_kv_cache(arch, num_blocks + 1, block_size, jnp.float32, make_mesh())
         x = jnp.ones((t, arch.hidden_size), jnp.float32)
-        row = {"forward_ms": median_ms(lambda: forward(params, cache, inputs), args.reps),
-               "chain_unrolled_ms": median_ms(lambda: unrolled(x, per_layer), args.reps),
-               "chain_scanned_ms": median_ms(lambda: scanned(x, stacked), args.reps)}
+        row = {
+            "forward_ms": median_ms(lambda: forward(params, cache, inputs), args.reps),
+            "chain_unrolled_ms": median_ms(lambda: unrolled(x, per_layer), args.reps),
+            "chain_scanned_ms": median_ms(lambda: scanned(x, stacked), args.reps),
+        }
         row["forward_over_chain"] = round(row["forward_ms"] / row["chain_unrolled_ms"], 2)
         report["decode"][f"T={t}"] = row
 
@@ -126,9 +144,15 @@ def main() -> None:
     flops += 2 * s * arch.vocab_size * arch.hidden_size  # the LM head runs on the last row of each sequence
     big = jnp.ones((2048, 2048), jnp.float32)
     matmul_ms = median_ms(lambda: jax.jit(jnp.matmul)(big, big), args.reps)
-    report["prefill"] = {"tokens": s * n, "forward_ms": ms, "gflops": round(flops / ms / 1e6, 1),
-                         "large_matmul_gflops": round(2 * 2048**3 / matmul_ms / 1e6, 1)}
-    report["prefill"]["share_of_large_matmul"] = round(report["prefill"]["gflops"] / report["prefill"]["large_matmul_gflops"], 2)
+    report["prefill"] = {
+        "tokens": s * n,
+        "forward_ms": ms,
+        "gflops": round(flops / ms / 1e6, 1),
+        "large_matmul_gflops": round(2 * 2048**3 / matmul_ms / 1e6, 1),
+    }
+    report["prefill"]["share_of_large_matmul"] = round(
+        report["prefill"]["gflops"] / report["prefill"]["large_matmul_gflops"], 2
+    )
     print(json.dumps(report))
 
 

@@ -23,12 +23,19 @@ import statistics
 import time
 
 RECORDS = {
-    "type": "array", "minItems": 64,
-    "items": {"type": "object", "additionalProperties": False, "required": ["id", "name", "role", "skills"],
-              "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 100000},
-                             "name": {"type": "string", "maxLength": 24},
-                             "role": {"enum": ["engineer", "designer", "manager", "analyst"]},
-                             "skills": {"type": "array", "maxItems": 4, "items": {"type": "string", "maxLength": 16}}}},
+    "type": "array",
+    "minItems": 64,
+    "items": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["id", "name", "role", "skills"],
+        "properties": {
+            "id": {"type": "integer", "minimum": 1, "maximum": 100000},
+            "name": {"type": "string", "maxLength": 24},
+            "role": {"enum": ["engineer", "designer", "manager", "analyst"]},
+            "skills": {"type": "array", "maxItems": 4, "items": {"type": "string", "maxLength": 16}},
+        },
+    },
 }
 
 
@@ -41,20 +48,35 @@ def run(llm, prompts, params) -> dict:
     wall = time.perf_counter() - start
     tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
     steps = engine.scheduler.num_steps - steps
-    return {"wall_s": wall, "output_tokens": tokens, "steps": steps,
-            "fill_s": manager.fill_seconds - fill, "advance_s": manager.advance_seconds - advance,
-            "texts": [o.outputs[0].text for o in outputs]}
+    return {
+        "wall_s": wall,
+        "output_tokens": tokens,
+        "steps": steps,
+        "fill_s": manager.fill_seconds - fill,
+        "advance_s": manager.advance_seconds - advance,
+        "texts": [o.outputs[0].text for o in outputs],
+    }
 
 
 def measure(llm, batch: int, args) -> dict:
     from jaxllm import SamplingParams, StructuredOutputsParams
 
     tok = llm.get_tokenizer()
-    prompts = [tok.apply_chat_template([{"role": "user", "content": f"List team members of company {i} as JSON."}],
-                                       tokenize=False, add_generation_prompt=True) for i in range(batch)]
+    prompts = [
+        tok.apply_chat_template(
+            [{"role": "user", "content": f"List team members of company {i} as JSON."}],
+            tokenize=False,
+            add_generation_prompt=True,
+        )
+        for i in range(batch)
+    ]
     plain = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True)
-    constrained = SamplingParams(temperature=0, max_tokens=args.new_tokens, ignore_eos=True,
-                                 structured_outputs=StructuredOutputsParams(json=RECORDS))
+    constrained = SamplingParams(
+        temperature=0,
+        max_tokens=args.new_tokens,
+        ignore_eos=True,
+        structured_outputs=StructuredOutputsParams(json=RECORDS),
+    )
     run(llm, prompts[:1], constrained)  # compile the grammar, build the LLTokenizer: one-time costs
     rounds = []
     for _ in range(args.rounds):
@@ -71,7 +93,9 @@ def measure(llm, batch: int, args) -> dict:
     host_ms = 1e3 * (med("constrained", "fill_s") + med("constrained", "advance_s")) / steps
     step_ms = 1e3 * med("constrained", "wall_s") / steps
     return {
-        "batch": batch, "new_tokens": args.new_tokens, "steps": steps,
+        "batch": batch,
+        "new_tokens": args.new_tokens,
+        "steps": steps,
         "unconstrained_output_tok_per_s": round(tokens / med("unconstrained", "wall_s"), 2),
         "constrained_output_tok_per_s": round(tokens / med("constrained", "wall_s"), 2),
         "slowdown_pct": round(100 * (med("constrained", "wall_s") / med("unconstrained", "wall_s") - 1), 2),
@@ -110,9 +134,15 @@ def mask_fill_replay(batch: int, steps: int, repeats: int = 5) -> dict:
     for _ in range(repeats):
         rows = []
         for i in range(batch):
-            records = [{"id": rng.randint(1, 99999), "name": rng.choice(names), "role": rng.choice(
-                ["engineer", "designer", "manager", "analyst"]), "skills": rng.sample(skills, rng.randint(0, 3))}
-                for _ in range(64)]
+            records = [
+                {
+                    "id": rng.randint(1, 99999),
+                    "name": rng.choice(names),
+                    "role": rng.choice(["engineer", "designer", "manager", "analyst"]),
+                    "skills": rng.sample(skills, rng.randint(0, 3)),
+                }
+                for _ in range(64)
+            ]
             text = json.dumps(records, separators=(",", ":"))
             request = SimpleNamespace(request_id=f"r{i}", output_key=f"r{i}", sampling_params=params)
             rows.append((request, tokenizer.encode(text, add_special_tokens=False)[:steps]))
@@ -133,10 +163,13 @@ def mask_fill_replay(batch: int, steps: int, repeats: int = 5) -> dict:
             advances.append(time.perf_counter() - mid)
         for request, _ in rows:
             manager.free(request)
-    return {"batch": batch, "steps": steps * repeats,
-            "mask_fill_us_per_step_median": round(1e6 * statistics.median(fills), 1),
-            "mask_fill_us_per_step_p90": round(1e6 * sorted(fills)[int(0.9 * len(fills))], 1),
-            "advance_us_per_step_median": round(1e6 * statistics.median(advances), 1)}
+    return {
+        "batch": batch,
+        "steps": steps * repeats,
+        "mask_fill_us_per_step_median": round(1e6 * statistics.median(fills), 1),
+        "mask_fill_us_per_step_p90": round(1e6 * sorted(fills)[int(0.9 * len(fills))], 1),
+        "advance_us_per_step_median": round(1e6 * statistics.median(advances), 1),
+    }
 
 
 def main():
@@ -147,37 +180,48 @@ def main():
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--out", help="write the result JSON here")
-    parser.add_argument("--mask-only", action="store_true",
-                        help="only the host work, no model: mask fill + matcher advance of B replayed requests")
+    parser.add_argument(
+        "--mask-only",
+        action="store_true",
+        help="only the host work, no model: mask fill + matcher advance of B replayed requests",
+    )
     args = parser.parse_args()
     if args.mask_only:
         results = [mask_fill_replay(batch, args.new_tokens) for batch in args.batches]
         for r in results:
-            print(f"B={r['batch']}: mask fill {r['mask_fill_us_per_step_median']} us/step (p90 "
-                  f"{r['mask_fill_us_per_step_p90']}), advance {r['advance_us_per_step_median']} us/step")
+            print(
+                f"B={r['batch']}: mask fill {r['mask_fill_us_per_step_median']} us/step (p90 "
+                f"{r['mask_fill_us_per_step_p90']}), advance {r['advance_us_per_step_median']} us/step"
+            )
         _write(args.out, {"mask_only": results})
         return
 
     from jaxllm import LLM
 
-    llm = LLM(max_num_seqs=max(args.batches), max_num_batched_tokens=args.max_num_batched_tokens,
-              max_model_len=256, dtype=args.dtype, enable_prefix_caching=False)
+    llm = LLM(
+        max_num_seqs=max(args.batches),
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=256,
+        dtype=args.dtype,
+        enable_prefix_caching=False,
+    )
     results = []
     for batch in args.batches:
         results.append(measure(llm, batch, args))
         r = results[-1]
-        print(f"B={batch}: unconstrained {r['unconstrained_output_tok_per_s']} tok/s, constrained "
-              f"{r['constrained_output_tok_per_s']} tok/s ({r['slowdown_pct']:+.1f} %); structured host time "
-              f"{r['mask_fill_ms_per_step']:.3f} ms fill + {r['matcher_advance_ms_per_step']:.3f} ms advance per "
-              f"step = {r['structured_host_share_of_step_pct']:.2f} % of a {r['constrained_step_ms']:.1f} ms step")
+        print(
+            f"B={batch}: unconstrained {r['unconstrained_output_tok_per_s']} tok/s, constrained "
+            f"{r['constrained_output_tok_per_s']} tok/s ({r['slowdown_pct']:+.1f} %); structured host time "
+            f"{r['mask_fill_ms_per_step']:.3f} ms fill + {r['matcher_advance_ms_per_step']:.3f} ms advance per "
+            f"step = {r['structured_host_share_of_step_pct']:.2f} % of a {r['constrained_step_ms']:.1f} ms step"
+        )
     import jax
 
     _write(args.out, {"results": results, "backend": jax.default_backend()})
 
 
 def _write(path: str | None, result: dict) -> None:
-    result["machine"] = {"platform": platform.platform(), "cpu_count": os.cpu_count(),
-                         "load_average": os.getloadavg()}
+    result["machine"] = {"platform": platform.platform(), "cpu_count": os.cpu_count(), "load_average": os.getloadavg()}
     if path:
         with open(path, "w") as f:
             json.dump(result, f, indent=1)

@@ -32,8 +32,12 @@ from jaxllm.bench.throughput import jaxllm_run
 
 
 def engine_args(args) -> dict:
-    return dict(max_num_seqs=max(args.batches), max_model_len=args.input_len + args.output_len, dtype=args.dtype,
-                scan_layers=args.scan_layers)
+    return dict(
+        max_num_seqs=max(args.batches),
+        max_model_len=args.input_len + args.output_len,
+        dtype=args.dtype,
+        scan_layers=args.scan_layers,
+    )
 
 
 def fitted_engine(args):
@@ -54,10 +58,12 @@ def fitted_engine(args):
 
 def startup(args, cache_dir: str) -> dict:
     """Seconds from a fresh interpreter to a ready `LLM()`, and its compile share."""
-    code = ("import json, time; t = time.perf_counter(); from jaxllm import LLM; "
-            f"llm = LLM(progress=False, compilation_cache_dir={cache_dir!r}, **{engine_args(args)!r}); "
-            "print(json.dumps({'ready_s': round(time.perf_counter() - t, 2), "
-            "'compile_s': round(llm.engine.runner.compile_seconds, 2), 'buckets': len(llm.engine.runner.buckets)}))")
+    code = (
+        "import json, time; t = time.perf_counter(); from jaxllm import LLM; "
+        f"llm = LLM(progress=False, compilation_cache_dir={cache_dir!r}, **{engine_args(args)!r}); "
+        "print(json.dumps({'ready_s': round(time.perf_counter() - t, 2), "
+        "'compile_s': round(llm.engine.runner.compile_seconds, 2), 'buckets': len(llm.engine.runner.buckets)}))"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=3600)
     if result.returncode != 0:
         raise RuntimeError(result.stderr[-2000:])
@@ -73,8 +79,9 @@ def roofline(arch, dtype, batch: int, input_len: int, output_len: int, ceiling: 
     weights' and the cache's, which picks the matmul ceiling too."""
     dtype_bytes = np.dtype(dtype).itemsize
     h, i, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
-    layer_params = arch.num_layers * (h * (arch.num_heads + 2 * arch.num_kv_heads) * d + arch.num_heads * d * h
-                                      + 3 * h * i)
+    layer_params = arch.num_layers * (
+        h * (arch.num_heads + 2 * arch.num_kv_heads) * d + arch.num_heads * d * h + 3 * h * i
+    )
     head_params = arch.vocab_size * h
     tokens = input_len + output_len - 1
     attention = 4 * arch.num_layers * arch.num_heads * d * tokens * (tokens + 1) // 2
@@ -84,9 +91,12 @@ def roofline(arch, dtype, batch: int, input_len: int, output_len: int, ceiling: 
     read_bytes = output_len * (layer_params + head_params) * dtype_bytes + kv_reads
     compute_s = flops / (ceiling[f"matmul_{np.dtype(dtype).name}_gflops"] * 1e9)
     memory_s = read_bytes / (ceiling["mem_read_gb_s"] * 1e9)
-    return {"compute_s": round(compute_s, 3), "memory_s": round(memory_s, 3),
-            "output_tok_per_s": round(batch * output_len / max(compute_s, memory_s), 1),
-            "bound": "compute" if compute_s > memory_s else "memory"}
+    return {
+        "compute_s": round(compute_s, 3),
+        "memory_s": round(memory_s, 3),
+        "output_tok_per_s": round(batch * output_len / max(compute_s, memory_s), 1),
+        "bound": "compute" if compute_s > memory_s else "memory",
+    }
 
 
 def main() -> None:
@@ -103,8 +113,12 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON file for the whole report")
     args = ap.parse_args()
 
-    report = {"workload": {k: getattr(args, k) for k in ("batches", "input_len", "output_len", "rounds")},
-              "machine": offline.machine_info(), "ceilings": ceilings(), "engine_args": engine_args(args)}
+    report = {
+        "workload": {k: getattr(args, k) for k in ("batches", "input_len", "output_len", "rounds")},
+        "machine": offline.machine_info(),
+        "ceilings": ceilings(),
+        "engine_args": engine_args(args),
+    }
     print(json.dumps(report["ceilings"]), file=sys.stderr)
     if not args.skip_startup:
         with tempfile.TemporaryDirectory() as cache:
@@ -122,8 +136,9 @@ def main() -> None:
         for batch in args.batches:
             row = {"round": index, "batch": batch, "jaxllm": jaxllm_run(llm, prompts[:batch], args.output_len)}
             for peer in args.peers:
-                row[peer] = offline.run_peer(peer, prompts[:batch], args.output_len, num_iters=1, warmup_iters=1,
-                                             threads=args.peer_threads)
+                row[peer] = offline.run_peer(
+                    peer, prompts[:batch], args.output_len, num_iters=1, warmup_iters=1, threads=args.peer_threads
+                )
             print(json.dumps(row), file=sys.stderr)
             runs.append(row)
     report["runs"] = runs
@@ -132,15 +147,25 @@ def main() -> None:
     for batch in args.batches:
         rows = [r for r in runs if r["batch"] == batch]
         ours = [r["jaxllm"]["output_tokens_per_second"] for r in rows]
-        entry = {"jaxllm_tok_per_s": round(statistics.median(ours), 2),
-                 "host_ms_per_step": round(statistics.median(r["jaxllm"]["host_ms_per_step"] for r in rows), 2),
-                 "roofline": roofline(arch, loaded.dtype, batch, args.input_len, args.output_len, report["ceilings"])}
+        entry = {
+            "jaxllm_tok_per_s": round(statistics.median(ours), 2),
+            "host_ms_per_step": round(statistics.median(r["jaxllm"]["host_ms_per_step"] for r in rows), 2),
+            "roofline": roofline(arch, loaded.dtype, batch, args.input_len, args.output_len, report["ceilings"]),
+        }
         for peer in args.peers:
-            ok = [(r["jaxllm"]["output_tokens_per_second"], r[peer]["output_tokens_per_second"])
-                  for r in rows if "error" not in r[peer]]
-            entry[peer] = ({"tok_per_s": round(statistics.median(t for _, t in ok), 2),
-                            "ratio": offline.median_ratio([a for a, _ in ok], [b for _, b in ok])}
-                           if ok else {"error": rows[0][peer]["error"][-300:]})
+            ok = [
+                (r["jaxllm"]["output_tokens_per_second"], r[peer]["output_tokens_per_second"])
+                for r in rows
+                if "error" not in r[peer]
+            ]
+            entry[peer] = (
+                {
+                    "tok_per_s": round(statistics.median(t for _, t in ok), 2),
+                    "ratio": offline.median_ratio([a for a, _ in ok], [b for _, b in ok]),
+                }
+                if ok
+                else {"error": rows[0][peer]["error"][-300:]}
+            )
         summary[f"batch_{batch}"] = entry
     report["summary"] = summary
     text = json.dumps(report, indent=2)

@@ -55,22 +55,45 @@ def traces(max_model_len: int) -> dict[str, list]:
     The overload burst sends its requests 10 ms apart, not at one instant: requests sent together
     reach the server in any order (seen: the 16th first), and fcfs then preempts other requests than
     the simulation, which keeps the trace's order (6 preemptions against 4)."""
-    burst = synthesize(20, request_rate=float("inf"),
-                       input_len=LengthDist(min(200, max_model_len // 3), "uniform", range_ratio=0.2),
-                       output_len=LengthDist(min(150, max_model_len // 4), "uniform", range_ratio=0.2), seed=2)
+    burst = synthesize(
+        20,
+        request_rate=float("inf"),
+        input_len=LengthDist(min(200, max_model_len // 3), "uniform", range_ratio=0.2),
+        output_len=LengthDist(min(150, max_model_len // 4), "uniform", range_ratio=0.2),
+        seed=2,
+    )
     return {
-        "light": synthesize(16, request_rate=0.5, input_len=LengthDist(48, "uniform"),
-                            output_len=LengthDist(24, "uniform"), seed=1),
+        "light": synthesize(
+            16, request_rate=0.5, input_len=LengthDist(48, "uniform"), output_len=LengthDist(24, "uniform"), seed=1
+        ),
         "overload + preemption": [replace(r, arrival_time=0.01 * i) for i, r in enumerate(burst)],
-        "shared prefix": synthesize(24, request_rate=3, input_len=LengthDist(24, "uniform"),
-                                    output_len=LengthDist(20, "uniform"), num_prefix_groups=3, prefix_len=192, seed=3),
+        "shared prefix": synthesize(
+            24,
+            request_rate=3,
+            input_len=LengthDist(24, "uniform"),
+            output_len=LengthDist(20, "uniform"),
+            num_prefix_groups=3,
+            prefix_len=192,
+            seed=3,
+        ),
     }
 
 
 def calibrate_now(out: Path, server: bool) -> CostModel:
     """`jaxllm calibrate` in a child process (its engine is gone before the real runs start)."""
-    subprocess.run([sys.executable, "-m", "jaxllm.entrypoints.cli", "calibrate", "--out", str(out),
-                    "--server" if server else "--no-server", *CALIBRATION_FLAGS], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "jaxllm.entrypoints.cli",
+            "calibrate",
+            "--out",
+            str(out),
+            "--server" if server else "--no-server",
+            *CALIBRATION_FLAGS,
+        ],
+        check=True,
+    )
     return CostModel.load(out)
 
 
@@ -85,14 +108,35 @@ def run_on_server(path: Path, engine: dict, workdir: Path, tag: str) -> dict:
     from jaxllm.bench.server_process import ServerProcess
 
     with ServerProcess(engine_args_for(engine).to_cli_args(), log_path=workdir / f"{tag}.server.log") as server:
-        httpx.post(server.url + "/v1/completions", timeout=60, json={
-            "model": first_model(server.url, {}), "prompt": list(range(100, 148)), "max_tokens": 4}).raise_for_status()
+        httpx.post(
+            server.url + "/v1/completions",
+            timeout=60,
+            json={"model": first_model(server.url, {}), "prompt": list(range(100, 148)), "max_tokens": 4},
+        ).raise_for_status()
         out = workdir / f"{tag}.bench.json"
-        subprocess.run([sys.executable, "-m", "jaxllm.entrypoints.cli", "bench", "serve", "--base-url", server.url,
-                        "--dataset-name", "jsonl", "--dataset-path", str(path), "--output", str(out),
-                        "--disable-tqdm"], check=True)
-        return {**json.loads(out.read_text()),
-                "num_preemptions": server.metrics().get("jaxllm:num_preemptions_total", 0.0)}
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "jaxllm.entrypoints.cli",
+                "bench",
+                "serve",
+                "--base-url",
+                server.url,
+                "--dataset-name",
+                "jsonl",
+                "--dataset-path",
+                str(path),
+                "--output",
+                str(out),
+                "--disable-tqdm",
+            ],
+            check=True,
+        )
+        return {
+            **json.loads(out.read_text()),
+            "num_preemptions": server.metrics().get("jaxllm:num_preemptions_total", 0.0),
+        }
 
 
 class EngineRunner:
@@ -115,8 +159,10 @@ class EngineRunner:
 
 def table(rounds: list[dict], label: str) -> tuple[str, dict]:
     """Median simulated vs median real per trace and metric, and each round's paired error."""
-    lines = ["| trace | metric | simulated | real | error | paired errors, round by round |",
-             "|---|---|---:|---:|---:|---|"]
+    lines = [
+        "| trace | metric | simulated | real | error | paired errors, round by round |",
+        "|---|---|---:|---:|---:|---|",
+    ]
     rows = {}
     for name in rounds[0]["simulated"]:
         for label_, key in METRICS:
@@ -124,14 +170,24 @@ def table(rounds: list[dict], label: str) -> tuple[str, dict]:
             reals = [r["real"][name][key] for r in rounds]
             s, r = statistics.median(sims), statistics.median(reals)
             paired = [a / b - 1 for a, b in zip(sims, reals)]
-            rows.setdefault(name, {})[key] = {"simulated": s, "real": r, "error": s / r - 1,
-                                              "simulated_rounds": sims, "real_rounds": reals, "paired_errors": paired}
-            lines.append(f"| {name} | {label_} | {s:.1f} | {r:.1f} | {s / r - 1:+.1%} | "
-                         f"{' / '.join(f'{e:+.0%}' for e in paired)} |")
+            rows.setdefault(name, {})[key] = {
+                "simulated": s,
+                "real": r,
+                "error": s / r - 1,
+                "simulated_rounds": sims,
+                "real_rounds": reals,
+                "paired_errors": paired,
+            }
+            lines.append(
+                f"| {name} | {label_} | {s:.1f} | {r:.1f} | {s / r - 1:+.1%} | "
+                f"{' / '.join(f'{e:+.0%}' for e in paired)} |"
+            )
         pre = {side: [r[side][name]["num_preemptions"] for r in rounds] for side in ("simulated", "real")}
         rows[name]["num_preemptions"] = pre
-        lines.append(f"| {name} | preemptions | {'/'.join(f'{p:g}' for p in pre['simulated'])} | "
-                     f"{'/'.join(f'{p:g}' for p in pre['real'])} | | |")
+        lines.append(
+            f"| {name} | preemptions | {'/'.join(f'{p:g}' for p in pre['simulated'])} | "
+            f"{'/'.join(f'{p:g}' for p in pre['real'])} | | |"
+        )
     return f"Simulated vs real ({label}).\n\n" + "\n".join(lines), rows
 
 
@@ -140,7 +196,9 @@ def main() -> None:
     parser.add_argument("--cost", default=None, help="one cost model for every round (default: calibrate before each)")
     parser.add_argument("--real", choices=("server", "engine"), default="server")
     parser.add_argument("--num-blocks", type=int, default=128, help="KV pool (blocks) of both runs")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds: calibrate, then each trace once (real and simulated)")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="rounds: calibrate, then each trace once (real and simulated)"
+    )
     parser.add_argument("--out", default="benchmarks/results/validate_simulator", help="writes OUT.md and OUT.json")
     args = parser.parse_args()
 
@@ -148,8 +206,11 @@ def main() -> None:
     run_on_engine = EngineRunner()
     rounds = []
     for round_ in range(args.rounds):
-        cost = (CostModel.load(args.cost) if args.cost
-                else calibrate_now(workdir / f"cost.{round_}.json", server=args.real == "server"))
+        cost = (
+            CostModel.load(args.cost)
+            if args.cost
+            else calibrate_now(workdir / f"cost.{round_}.json", server=args.real == "server")
+        )
         engine = {**cost.engine, "num_blocks": args.num_blocks}
         config = sim_config_for(engine)
         trace_sets = traces(engine["max_model_len"])
@@ -168,18 +229,28 @@ def main() -> None:
 
     where = "jaxllm serve + bench serve" if args.real == "server" else "offline EngineCore, real-time arrivals"
     models = f"the cost model {os.path.basename(args.cost)}" if args.cost else "a fresh calibration each round"
-    text, rows = table(rounds, f"{where}; medians of {args.rounds} rounds, {models}; load average "
-                               f"{min(r['load_average'] for r in rounds):.1f}–{max(r['load_average'] for r in rounds):.1f} "
-                               f"at the rounds' ends")
+    text, rows = table(
+        rounds,
+        f"{where}; medians of {args.rounds} rounds, {models}; load average "
+        f"{min(r['load_average'] for r in rounds):.1f}–{max(r['load_average'] for r in rounds):.1f} "
+        f"at the rounds' ends",
+    )
     print(text)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".md").write_text(text + "\n")
     keep = ("duration", "mean_ttft_ms", "mean_tpot_ms", "num_preemptions")
-    raw = [{**r, "simulated": {n: {k: v[k] for k in keep} for n, v in r["simulated"].items()},
-            "real": {n: {k: v[k] for k in keep} for n, v in r["real"].items()}} for r in rounds]
-    out.with_suffix(".json").write_text(json.dumps({"real": args.real, "cost": args.cost, "rows": rows,
-                                                    "rounds": raw}, indent=1) + "\n")
+    raw = [
+        {
+            **r,
+            "simulated": {n: {k: v[k] for k in keep} for n, v in r["simulated"].items()},
+            "real": {n: {k: v[k] for k in keep} for n, v in r["real"].items()},
+        }
+        for r in rounds
+    ]
+    out.with_suffix(".json").write_text(
+        json.dumps({"real": args.real, "cost": args.cost, "rows": rows, "rounds": raw}, indent=1) + "\n"
+    )
 
 
 if __name__ == "__main__":

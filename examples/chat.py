@@ -1,6 +1,6 @@
 """A multi-turn chat with the default model: each reply is fed back into the conversation.
 
-    python examples/chat.py
+python examples/chat.py
 """
 
 from jaxllm import LLM, SamplingParams

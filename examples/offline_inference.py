@@ -1,6 +1,6 @@
 """Batch generation with per-prompt SamplingParams on the default model (SmolLM2-135M-Instruct).
 
-    python examples/offline_inference.py
+python examples/offline_inference.py
 """
 
 from jaxllm import LLM, SamplingParams
@@ -22,8 +22,10 @@ def main(**engine_args) -> list:
     outputs = llm.generate(prompts, params)
     for question, output in zip(questions, outputs):
         completion = output.outputs[0]
-        print(f"Q: {question}\nA: {completion.text.strip()}\n   ({len(completion.token_ids)} tokens, "
-              f"finish_reason={completion.finish_reason})\n")
+        print(
+            f"Q: {question}\nA: {completion.text.strip()}\n   ({len(completion.token_ids)} tokens, "
+            f"finish_reason={completion.finish_reason})\n"
+        )
     return outputs
 
 

@@ -1,7 +1,7 @@
 """Talk to `jaxllm serve` with the official `openai` client: a streaming chat, then a plain completion.
 
-    jaxllm serve                      # in one terminal (add --api-key KEY to require a key)
-    python examples/openai_client.py  # in another
+jaxllm serve                      # in one terminal (add --api-key KEY to require a key)
+python examples/openai_client.py  # in another
 """
 
 import os
@@ -28,8 +28,9 @@ def main(base_url: str = "http://127.0.0.1:8000/v1", api_key: str = "EMPTY") -> 
     print()
 
     # vLLM's extra sampling fields (top_k, min_p, ignore_eos, ...) go in extra_body
-    completion = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8,
-                                           temperature=0, extra_body={"top_k": 1})
+    completion = client.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=8, temperature=0, extra_body={"top_k": 1}
+    )
     print(repr(completion.choices[0].text), completion.usage)
     return reply, completion.choices[0].text
 

@@ -27,10 +27,14 @@ def main(port: int = 8000, **engine) -> list[str]:
         model = client.models.list().data[0].id
 
         chat = client.chat.completions.with_raw_response.create(
-            model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
-            max_tokens=32, temperature=0)
+            model=model,
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=32,
+            temperature=0,
+        )
         completion = client.completions.with_raw_response.create(
-            model=model, prompt="The capital of France is", max_tokens=8, temperature=0)
+            model=model, prompt="The capital of France is", max_tokens=8, temperature=0
+        )
 
         answers = [chat.parse().choices[0].message.content, completion.parse().choices[0].text]
         for raw, answer in zip((chat, completion), answers):

@@ -38,8 +38,12 @@ def main(llm: LLM | None = None, **engine_args) -> list:
         ("Is Paris the capital of France?", StructuredOutputsParams(choice=["yes", "no"])),
         ("Write a short sentence about a pet.", StructuredOutputsParams(grammar=SENTENCE)),
     ]
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                             add_generation_prompt=True) for question, _ in asks]
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+        )
+        for question, _ in asks
+    ]
     params = [SamplingParams(temperature=0, max_tokens=100, structured_outputs=constraint) for _, constraint in asks]
     outputs = llm.generate(prompts, params)
     for (question, constraint), output in zip(asks, outputs):

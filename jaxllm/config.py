@@ -9,15 +9,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 DTYPES = {
-    "float32": "float32", "float": "float32", "fp32": "float32",
-    "bfloat16": "bfloat16", "bf16": "bfloat16",
-    "float16": "float16", "half": "float16", "fp16": "float16",
+    "float32": "float32",
+    "float": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+    "fp16": "float16",
 }
 LOAD_FORMATS = ("auto", "hf", "safetensors", "gguf", "orbax", "dummy")
 
 
 def resolve_dtype(dtype):
-    """"auto" is float32 on CPU (fastest there) and bfloat16 on accelerators. Returns a jnp dtype."""
+    """ "auto" is float32 on CPU (fastest there) and bfloat16 on accelerators. Returns a jnp dtype."""
     import jax  # lazily: the scheduler imports this module and must stay free of JAX
     import jax.numpy as jnp
 

@@ -79,8 +79,9 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(conversation, tokenize=False, chat_template=chat_template,
-                                                 add_generation_prompt=add_generation_prompt)
+            text = tokenizer.apply_chat_template(
+                conversation, tokenize=False, chat_template=chat_template, add_generation_prompt=add_generation_prompt
+            )
             ids = tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

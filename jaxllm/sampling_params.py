@@ -29,12 +29,14 @@ class StructuredOutputsParams:
     def __post_init__(self):
         from jaxllm.structured.grammar import grammar_text
 
-        given = [k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, k)
-                 not in (None, False)]
+        given = [
+            k for k in ("json", "json_object", "regex", "choice", "grammar") if getattr(self, k) not in (None, False)
+        ]
         if len(given) != 1:
             found = f"got {' and '.join(given)}" if given else "got none"
-            raise ValueError(f"StructuredOutputsParams takes exactly one of json, json_object, regex, choice, "
-                             f"grammar; {found}")
+            raise ValueError(
+                f"StructuredOutputsParams takes exactly one of json, json_object, regex, choice, grammar; {found}"
+            )
         self.kind = given[0]
         if self.json_object is not None and self.json_object is not True:
             raise ValueError(f"StructuredOutputsParams.json_object must be True or None, got {self.json_object!r}")

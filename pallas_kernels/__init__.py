@@ -79,7 +79,7 @@ def ragged_paged_attention(
 
 
 def _cpu_kernel_serves(k_cache) -> bool:
-    """"auto" on this platform runs the C++ kernels (attention and the KV write)."""
+    """ "auto" on this platform runs the C++ kernels (attention and the KV write)."""
     return jax.default_backend() == "cpu" and cpu.supports(k_cache) and cpu.available()
 
 

@@ -46,8 +46,17 @@ def build(source: Path) -> Path:
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not compiler:
         raise RuntimeError("no C++ compiler (set CXX)")
-    key = hashlib.sha256(b"\0".join([source.read_bytes(), " ".join(FLAGS).encode(), jaxlib.__version__.encode(),
-                                     _cpu_id().encode(), compiler.encode()])).hexdigest()[:16]
+    key = hashlib.sha256(
+        b"\0".join(
+            [
+                source.read_bytes(),
+                " ".join(FLAGS).encode(),
+                jaxlib.__version__.encode(),
+                _cpu_id().encode(),
+                compiler.encode(),
+            ]
+        )
+    ).hexdigest()[:16]
     lib = _cache_dir() / f"{source.parent.name}-{source.stem}-{key}.so"
     if lib.exists():
         return lib

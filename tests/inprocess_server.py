@@ -21,13 +21,15 @@ class InProcessServer:
         import uvicorn
 
         args = {k: v for k, v in TEST_ENGINE.items() if k != "progress"}
-        self.engine = AsyncLLM(EngineArgs(**args, kv_cache_memory_bytes=kv_bytes(TEST_KV_BLOCKS)),
-                               served_model_name=MODEL, progress=False)
+        self.engine = AsyncLLM(
+            EngineArgs(**args, kv_cache_memory_bytes=kv_bytes(TEST_KV_BLOCKS)), served_model_name=MODEL, progress=False
+        )
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         app = build_app(self.engine, served_model_names=[MODEL])
-        self.server = GracefulServer(uvicorn.Config(app, port=self.port, log_level="warning", lifespan="off"),
-                                     self.engine)
+        self.server = GracefulServer(
+            uvicorn.Config(app, port=self.port, log_level="warning", lifespan="off"), self.engine
+        )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         while not self.server.started:

@@ -27,8 +27,21 @@ def shared_engine(llm, monkeypatch):
 
 def test_throughput_reports_vllm_keys_host_time_and_a_plot(shared_engine, tmp_path):
     out = tmp_path / "t.json"
-    args = bench_args("throughput", "--num-prompts", "3", "--input-len", "16", "--output-len", "4", "--rounds", "2",
-                      "--output-json", str(out), "--plot", str(tmp_path / "plots"))
+    args = bench_args(
+        "throughput",
+        "--num-prompts",
+        "3",
+        "--input-len",
+        "16",
+        "--output-len",
+        "4",
+        "--rounds",
+        "2",
+        "--output-json",
+        str(out),
+        "--plot",
+        str(tmp_path / "plots"),
+    )
     result = throughput.main(args)
     saved = json.loads(out.read_text())
     assert saved["num_requests"] == 3 and saved["total_num_tokens"] == 3 * 20 and saved["total_output_tokens"] == 12
@@ -42,8 +55,23 @@ def test_throughput_reports_vllm_keys_host_time_and_a_plot(shared_engine, tmp_pa
 
 
 def test_latency_reports_every_iteration_and_percentiles(shared_engine, tmp_path):
-    args = bench_args("latency", "--batch-size", "2", "--input-len", "8", "--output-len", "3", "--num-iters", "3",
-                      "--num-iters-warmup", "1", "--output-json", str(tmp_path / "l.json"), "--plot", str(tmp_path))
+    args = bench_args(
+        "latency",
+        "--batch-size",
+        "2",
+        "--input-len",
+        "8",
+        "--output-len",
+        "3",
+        "--num-iters",
+        "3",
+        "--num-iters-warmup",
+        "1",
+        "--output-json",
+        str(tmp_path / "l.json"),
+        "--plot",
+        str(tmp_path),
+    )
     result = latency.main(args)
     assert len(result["latencies"]) == 3 and set(result["percentiles"]) == {"10", "25", "50", "75", "90", "99"}
     assert min(result["latencies"]) <= result["percentiles"]["50"] <= max(result["latencies"])
@@ -69,8 +97,9 @@ def test_compare_runs_peers_on_the_same_token_ids_and_reports_median_ratios(shar
     (tmp_path / "transformers_generate.py").write_text(FAKE_PEER)
     (tmp_path / "llamacpp_generate.py").write_text("import sys; sys.exit('llama-cpp-python is not installed')")
     monkeypatch.setattr(offline, "PEERS_DIR", tmp_path)
-    args = bench_args("throughput", "--num-prompts", "2", "--input-len", "8", "--output-len", "3", "--rounds", "2",
-                      "--compare")
+    args = bench_args(
+        "throughput", "--num-prompts", "2", "--input-len", "8", "--output-len", "3", "--rounds", "2", "--compare"
+    )
     result = throughput.main(args)
     fake, missing = result["comparison"]["transformers"], result["comparison"]["llama.cpp"]
     assert fake["output_tokens_per_second"] == 6.0
@@ -78,8 +107,23 @@ def test_compare_runs_peers_on_the_same_token_ids_and_reports_median_ratios(shar
     assert missing["output_tokens_per_second"] is None and "not installed" in missing["errors"][0]
     assert result["rounds"][0]["transformers"]["input_len"] == 8
 
-    lat = latency.main(bench_args("latency", "--batch-size", "2", "--input-len", "8", "--output-len", "3",
-                                  "--num-iters", "2", "--num-iters-warmup", "0", "--compare", "transformers"))
+    lat = latency.main(
+        bench_args(
+            "latency",
+            "--batch-size",
+            "2",
+            "--input-len",
+            "8",
+            "--output-len",
+            "3",
+            "--num-iters",
+            "2",
+            "--num-iters-warmup",
+            "0",
+            "--compare",
+            "transformers",
+        )
+    )
     assert lat["comparison"]["transformers"]["latencies"] == [1.0, 1.0]
 
 
@@ -94,8 +138,18 @@ def test_bad_flags_are_named():
 def test_transformers_peer_generates_exactly_the_asked_tokens(tmp_path):
     prompts = tmp_path / "p.json"
     prompts.write_text(json.dumps([[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]]))
-    cmd = [sys.executable, str(offline.PEERS_DIR / "transformers_generate.py"), "--prompts", str(prompts),
-           "--output-len", "3", "--num-iters", "1", "--num-iters-warmup", "0"]
+    cmd = [
+        sys.executable,
+        str(offline.PEERS_DIR / "transformers_generate.py"),
+        "--prompts",
+        str(prompts),
+        "--output-len",
+        "3",
+        "--num-iters",
+        "1",
+        "--num-iters-warmup",
+        "0",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     line = json.loads(done.stdout.strip().splitlines()[-1])

@@ -38,8 +38,9 @@ def bench_args(*flags: str):
 def hand_made_records():
     return [
         # sent at 0 s: first token at 0.1 s, three more 0.05 s apart → E2E 0.25 s, TPOT 0.05 s
-        RequestRecord(prompt_len=10, output_len=4, start=0.0, ttft=0.1, itl=[0.05, 0.05, 0.05], latency=0.25,
-                      success=True),
+        RequestRecord(
+            prompt_len=10, output_len=4, start=0.0, ttft=0.1, itl=[0.05, 0.05, 0.05], latency=0.25, success=True
+        ),
         # sent at 0.5 s: slow first token (0.4 s), one more after 0.2 s → E2E 0.6 s, TPOT 0.2 s
         RequestRecord(prompt_len=20, output_len=2, start=0.5, ttft=0.4, itl=[0.2], latency=0.6, success=True),
         # a single token: no TPOT, no ITL
@@ -49,8 +50,7 @@ def hand_made_records():
 
 
 def test_summary_math_on_hand_made_records():
-    result = summarize(hand_made_records(), duration=2.0, goodput={"ttft": 350, "tpot": 100},
-                       percentiles=(50, 99))
+    result = summarize(hand_made_records(), duration=2.0, goodput={"ttft": 350, "tpot": 100}, percentiles=(50, 99))
     assert result["completed"] == 3 and result["failed"] == 1
     assert result["total_input_tokens"] == 35 and result["total_output_tokens"] == 7
     assert result["request_throughput"] == pytest.approx(1.5)
@@ -123,23 +123,37 @@ def test_random_dataset_lengths():
 
 def test_jsonl_dataset(tmp_path):
     path = tmp_path / "trace.jsonl"
-    save_trace([TraceRequest(arrival_time=0.5, prompt="Hello there", output_len=3),
-                TraceRequest(arrival_time=0.1, prompt_len=12, output_len=4, user="a")], path)
+    save_trace(
+        [
+            TraceRequest(arrival_time=0.5, prompt="Hello there", output_len=3),
+            TraceRequest(arrival_time=0.1, prompt_len=12, output_len=4, user="a"),
+        ],
+        path,
+    )
     args = bench_args("--dataset-name", "jsonl", "--dataset-path", str(path))
     trace = datasets.get_requests(args)
     assert [r.arrival_time for r in trace] == [0.1, 0.5] and trace[0].prompt_len == 12
-    assert len(datasets.get_requests(bench_args("--dataset-name", "jsonl", "--dataset-path", str(path),
-                                                "--num-prompts", "1"))) == 1
+    assert (
+        len(
+            datasets.get_requests(
+                bench_args("--dataset-name", "jsonl", "--dataset-path", str(path), "--num-prompts", "1")
+            )
+        )
+        == 1
+    )
     with pytest.raises(ValueError, match="more than the 2 requests"):
         datasets.get_requests(bench_args("--dataset-name", "jsonl", "--dataset-path", str(path), "--num-prompts", "3"))
     with pytest.raises(ValueError, match="--dataset-path"):
         datasets.get_requests(bench_args("--dataset-name", "jsonl"))
     with pytest.raises(FileNotFoundError):
         datasets.get_requests(bench_args("--dataset-name", "jsonl", "--dataset-path", str(tmp_path / "none")))
-    for line, message in (('{"arrival_time": 0, "output_len": 2}', "exactly one of prompt"),
-                          ('{"arrival_time": 0, "prompt_len": 4, "output_len": 0}', "output_len must be"),
-                          ('{"arrival_time": 0, "prompt_len": 4, "output_len": 2, "colour": 1}', "unknown fields"),
-                          ("[1, 2]", "not a JSON object"), ("{oops", "Expecting")):
+    for line, message in (
+        ('{"arrival_time": 0, "output_len": 2}', "exactly one of prompt"),
+        ('{"arrival_time": 0, "prompt_len": 4, "output_len": 0}', "output_len must be"),
+        ('{"arrival_time": 0, "prompt_len": 4, "output_len": 2, "colour": 1}', "unknown fields"),
+        ("[1, 2]", "not a JSON object"),
+        ("{oops", "Expecting"),
+    ):
         bad = tmp_path / "bad.jsonl"
         bad.write_text('{"arrival_time": 0, "prompt_len": 4, "output_len": 2}\n' + line + "\n")
         with pytest.raises(ValueError, match=rf"bad.jsonl:2: .*{message}"):
@@ -147,8 +161,9 @@ def test_jsonl_dataset(tmp_path):
 
 
 def test_request_body_replays_the_trace_exactly():
-    body = serve.request_body(TraceRequest(arrival_time=0, prompt_len=9, output_len=5, priority=2, user="t"), 3,
-                              model="m", seed=7)
+    body = serve.request_body(
+        TraceRequest(arrival_time=0, prompt_len=9, output_len=5, priority=2, user="t"), 3, model="m", seed=7
+    )
     assert body["prompt"] == prompt_token_ids(TraceRequest(arrival_time=0, prompt_len=9, output_len=5), 3, 7)
     assert body["max_tokens"] == body["min_tokens"] == 5 and body["ignore_eos"] and body["temperature"] == 0
     assert body["stream"] and body["stream_options"]["include_usage"]
@@ -181,8 +196,10 @@ def scripted_app():
         prompt, n = body["prompt"], body["max_tokens"]
         mode = prompt[0] if isinstance(prompt, list) else 0
         if mode == 1:
-            return JSONResponse({"error": {"message": "prompt too long", "type": "BadRequestError",
-                                           "param": "prompt", "code": 400}}, status_code=400)
+            return JSONResponse(
+                {"error": {"message": "prompt too long", "type": "BadRequestError", "param": "prompt", "code": 400}},
+                status_code=400,
+            )
         prompt_tokens = len(prompt) if isinstance(prompt, list) else len(prompt.split())
 
         def chunk(text, finish, done_tokens, continuous=True):
@@ -238,8 +255,10 @@ def scripted(url: str, prompt_first_token: int, output_len: int, timeout: float 
     async def go():
         async with httpx.AsyncClient() as client:
             body = {"prompt": [prompt_first_token, 7, 7], "max_tokens": output_len}
-            return await serve.stream_completion(client, url + "/v1/completions", body, {}, clock0=time.perf_counter(),
-                                                 timeout=timeout)
+            return await serve.stream_completion(
+                client, url + "/v1/completions", body, {}, clock0=time.perf_counter(), timeout=timeout
+            )
+
     return asyncio.run(go())
 
 
@@ -265,8 +284,10 @@ def test_client_abort_and_tokens_per_chunk(scripted_server):
 
     async def go():
         async with httpx.AsyncClient() as client:
-            return await serve.stream_completion(client, url + "/v1/completions",
-                                                 {"prompt": [9], "max_tokens": 4}, {}, abort_after=2)
+            return await serve.stream_completion(
+                client, url + "/v1/completions", {"prompt": [9], "max_tokens": 4}, {}, abort_after=2
+            )
+
     aborted = asyncio.run(go())
     assert not aborted.success and aborted.error == "aborted by the client after 2 tokens"
     assert serve._tokens_in({"choices": [{"text": "abc"}]}, {"completion_tokens": 5}, 2) == 3  # per-chunk usage
@@ -278,11 +299,35 @@ def test_client_abort_and_tokens_per_chunk(scripted_server):
 def test_bench_serve_end_to_end_on_the_scripted_server(scripted_server, tmp_path, capsys):
     url, seen = scripted_server
     seen.clear()
-    result = serve.main(bench_args(
-        "--base-url", url, "--num-prompts", "12", "--random-input-len", "16", "--random-output-len", "5",
-        "--random-range-ratio", "0.5", "--request-rate", "40", "--seed", "2", "--max-concurrency", "4",
-        "--goodput", "ttft:5000", "tpot:1000", "--metric-percentiles", "50,99",
-        "--output", str(tmp_path / "r.json"), "--plot", str(tmp_path / "plots")))
+    result = serve.main(
+        bench_args(
+            "--base-url",
+            url,
+            "--num-prompts",
+            "12",
+            "--random-input-len",
+            "16",
+            "--random-output-len",
+            "5",
+            "--random-range-ratio",
+            "0.5",
+            "--request-rate",
+            "40",
+            "--seed",
+            "2",
+            "--max-concurrency",
+            "4",
+            "--goodput",
+            "ttft:5000",
+            "tpot:1000",
+            "--metric-percentiles",
+            "50,99",
+            "--output",
+            str(tmp_path / "r.json"),
+            "--plot",
+            str(tmp_path / "plots"),
+        )
+    )
     printed = capsys.readouterr().out
     assert "Serving Benchmark Result" in printed and "model scripted" in printed
     saved = json.loads((tmp_path / "r.json").read_text())
@@ -290,8 +335,19 @@ def test_bench_serve_end_to_end_on_the_scripted_server(scripted_server, tmp_path
     assert saved["total_output_tokens"] == sum(b["max_tokens"] for b in seen) == sum(saved["output_lens"])
     assert saved["total_input_tokens"] == sum(len(b["prompt"]) for b in seen)
     assert saved["request_goodput"] == pytest.approx(saved["request_throughput"])
-    for key in ("duration", "request_throughput", "output_throughput", "p50_ttft_ms", "p99_e2el_ms",
-                "mean_itl_ms", "median_tpot_ms", "ttfts", "itls", "input_lens", "errors"):
+    for key in (
+        "duration",
+        "request_throughput",
+        "output_throughput",
+        "p50_ttft_ms",
+        "p99_e2el_ms",
+        "mean_itl_ms",
+        "median_tpot_ms",
+        "ttfts",
+        "itls",
+        "input_lens",
+        "errors",
+    ):
         assert key in saved
     assert saved["mean_ttft_ms"] >= FIRST_TOKEN_S * 1000
     assert all(b["min_tokens"] == b["max_tokens"] and b["ignore_eos"] for b in seen)
@@ -303,11 +359,18 @@ def test_bench_serve_end_to_end_on_the_scripted_server(scripted_server, tmp_path
 def test_bench_serve_cli_errors_are_one_line(scripted_server):
     url, _ = scripted_server
     port = free_port()  # nothing listens here
-    for flags, message in ((["--base-url", f"http://127.0.0.1:{port}"], "cannot reach the server"),
-                           (["--base-url", url, "--goodput", "ttft"], "KEY:MS"),
-                           (["--base-url", url, "--request-rate", "0"], "--request-rate must be > 0")):
-        result = subprocess.run([sys.executable, "-m", "jaxllm.entrypoints.cli", "bench", "serve", *flags],
-                                capture_output=True, text=True, timeout=120, cwd=REPO)
+    for flags, message in (
+        (["--base-url", f"http://127.0.0.1:{port}"], "cannot reach the server"),
+        (["--base-url", url, "--goodput", "ttft"], "KEY:MS"),
+        (["--base-url", url, "--request-rate", "0"], "--request-rate must be > 0"),
+    ):
+        result = subprocess.run(
+            [sys.executable, "-m", "jaxllm.entrypoints.cli", "bench", "serve", *flags],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+        )
         assert result.returncode == 2, result.stderr
         assert "Traceback" not in result.stderr and message in result.stderr
 
@@ -315,8 +378,9 @@ def test_bench_serve_cli_errors_are_one_line(scripted_server):
 def test_failed_requests_are_counted_not_fatal(scripted_server, tmp_path):
     url, _ = scripted_server
     trace = tmp_path / "t.jsonl"
-    save_trace([TraceRequest(arrival_time=0, prompt_token_ids=[first, 5, 5], output_len=4)
-                for first in (9, 1, 2, 9)], trace)
+    save_trace(
+        [TraceRequest(arrival_time=0, prompt_token_ids=[first, 5, 5], output_len=4) for first in (9, 1, 2, 9)], trace
+    )
     result = serve.main(bench_args("--base-url", url + "/v1/", "--dataset-name", "jsonl", "--dataset-path", str(trace)))
     assert result["completed"] == 2 and result["failed"] == 2
     assert result["errors"][1] == "HTTP 400: prompt too long" and result["errors"][0] == ""
@@ -335,19 +399,56 @@ def real_server(tmp_path_factory):
 
 
 def test_bench_serve_against_a_real_server(real_server, tmp_path):
-    result = serve.main(bench_args(
-        "--base-url", real_server.url, "--num-prompts", "6", "--random-input-len", "24", "--random-output-len", "6",
-        "--random-range-ratio", "0.5", "--request-rate", "20", "--max-concurrency", "4", "--seed", "1",
-        "--goodput", "ttft:60000", "--output", str(tmp_path / "r.json"), "--plot", str(tmp_path / "plots")))
+    result = serve.main(
+        bench_args(
+            "--base-url",
+            real_server.url,
+            "--num-prompts",
+            "6",
+            "--random-input-len",
+            "24",
+            "--random-output-len",
+            "6",
+            "--random-range-ratio",
+            "0.5",
+            "--request-rate",
+            "20",
+            "--max-concurrency",
+            "4",
+            "--seed",
+            "1",
+            "--goodput",
+            "ttft:60000",
+            "--output",
+            str(tmp_path / "r.json"),
+            "--plot",
+            str(tmp_path / "plots"),
+        )
+    )
     asked = datasets.random_requests(6, input_len=24, output_len=6, range_ratio=0.5, seed=1)
     saved = json.loads((tmp_path / "r.json").read_text())
     assert saved["completed"] == 6 and saved["failed"] == 0, saved["errors"]
     assert saved["output_lens"] == [r.output_len for r in asked]  # min_tokens + ignore_eos: exact lengths
     assert saved["total_output_tokens"] == sum(r.output_len for r in asked)
     assert saved["input_lens"] == [r.prompt_len for r in asked]  # token-id prompts: exact lengths
-    for key in ("duration", "request_throughput", "output_throughput", "request_goodput",
-                "mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
-                "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_e2el_ms", "median_e2el_ms", "p99_e2el_ms"):
+    for key in (
+        "duration",
+        "request_throughput",
+        "output_throughput",
+        "request_goodput",
+        "mean_ttft_ms",
+        "median_ttft_ms",
+        "p99_ttft_ms",
+        "mean_tpot_ms",
+        "median_tpot_ms",
+        "p99_tpot_ms",
+        "mean_itl_ms",
+        "median_itl_ms",
+        "p99_itl_ms",
+        "mean_e2el_ms",
+        "median_e2el_ms",
+        "p99_e2el_ms",
+    ):
         assert isinstance(saved[key], float) and saved[key] > 0, key
     assert all(len(itl) == n - 1 for itl, n in zip(saved["itls"], saved["output_lens"]))  # one token per chunk
     for png in ("latency_cdf.png", "throughput.png"):
@@ -357,10 +458,17 @@ def test_bench_serve_against_a_real_server(real_server, tmp_path):
 
 def test_a_trace_with_text_and_a_refused_prompt(real_server, tmp_path):
     trace = tmp_path / "t.jsonl"
-    save_trace([TraceRequest(arrival_time=0.0, prompt="The capital of France is", output_len=4),
-                TraceRequest(arrival_time=0.05, prompt_len=600, output_len=4),  # over max_model_len 512
-                TraceRequest(arrival_time=0.1, prompt_len=20, output_len=5, prefix_group="g", prefix_len=16)], trace)
-    result = serve.main(bench_args("--base-url", real_server.url, "--dataset-name", "jsonl", "--dataset-path", str(trace)))
+    save_trace(
+        [
+            TraceRequest(arrival_time=0.0, prompt="The capital of France is", output_len=4),
+            TraceRequest(arrival_time=0.05, prompt_len=600, output_len=4),  # over max_model_len 512
+            TraceRequest(arrival_time=0.1, prompt_len=20, output_len=5, prefix_group="g", prefix_len=16),
+        ],
+        trace,
+    )
+    result = serve.main(
+        bench_args("--base-url", real_server.url, "--dataset-name", "jsonl", "--dataset-path", str(trace))
+    )
     assert result["completed"] == 2 and result["failed"] == 1
     assert result["errors"][1].startswith("HTTP 400") and "512" in result["errors"][1]
     assert result["output_lens"][0::2] == [4, 5] and result["input_lens"][2] == 20
@@ -373,11 +481,28 @@ def test_ctrl_c_ends_a_run_with_streams_open(scripted_server, tmp_path):
     url, _ = scripted_server
     trace = tmp_path / "hang.jsonl"
     save_trace([TraceRequest(arrival_time=0, prompt_token_ids=[4, 5], output_len=2)] * 3, trace)
-    process = subprocess.Popen([sys.executable, "-m", "jaxllm.entrypoints.cli", "bench", "serve", "--base-url", url,
-                                "--dataset-name", "jsonl", "--dataset-path", str(trace), "--disable-tqdm"],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                               # a shell's background job ignores SIGINT, and a child would inherit that
-                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jaxllm.entrypoints.cli",
+            "bench",
+            "serve",
+            "--base-url",
+            url,
+            "--dataset-name",
+            "jsonl",
+            "--dataset-path",
+            str(trace),
+            "--disable-tqdm",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        # a shell's background job ignores SIGINT, and a child would inherit that
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     deadline = time.monotonic() + 60
     while "Benchmarking" not in (line := process.stdout.readline()):
         assert line and time.monotonic() < deadline, process.stderr.read()

@@ -8,16 +8,25 @@ import pytest
 
 from tests.conftest import TEST_ENGINE, TEST_KV_BLOCKS, kv_bytes
 
-ENGINE_FLAGS = ["--max-num-seqs", str(TEST_ENGINE["max_num_seqs"]),
-                "--max-num-batched-tokens", str(TEST_ENGINE["max_num_batched_tokens"]),
-                "--max-model-len", str(TEST_ENGINE["max_model_len"]),
-                "--kv-cache-memory-bytes", str(kv_bytes(TEST_KV_BLOCKS)), "--dtype", "float32"]
+ENGINE_FLAGS = [
+    "--max-num-seqs",
+    str(TEST_ENGINE["max_num_seqs"]),
+    "--max-num-batched-tokens",
+    str(TEST_ENGINE["max_num_batched_tokens"]),
+    "--max-model-len",
+    str(TEST_ENGINE["max_model_len"]),
+    "--kv-cache-memory-bytes",
+    str(kv_bytes(TEST_KV_BLOCKS)),
+    "--dtype",
+    "float32",
+]
 
 
 def jaxllm(*args, stdin=None):
     cmd = [sys.executable, "-m", "jaxllm.entrypoints.cli", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, input=stdin, timeout=600,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return subprocess.run(
+        cmd, capture_output=True, text=True, input=stdin, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+    )
 
 
 def test_generate_answers_on_the_default_model():
@@ -33,15 +42,18 @@ def test_chat_streams_a_reply():
     assert "Paris" in result.stdout
 
 
-@pytest.mark.parametrize("args, message", [
-    (["generate", "--max-num-seqs", "banana", "hi"], "invalid int value: 'banana'"),
-    (["generate", "--bogus-flag", "hi"], "unrecognized arguments: --bogus-flag"),
-    (["generate"], "the following arguments are required: prompts"),
-    (["generate", "--temperature", "-1", "hi"], "SamplingParams.temperature must be a number >= 0"),
-    (["generate", "--dtype", "int8", "hi"], "dtype 'int8' is not supported"),
-    (["generate", "--model", "/nowhere/model.gguf", "hi"], "/nowhere/model.gguf"),
-    (["generate", *ENGINE_FLAGS, "--no-chat-template", "word " * 600], "more than max_model_len=512"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", "--max-num-seqs", "banana", "hi"], "invalid int value: 'banana'"),
+        (["generate", "--bogus-flag", "hi"], "unrecognized arguments: --bogus-flag"),
+        (["generate"], "the following arguments are required: prompts"),
+        (["generate", "--temperature", "-1", "hi"], "SamplingParams.temperature must be a number >= 0"),
+        (["generate", "--dtype", "int8", "hi"], "dtype 'int8' is not supported"),
+        (["generate", "--model", "/nowhere/model.gguf", "hi"], "/nowhere/model.gguf"),
+        (["generate", *ENGINE_FLAGS, "--no-chat-template", "word " * 600], "more than max_model_len=512"),
+    ],
+)
 def test_bad_input_is_one_line_not_a_traceback(args, message):
     result = jaxllm(*args)
     assert result.returncode == 2

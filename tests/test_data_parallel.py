@@ -27,11 +27,29 @@ def server():
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device per replica
     env["JAX_PLATFORMS"] = "cpu"
-    cmd = [sys.executable, "-m", "jaxllm.entrypoints.cli", "serve", "--port", str(port), "--disable-log-stats",
-           "--served-model-name", "dp", "--data-parallel-size", "2", "--max-num-seqs", str(TEST_ENGINE["max_num_seqs"]),
-           "--max-num-batched-tokens", str(TEST_ENGINE["max_num_batched_tokens"]),
-           "--max-model-len", str(TEST_ENGINE["max_model_len"]), "--dtype", "float32",
-           "--kv-cache-memory-bytes", str(kv_bytes(TEST_KV_BLOCKS))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxllm.entrypoints.cli",
+        "serve",
+        "--port",
+        str(port),
+        "--disable-log-stats",
+        "--served-model-name",
+        "dp",
+        "--data-parallel-size",
+        "2",
+        "--max-num-seqs",
+        str(TEST_ENGINE["max_num_seqs"]),
+        "--max-num-batched-tokens",
+        str(TEST_ENGINE["max_num_batched_tokens"]),
+        "--max-model-len",
+        str(TEST_ENGINE["max_model_len"]),
+        "--dtype",
+        "float32",
+        "--kv-cache-memory-bytes",
+        str(kv_bytes(TEST_KV_BLOCKS)),
+    ]
     process = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 900
@@ -61,8 +79,13 @@ def complete(url: str, prompt: str, max_tokens: int, **extra) -> httpx.Response:
 async def many(url: str, n: int, max_tokens: int, on_first_done=None, **extra) -> list[httpx.Response]:
     """`n` concurrent completions; `on_first_done()` runs as soon as the first one has returned."""
     async with httpx.AsyncClient(timeout=600) as client:
-        body = lambda i: {"model": "dp", "prompt": PROMPTS[i % len(PROMPTS)] + f" {i}",  # noqa: E731
-                          "max_tokens": max_tokens, "temperature": 0, **extra}
+        body = lambda i: {
+            "model": "dp",
+            "prompt": PROMPTS[i % len(PROMPTS)] + f" {i}",  # noqa: E731
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            **extra,
+        }
         tasks = [asyncio.ensure_future(client.post(f"{url}/v1/completions", json=body(i))) for i in range(n)]
         if on_first_done is not None:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
@@ -110,8 +133,9 @@ def test_a_dead_replica_fails_only_its_requests(server):
 
     # 16 requests a replica, 8 at a time: when the first returns, each replica still has a wave in flight
     # (a fixed sleep was not: a faster engine finished all 32 before it)
-    responses = asyncio.run(many(url, 32, 48, on_first_done=lambda: os.kill(replicas[1], signal.SIGKILL),
-                                 ignore_eos=True))
+    responses = asyncio.run(
+        many(url, 32, 48, on_first_done=lambda: os.kill(replicas[1], signal.SIGKILL), ignore_eos=True)
+    )
     codes = [r.status_code for r in responses]
     failed = [r for r in responses if r.status_code != 200]
     assert failed and len(failed) < 32, codes
@@ -127,8 +151,9 @@ def test_a_dead_replica_fails_only_its_requests(server):
 def _replica_pids(server_pid: int) -> list[int]:
     """The engine-core processes the server spawned, in replica order (not multiprocessing's helpers)."""
     found = []
-    for pid in map(int, subprocess.run(["pgrep", "-P", str(server_pid)], capture_output=True,
-                                       text=True).stdout.split()):
+    for pid in map(
+        int, subprocess.run(["pgrep", "-P", str(server_pid)], capture_output=True, text=True).stdout.split()
+    ):
         cmdline = open(f"/proc/{pid}/cmdline").read()
         if "spawn_main" in cmdline and "resource_tracker" not in cmdline:
             found.append(pid)

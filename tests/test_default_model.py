@@ -15,8 +15,9 @@ NEW_TOKENS = 32
 
 
 def chat_ids(tokenizer, prompt):
-    return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                         tokenize=True, return_dict=False)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
 
 
 def test_tokenizer_matches_transformers(default_model):
@@ -65,6 +66,5 @@ def test_default_model_greedy_matches_transformers(default_model, hf_default_mod
 
     for i, s in enumerate(seqs):
         expected = hf_greedy(hf_default_model, s[: prompt_lens[i]], NEW_TOKENS)
-        got = s[prompt_lens[i]:]
+        got = s[prompt_lens[i] :]
         assert got == expected, f"prompt {i}: {tok.decode(got)!r} != {tok.decode(expected)!r}"
-

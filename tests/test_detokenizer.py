@@ -116,8 +116,14 @@ def test_several_stop_strings_earliest_wins(tok, include):
     text = "Hello world, this is a test. Goodbye."
     stops = ["test", "is a", "Goodbye"]
     check_stop(tok, text, stops, include, "Hello world, this is a" if include else "Hello world, this ", "is a")
-    check_stop(tok, text, ["Goodbye", "."], include, "Hello world, this is a test." if include else
-               "Hello world, this is a test", ".")
+    check_stop(
+        tok,
+        text,
+        ["Goodbye", "."],
+        include,
+        "Hello world, this is a test." if include else "Hello world, this is a test",
+        ".",
+    )
 
 
 def test_stop_string_with_multibyte_characters(tok):

@@ -10,15 +10,23 @@ from jaxllm.runner.model_runner import compilation_count
 from tests.conftest import TEST_ENGINE, kv_bytes
 from tests.hf_reference import hf_greedy, hf_log_softmax
 
-QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers.",
-             "Explain photosynthesis in one sentence.", "What is 12 times 7?", "Name a famous painter.",
-             "Translate 'good morning' to Spanish.", "Why is the sky blue?"]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Explain photosynthesis in one sentence.",
+    "What is 12 times 7?",
+    "Name a famous painter.",
+    "Translate 'good morning' to Spanish.",
+    "Why is the sky blue?",
+]
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 
 def chat_prompt(tokenizer, question):
-    return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                         add_generation_prompt=True)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    )
 
 
 def long_prompt(tokenizer, words=40):
@@ -88,8 +96,9 @@ def test_no_compilation_after_warm_up(llm):
         SamplingParams(temperature=0, max_tokens=5),
         SamplingParams(temperature=0.8, top_p=0.9, max_tokens=9, seed=3),
         SamplingParams(temperature=1.0, top_k=20, min_p=0.05, max_tokens=7),
-        SamplingParams(temperature=0.7, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5,
-                       max_tokens=12),
+        SamplingParams(
+            temperature=0.7, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.5, max_tokens=12
+        ),
         SamplingParams(temperature=0, logprobs=5, max_tokens=4),
         SamplingParams(temperature=0.9, n=3, max_tokens=6),
         SamplingParams(temperature=0, min_tokens=4, max_tokens=8, stop=["."]),
@@ -107,19 +116,25 @@ def test_seeded_sampling_is_reproducible_whatever_the_batch(llm):
     prompt = chat_prompt(tok, "Tell me a story.")
     (alone,) = llm.generate(prompt, seeded, use_tqdm=False)
     crowd = [chat_prompt(tok, q) for q in QUESTIONS[:5]]
-    together = llm.generate(crowd[:2] + [prompt] + crowd[2:],
-                            [SamplingParams(temperature=1.0, max_tokens=20)] * 2 + [seeded] +
-                            [SamplingParams(temperature=0.5, max_tokens=8)] * 3, use_tqdm=False)
+    together = llm.generate(
+        crowd[:2] + [prompt] + crowd[2:],
+        [SamplingParams(temperature=1.0, max_tokens=20)] * 2
+        + [seeded]
+        + [SamplingParams(temperature=0.5, max_tokens=8)] * 3,
+        use_tqdm=False,
+    )
     assert together[2].outputs[0].token_ids == alone.outputs[0].token_ids
-    (other_seed,) = llm.generate(prompt, SamplingParams(temperature=1.0, top_p=0.95, max_tokens=16, seed=99,
-                                                        ignore_eos=True), use_tqdm=False)
+    (other_seed,) = llm.generate(
+        prompt, SamplingParams(temperature=1.0, top_p=0.95, max_tokens=16, seed=99, ignore_eos=True), use_tqdm=False
+    )
     assert other_seed.outputs[0].token_ids != alone.outputs[0].token_ids
 
 
 def test_n_samples_share_the_prompt(llm):
     tok = llm.get_tokenizer()
-    (output,) = llm.generate(long_prompt(tok, 40), SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=7),
-                             use_tqdm=False)
+    (output,) = llm.generate(
+        long_prompt(tok, 40), SamplingParams(n=4, temperature=1.0, max_tokens=12, seed=7), use_tqdm=False
+    )
     assert [c.index for c in output.outputs] == [0, 1, 2, 3]
     assert len({tuple(c.token_ids) for c in output.outputs}) > 1
     assert all(c.finish_reason in ("stop", "length") for c in output.outputs)
@@ -132,18 +147,22 @@ def test_stop_strings_stop_token_ids_and_finish_reasons(llm):
     (free,) = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40), use_tqdm=False)
     text, ids = free.outputs[0].text, free.outputs[0].token_ids
     boundary = len(tok.decode(ids[:4]))
-    stop = text[boundary - 2: boundary + 2]  # a stop string that spans a token boundary
+    stop = text[boundary - 2 : boundary + 2]  # a stop string that spans a token boundary
     assert text.find(stop) == boundary - 2
     (stopped,) = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40, stop=[stop]), use_tqdm=False)
     c = stopped.outputs[0]
     assert c.finish_reason == "stop" and c.stop_reason == stop and stop not in c.text
     assert text.startswith(c.text)
-    (kept,) = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40, stop=[stop],
-                                                  include_stop_str_in_output=True), use_tqdm=False)
+    (kept,) = llm.generate(
+        prompt,
+        SamplingParams(temperature=0, max_tokens=40, stop=[stop], include_stop_str_in_output=True),
+        use_tqdm=False,
+    )
     assert kept.outputs[0].text == c.text + stop
     stop_id = free.outputs[0].token_ids[3]
-    (by_id,) = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_id]),
-                            use_tqdm=False)
+    (by_id,) = llm.generate(
+        prompt, SamplingParams(temperature=0, max_tokens=40, stop_token_ids=[stop_id]), use_tqdm=False
+    )
     assert by_id.outputs[0].finish_reason == "stop" and by_id.outputs[0].stop_reason == stop_id
     assert by_id.outputs[0].token_ids == free.outputs[0].token_ids[:4]
     (capped,) = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
@@ -153,8 +172,11 @@ def test_stop_strings_stop_token_ids_and_finish_reasons(llm):
 def test_logprobs_equal_the_models_log_softmax(llm, hf_default_model):
     tok = llm.get_tokenizer()
     prompt_ids = tok.encode(chat_prompt(tok, QUESTIONS[0]), add_special_tokens=False)
-    (output,) = llm.generate({"prompt_token_ids": prompt_ids},
-                             SamplingParams(temperature=0.8, seed=5, logprobs=3, max_tokens=6), use_tqdm=False)
+    (output,) = llm.generate(
+        {"prompt_token_ids": prompt_ids},
+        SamplingParams(temperature=0.8, seed=5, logprobs=3, max_tokens=6),
+        use_tqdm=False,
+    )
     c = output.outputs[0]
     reference = hf_log_softmax(hf_default_model, prompt_ids + c.token_ids)
     total = 0.0
@@ -170,11 +192,14 @@ def test_logprobs_equal_the_models_log_softmax(llm, hf_default_model):
 
 def test_min_tokens_suppresses_eos(llm):
     tok = llm.get_tokenizer()
-    (short,) = llm.generate(chat_prompt(tok, QUESTIONS[0]), SamplingParams(temperature=0, max_tokens=50), use_tqdm=False)
+    (short,) = llm.generate(
+        chat_prompt(tok, QUESTIONS[0]), SamplingParams(temperature=0, max_tokens=50), use_tqdm=False
+    )
     n = len(short.outputs[0].token_ids)
     assert short.outputs[0].finish_reason == "stop" and n < 50
-    (longer,) = llm.generate(chat_prompt(tok, QUESTIONS[0]), SamplingParams(temperature=0, max_tokens=50,
-                                                                          min_tokens=n + 3), use_tqdm=False)
+    (longer,) = llm.generate(
+        chat_prompt(tok, QUESTIONS[0]), SamplingParams(temperature=0, max_tokens=50, min_tokens=n + 3), use_tqdm=False
+    )
     assert len(longer.outputs[0].token_ids) >= n + 3
 
 
@@ -189,8 +214,15 @@ def test_bad_input_fails_early_and_the_engine_keeps_serving(llm):
             llm.generate([bad], GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate(["a", "b"], [GREEDY], use_tqdm=False)
-    for field, value in [("temperature", -1), ("top_p", 0), ("top_k", -2), ("max_tokens", 0), ("n", 0),
-                         ("logprobs", 100), ("min_p", 2.0)]:
+    for field, value in [
+        ("temperature", -1),
+        ("top_p", 0),
+        ("top_k", -2),
+        ("max_tokens", 0),
+        ("n", 0),
+        ("logprobs", 100),
+        ("min_p", 2.0),
+    ]:
         with pytest.raises(ValueError, match=field):
             SamplingParams(**{field: value})
     (ok,) = llm.generate(chat_prompt(tok, QUESTIONS[0]), GREEDY, use_tqdm=False)
@@ -239,4 +271,5 @@ def test_tensor_parallel_engine_matches_one_device(llm):
     largest = max(jax.tree.leaves(runner.params), key=lambda x: x.size)
     assert largest.addressable_shards[0].data.size * 3 == largest.size  # the weights are split too
     assert token_ids(sharded.generate(prompts, GREEDY, use_tqdm=False)) == token_ids(
-        llm.generate(prompts, GREEDY, use_tqdm=False))
+        llm.generate(prompts, GREEDY, use_tqdm=False)
+    )

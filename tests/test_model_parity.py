@@ -17,22 +17,60 @@ from jaxllm.parallel.mesh import make_mesh
 from jaxllm.weights.params import hf_tensor_names, params_from_hf_tensors
 from tests.paged_batch import make_step
 
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=128)
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
 
 CASES = {
-    "llama-llama3-rope": ("LlamaConfig", "LlamaForCausalLM", dict(
-        rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
-    "llama-tied-bias": ("LlamaConfig", "LlamaForCausalLM", dict(
-        tie_word_embeddings=True, attention_bias=True, mlp_bias=True, num_key_value_heads=4)),
-    "mistral-sliding-window": ("MistralConfig", "MistralForCausalLM", dict(  # vocab: no whole panels
-        vocab_size=97, sliding_window=6, num_key_value_heads=1, head_dim=32)),
-    "qwen2-yarn": ("Qwen2Config", "Qwen2ForCausalLM", dict(
-        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                         "original_max_position_embeddings": 32})),
-    "qwen3-linear-rope": ("Qwen3Config", "Qwen3ForCausalLM", dict(
-        head_dim=16, rope_parameters={"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0})),
+    "llama-llama3-rope": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            rope_parameters={
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            }
+        ),
+    ),
+    "llama-tied-bias": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(tie_word_embeddings=True, attention_bias=True, mlp_bias=True, num_key_value_heads=4),
+    ),
+    "mistral-sliding-window": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(  # vocab: no whole panels
+            vocab_size=97, sliding_window=6, num_key_value_heads=1, head_dim=32
+        ),
+    ),
+    "qwen2-yarn": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(
+            rope_parameters={
+                "rope_type": "yarn",
+                "rope_theta": 10000.0,
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+            }
+        ),
+    ),
+    "qwen3-linear-rope": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(head_dim=16, rope_parameters={"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0}),
+    ),
 }
 
 
@@ -85,17 +123,24 @@ def test_ragged_paged_batch_matches_transformers(case, mode):
     def run(plan):  # padded to one shape (32 rows, 4 sequences): one compilation per model
         nonlocal cache
         real = sum(n for _, n in plan)
-        batch = make_step([(seqs[i], computed[i], n, tables[i]) for i, n in plan], block_size, max_blocks,
-                          pad_tokens=32 - real, pad_seqs=4 - len(plan))
+        batch = make_step(
+            [(seqs[i], computed[i], n, tables[i]) for i, n in plan],
+            block_size,
+            max_blocks,
+            pad_tokens=32 - real,
+            pad_seqs=4 - len(plan),
+        )
         logits, cache = step_fn({"params": params}, cache, batch)
         logits, row = np.asarray(logits), 0
         for i, n in plan:
             with torch.no_grad():
-                ref = hf_model(torch.tensor([seqs[i][: computed[i] + n]])).logits[0, computed[i]:].numpy()
-            got = logits[row: row + n]
+                ref = hf_model(torch.tensor([seqs[i][: computed[i] + n]])).logits[0, computed[i] :].numpy()
+            got = logits[row : row + n]
             assert np.isfinite(got).all()
             rel = np.abs(got - ref).max() / np.abs(ref).max()
-            assert rel < TOLERANCE[mode], f"{case}: sequence {i}, rows {computed[i]}..{computed[i] + n}: rel err {rel:.2e}"
+            assert rel < TOLERANCE[mode], (
+                f"{case}: sequence {i}, rows {computed[i]}..{computed[i] + n}: rel err {rel:.2e}"
+            )
             computed[i] += n
             row += n
 
@@ -125,5 +170,9 @@ def test_unrolled_layers_match_scanned_layers():
         logits, cache = jax.jit(model.apply)({"params": p}, cache, batch)
         results.append((np.asarray(logits[:13]), np.asarray(cache.k[:, [3, 1, 4, 2]])))
     np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(results[0][1].reshape(arch.num_layers, 16, -1)[:, :13],
-                               results[1][1].reshape(arch.num_layers, 16, -1)[:, :13], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        results[0][1].reshape(arch.num_layers, 16, -1)[:, :13],
+        results[1][1].reshape(arch.num_layers, 16, -1)[:, :13],
+        rtol=1e-5,
+        atol=1e-5,
+    )

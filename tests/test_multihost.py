@@ -31,22 +31,54 @@ def node_env() -> dict:
 
 
 def engine_flags(rank: int, port: int, nnodes: int = 3) -> list[str]:
-    return ["--max-num-seqs", str(TEST_ENGINE["max_num_seqs"]),
-            "--max-num-batched-tokens", str(TEST_ENGINE["max_num_batched_tokens"]),
-            "--max-model-len", str(TEST_ENGINE["max_model_len"]), "--dtype", "float32",
-            "--kv-cache-memory-bytes", str(kv_bytes(64)), "--tensor-parallel-size", str(nnodes),
-            "--nnodes", str(nnodes), "--node-rank", str(rank), "--master-port", str(port),
-            "--distributed-timeout", str(TIMEOUT_S)]
+    return [
+        "--max-num-seqs",
+        str(TEST_ENGINE["max_num_seqs"]),
+        "--max-num-batched-tokens",
+        str(TEST_ENGINE["max_num_batched_tokens"]),
+        "--max-model-len",
+        str(TEST_ENGINE["max_model_len"]),
+        "--dtype",
+        "float32",
+        "--kv-cache-memory-bytes",
+        str(kv_bytes(64)),
+        "--tensor-parallel-size",
+        str(nnodes),
+        "--nnodes",
+        str(nnodes),
+        "--node-rank",
+        str(rank),
+        "--master-port",
+        str(port),
+        "--distributed-timeout",
+        str(TIMEOUT_S),
+    ]
 
 
 def generate_cmd(rank: int, port: int, *extra: str, nnodes: int = 3) -> list[str]:
-    return [sys.executable, "-m", "jaxllm.entrypoints.cli", "--log-level", "WARNING", "generate", *PROMPTS,
-            "--no-chat-template", "--max-tokens", "12", *engine_flags(rank, port, nnodes), *extra]
+    return [
+        sys.executable,
+        "-m",
+        "jaxllm.entrypoints.cli",
+        "--log-level",
+        "WARNING",
+        "generate",
+        *PROMPTS,
+        "--no-chat-template",
+        "--max-tokens",
+        "12",
+        *engine_flags(rank, port, nnodes),
+        *extra,
+    ]
 
 
 def start_nodes(port: int, *extra: str) -> list[subprocess.Popen]:
-    return [subprocess.Popen(generate_cmd(rank, port, *extra), env=node_env(), stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True) for rank in range(3)]
+    return [
+        subprocess.Popen(
+            generate_cmd(rank, port, *extra), env=node_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for rank in range(3)
+    ]
 
 
 def without_gloo_banner(stdout: str) -> str:
@@ -87,8 +119,13 @@ def test_three_processes_match_one(llm):
 
 def test_follower_without_leader_exits_with_one_line():
     started = time.monotonic()
-    p = subprocess.run(generate_cmd(1, free_port(), nnodes=2)[:-2] + ["--distributed-timeout", "5"],
-                       env=node_env(), capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        generate_cmd(1, free_port(), nnodes=2)[:-2] + ["--distributed-timeout", "5"],
+        env=node_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode != 0
     assert error_lines(p.stderr) == [p.stderr.strip().splitlines()[-1]]
     assert "could not reach the leader" in p.stderr
@@ -105,9 +142,22 @@ def test_serve_with_headless_followers_matches_one_process(llm, tmp_path):
     for rank, log in enumerate(logs):
         role = ["--port", str(http_port)] if rank == 0 else ["--headless"]
         with open(log, "w") as err:
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "jaxllm.entrypoints.cli", "serve", *engine_flags(rank, port), *role,
-                 "--disable-log-stats"], env=node_env(), stdout=subprocess.DEVNULL, stderr=err))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "jaxllm.entrypoints.cli",
+                        "serve",
+                        *engine_flags(rank, port),
+                        *role,
+                        "--disable-log-stats",
+                    ],
+                    env=node_env(),
+                    stdout=subprocess.DEVNULL,
+                    stderr=err,
+                )
+            )
     try:
         wait_for("Uvicorn running on", logs[0], procs[0])
         prompts = [*PROMPTS, "Once upon a time", "1, 2, 3, 4,"]
@@ -160,13 +210,15 @@ def test_a_lost_node_ends_every_other_node_with_one_line(tmp_path):
             p.wait()
 
 
-FATAL_LOG = ("E1203 07:31:41.564791   18994 coordination_service_agent.cc:289] Polled an error from coordination "
-             "service (this can be an error from this or another task).\n"
-             "F1203 07:31:41.564819   18994 client.h:80] Terminating process because the JAX distributed service "
-             "detected fatal errors. This most likely indicates that another task died; see the other task logs for "
-             "more details. absl::Status: UNAVAILABLE: Failed to send RPC to coordination service. Either the leader "
-             "task was preempted/died/restarted unexpectedly or this task is experiencing network issues.\n"
-             "*** Check failure stack trace: ***\n    @     0x7f2480f0cd5b  std::_Function_handler<>::_M_invoke()\n")
+FATAL_LOG = (
+    "E1203 07:31:41.564791   18994 coordination_service_agent.cc:289] Polled an error from coordination "
+    "service (this can be an error from this or another task).\n"
+    "F1203 07:31:41.564819   18994 client.h:80] Terminating process because the JAX distributed service "
+    "detected fatal errors. This most likely indicates that another task died; see the other task logs for "
+    "more details. absl::Status: UNAVAILABLE: Failed to send RPC to coordination service. Either the leader "
+    "task was preempted/died/restarted unexpectedly or this task is experiencing network issues.\n"
+    "*** Check failure stack trace: ***\n    @     0x7f2480f0cd5b  std::_Function_handler<>::_M_invoke()\n"
+)
 
 
 def test_supervisor_replaces_jax_fatal_log_with_one_line(capfd):
@@ -179,5 +231,7 @@ def test_supervisor_replaces_jax_fatal_log_with_one_line(capfd):
     assert child.wait() != 0
     assert status == "UNAVAILABLE: Failed to send RPC to coordination service"
     err = capfd.readouterr().err
-    assert err == "INFO loading\r50%\r100%\nE1203 07:31:41.564791   18994 coordination_service_agent.cc:289] " \
-                  "Polled an error from coordination service (this can be an error from this or another task).\n"
+    assert (
+        err == "INFO loading\r50%\r100%\nE1203 07:31:41.564791   18994 coordination_service_agent.cc:289] "
+        "Polled an error from coordination service (this can be an error from this or another task).\n"
+    )

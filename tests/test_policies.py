@@ -15,8 +15,15 @@ from jaxllm.sampling_params import SamplingParams
 
 
 def req(rid, prompt_len=4, *, arrival, priority=0, user=None, expected=None, tokens=None):
-    return Request(rid, tokens or list(range(100, 100 + prompt_len)), SamplingParams(max_tokens=4, ignore_eos=True),
-                   priority=priority, arrival_time=arrival, user=user, expected_output_len=expected)
+    return Request(
+        rid,
+        tokens or list(range(100, 100 + prompt_len)),
+        SamplingParams(max_tokens=4, ignore_eos=True),
+        priority=priority,
+        arrival_time=arrival,
+        user=user,
+        expected_output_len=expected,
+    )
 
 
 def ids(requests):
@@ -44,8 +51,12 @@ def test_fcfs_serves_in_arrival_order_and_preempts_the_latest_admitted():
 
 def test_priority_serves_lowest_value_then_earliest_and_preempts_the_worst():
     q = make_waiting_queue("priority")
-    rs = [req("low-late", arrival=3, priority=1), req("high", arrival=2, priority=0),
-          req("low-early", arrival=1, priority=1), req("high-late", arrival=4, priority=0)]
+    rs = [
+        req("low-late", arrival=3, priority=1),
+        req("high", arrival=2, priority=0),
+        req("low-early", arrival=1, priority=1),
+        req("high-late", arrival=4, priority=0),
+    ]
     for r in rs:
         q.add(r)
     assert drain_order(q) == ["high", "high-late", "low-early", "low-late"]
@@ -96,7 +107,11 @@ def test_lpm_serves_the_longest_cached_prefix_first_within_its_window():
 def test_fair_takes_turns_between_users_and_preempts_the_heaviest_user():
     q = make_waiting_queue("fair")
     flood = [req(f"a{i}", arrival=i, user="a") for i in range(4)]
-    for r in flood + [req("b0", arrival=10, user="b"), req("c0", arrival=11, user="c"), req("b1", arrival=12, user="b")]:
+    for r in flood + [
+        req("b0", arrival=10, user="b"),
+        req("c0", arrival=11, user="c"),
+        req("b1", arrival=12, user="b"),
+    ]:
         q.add(r)
     assert ids(q) == ["a0", "b0", "c0", "a1", "b1", "a2", "a3"]
     assert [q.pop().request_id for _ in range(2)] == ["a0", "b0"]
@@ -129,10 +144,15 @@ def test_user_policy_by_dotted_path_with_an_admission_rule(path):
     assert ids(s.request for s in out.scheduled) == ["r0"]  # r0 fills half the pool: the rule stops r1
 
 
-@pytest.mark.parametrize("bad, message", [
-    ("lifo", "is not one of fcfs"), ("no.such.module:Policy", "cannot be loaded"),
-    ("test_policies:Missing", "cannot be loaded"), ("test_policies:NotAPolicy", "not a subclass"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        ("lifo", "is not one of fcfs"),
+        ("no.such.module:Policy", "cannot be loaded"),
+        ("test_policies:Missing", "cannot be loaded"),
+        ("test_policies:NotAPolicy", "not a subclass"),
+    ],
+)
 def test_bad_policy_names_fail_with_a_clear_error(bad, message):
     with pytest.raises(ValueError, match=message):
         SchedulerConfig(policy=bad)
@@ -147,9 +167,15 @@ def test_every_policy_drains_random_workloads_and_returns_every_block(policy):
     for step in range(400):
         if step < 150 and rng.random() < 0.3:
             prefix = [5] * 8 if rng.random() < 0.5 else []  # some share a prefix: lpm has something to rank
-            r = Request(f"r{step}", prefix + [rng.randrange(1000) for _ in range(rng.randint(1, 20))],
-                        SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=True), priority=rng.randrange(3),
-                        arrival_time=step, user=f"u{rng.randrange(3)}", expected_output_len=rng.choice([None, 5]))
+            r = Request(
+                f"r{step}",
+                prefix + [rng.randrange(1000) for _ in range(rng.randint(1, 20))],
+                SamplingParams(max_tokens=rng.randint(1, 12), ignore_eos=True),
+                priority=rng.randrange(3),
+                arrival_time=step,
+                user=f"u{rng.randrange(3)}",
+                expected_output_len=rng.choice([None, 5]),
+            )
             requests.append(r)
             sched.add_request(r)
         out = sched.schedule()
@@ -160,5 +186,7 @@ def test_every_policy_drains_random_workloads_and_returns_every_block(policy):
 
 
 def test_the_interface_is_small():
-    abstract = {name for name in dir(WaitingQueue) if getattr(getattr(WaitingQueue, name), "__isabstractmethod__", False)}
+    abstract = {
+        name for name in dir(WaitingQueue) if getattr(getattr(WaitingQueue, name), "__isabstractmethod__", False)
+    }
     assert abstract == {"add", "prepend", "peek", "pop", "remove", "__len__", "__iter__"}

@@ -21,8 +21,10 @@ from tests import test_server  # noqa: E402
 from tests.conftest import TEST_ENGINE, TEST_KV_BLOCKS, kv_bytes  # noqa: E402
 from tests.inprocess_server import MODEL  # noqa: E402
 
-ENGINE = {**{k: v for k, v in TEST_ENGINE.items() if k != "progress"},
-          "kv_cache_memory_bytes": kv_bytes(TEST_KV_BLOCKS)}
+ENGINE = {
+    **{k: v for k, v in TEST_ENGINE.items() if k != "progress"},
+    "kv_cache_memory_bytes": kv_bytes(TEST_KV_BLOCKS),
+}
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +44,9 @@ def cluster():
 def test_greedy_outputs_equal_llm_generate(cluster, llm):
     """`jaxllm serve`'s own check (completions, chat, a streamed chat), through Ray."""
     url, _ = cluster
-    test_server.test_greedy_text_equals_llm_generate(openai.OpenAI(base_url=url + "/v1", api_key="unused",
-                                                                   max_retries=0), llm)
+    test_server.test_greedy_text_equals_llm_generate(
+        openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0), llm
+    )
 
 
 def test_concurrent_requests_reach_both_replicas(cluster):
@@ -83,8 +86,10 @@ def test_abandoned_stream_is_aborted_on_its_replica(cluster):
     deadline = time.monotonic() + 20
     while True:  # /metrics answers for whichever replica Ray picks: wait for ours to report idle
         page = httpx.get(url + "/metrics")
-        busy = [test_server.metric(page.text, f"jaxllm:{name}")
-                for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")]
+        busy = [
+            test_server.metric(page.text, f"jaxllm:{name}")
+            for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+        ]
         aborted = re.search(r'^jaxllm:request_success_total{[^}]*finished_reason="abort"[^}]*} (\S+)$', page.text, re.M)
         if page.headers[REPLICA_HEADER] == replica and busy == [0, 0, 0] and aborted and float(aborted[1]) >= 1:
             break

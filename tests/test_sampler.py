@@ -159,7 +159,8 @@ def test_penalties_match_reference():
         hist[i, :n] = np.where(rng.random(n) < 0.3, np.argsort(-logits[i])[:n], hist[i, :n])  # positive logits too
         plen[i] = p
     inp = inputs(
-        history=hist, prompt_lens=plen,
+        history=hist,
+        prompt_lens=plen,
         repetition_penalty=[1.0, 1.3, 0.8, 1.0, 1.0, 1.7, 1.0, 1.0],
         frequency_penalty=[0.0, 0.0, 0.0, 0.5, 0.0, -0.4, 0.0, 0.0],
         presence_penalty=[0.0, 0.0, 0.0, 0.0, 1.2, 0.6, 0.0, 0.0],
@@ -251,8 +252,13 @@ def test_bitmask_excludes_tokens_and_samples_stay_inside():
         assert set(np.flatnonzero(np.isfinite(got[i]))) <= set(allowed_token_ids(allowed[i], V))
     assert np.isfinite(got[1]).sum() == 4
     steps = jnp.arange(200)
-    many = jax.jit(jax.vmap(lambda s: sample(jnp.asarray(logits), jax.tree.map(jnp.asarray, inp._replace(
-        steps=jnp.full(S, s, jnp.int32))))))(steps)
+    many = jax.jit(
+        jax.vmap(
+            lambda s: sample(
+                jnp.asarray(logits), jax.tree.map(jnp.asarray, inp._replace(steps=jnp.full(S, s, jnp.int32)))
+            )
+        )
+    )(steps)
     toks = np.asarray(many.token_ids)  # [200, S]
     for i in range(S):
         assert set(toks[:, i].tolist()) <= set(allowed_token_ids(allowed[i], V)), i
@@ -305,8 +311,12 @@ def test_seed_reproducible_whatever_the_batch():
     other = rand_logits(8, rows=8, scale=2.0)
     # row 0 of a batch of 2, row 5 of a batch of 8, alone in a batch of 1, among greedy and other rows
     b2 = inputs(rows=2, temperature=[0.9, 0.0])
-    b8 = inputs(rows=8, temperature=[1.0, 0.0, 0.5, 1.0, 0.0, 0.9, 2.0, 0.0], seeds=np.arange(8) + 7,
-                top_k=[0, 0, 5, 0, 0, 100, 0, 0])
+    b8 = inputs(
+        rows=8,
+        temperature=[1.0, 0.0, 0.5, 1.0, 0.0, 0.9, 2.0, 0.0],
+        seeds=np.arange(8) + 7,
+        top_k=[0, 0, 5, 0, 0, 100, 0, 0],
+    )
     for name, value in params.items():
         getattr(b2, name)[0] = value
         getattr(b8, name)[5] = value
@@ -331,14 +341,32 @@ def test_empirical_frequencies_match_reference_distribution():
     logits = rand_logits(9, rows=2, vocab=vocab, scale=1.5)
     hist = np.full((2, 8), -1, np.int32)
     hist[1, :6] = [0, 1, 2, 2, 3, 3]
-    inp = inputs(rows=2, vocab=vocab, history_len=8, temperature=[0.8, 1.2], top_p=[0.9, 0.8], top_k=[0, 15],
-                 min_p=[0.0, 0.05], repetition_penalty=[1.0, 1.5], frequency_penalty=[0.0, 0.3],
-                 history=hist, prompt_lens=[0, 2], seeds=[11, 12])
+    inp = inputs(
+        rows=2,
+        vocab=vocab,
+        history_len=8,
+        temperature=[0.8, 1.2],
+        top_p=[0.9, 0.8],
+        top_k=[0, 15],
+        min_p=[0.0, 0.05],
+        repetition_penalty=[1.0, 1.5],
+        frequency_penalty=[0.0, 0.3],
+        history=hist,
+        prompt_lens=[0, 2],
+        seeds=[11, 12],
+    )
     want, amb = ref_processed(logits, inp)
     assert not amb.any()
     n = 4000
-    draw = jax.jit(jax.vmap(lambda s: sample(jnp.asarray(logits), jax.tree.map(jnp.asarray, inp._replace(
-        steps=jnp.full(2, s, jnp.int32)))).token_ids))
+    draw = jax.jit(
+        jax.vmap(
+            lambda s: (
+                sample(
+                    jnp.asarray(logits), jax.tree.map(jnp.asarray, inp._replace(steps=jnp.full(2, s, jnp.int32)))
+                ).token_ids
+            )
+        )
+    )
     toks = np.asarray(draw(jnp.arange(n)))  # [n, 2]
     for i in range(2):
         p = softmax(want[i])

@@ -18,15 +18,14 @@ EOS = 0
 def make(rid, prompt_len, max_tokens, *, priority=0, arrival=None, first_token=1):
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     kwargs = {"arrival_time": arrival} if arrival is not None else {}
-    return Request(rid, list(range(first_token, first_token + prompt_len)), params, (EOS,), priority=priority,
-                   **kwargs)
+    return Request(rid, list(range(first_token, first_token + prompt_len)), params, (EOS,), priority=priority, **kwargs)
 
 
-def engine(num_blocks=64, block_size=4, max_num_seqs=4, max_tokens=32, policy="fcfs", prefix=True,
-           max_model_len=256):
+def engine(num_blocks=64, block_size=4, max_num_seqs=4, max_tokens=32, policy="fcfs", prefix=True, max_model_len=256):
     kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching=prefix)
-    config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens,
-                             max_model_len=max_model_len, policy=policy)
+    config = SchedulerConfig(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_tokens, max_model_len=max_model_len, policy=policy
+    )
     return Scheduler(config, kv), kv
 
 
@@ -62,7 +61,9 @@ def test_continuous_batching_joins_as_others_finish():
     for out in outs:
         for s in out.scheduled:
             first_step.setdefault(s.request.request_id, out.step)
-    finish_step = {r.request_id: max(o.step for o in outs if any(s.request is r for s in o.scheduled)) for r in requests}
+    finish_step = {
+        r.request_id: max(o.step for o in outs if any(s.request is r for s in o.scheduled)) for r in requests
+    }
     # a request joined while others were still running (it did not wait for the whole batch to drain)
     late = [r for r in requests[4:] if any(first_step[r.request_id] <= finish_step[o.request_id] for o in requests[:4])]
     assert late
@@ -239,8 +240,13 @@ def test_many_random_workloads_keep_the_pool_consistent(policy):
     live = []
     for step in range(400):
         if rng.random() < 0.3:
-            r = make(f"r{step}", rng.randint(1, 30), rng.randint(1, 12), priority=rng.randint(0, 3),
-                     first_token=rng.choice([1, 50]))
+            r = make(
+                f"r{step}",
+                rng.randint(1, 30),
+                rng.randint(1, 12),
+                priority=rng.randint(0, 3),
+                first_token=rng.choice([1, 50]),
+            )
             sched.add_request(r)
             live.append(r)
         if live and rng.random() < 0.05:

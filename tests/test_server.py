@@ -37,8 +37,11 @@ def wait_idle(server, timeout=20.0) -> str:
     deadline = time.monotonic() + timeout
     while True:
         page = httpx.get(server.url + "/metrics").text
-        busy = (metric(page, "jaxllm:num_requests_running"), metric(page, "jaxllm:num_requests_waiting"),
-                metric(page, "jaxllm:kv_cache_usage_perc"))
+        busy = (
+            metric(page, "jaxllm:num_requests_running"),
+            metric(page, "jaxllm:num_requests_waiting"),
+            metric(page, "jaxllm:kv_cache_usage_perc"),
+        )
         if busy == (0, 0, 0):
             return page
         assert time.monotonic() < deadline, f"still busy: running, waiting, kv usage = {busy}"
@@ -52,24 +55,28 @@ def test_greedy_text_equals_llm_generate(client, llm):
     prompts = ["The capital of France is", "Once upon a time"]
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     expected = [o.outputs[0].text for o in llm.generate(prompts, params, use_tqdm=False)]
-    got = client.completions.create(model=MODEL, prompt=prompts, temperature=0, max_tokens=16,
-                                    extra_body={"ignore_eos": True})
+    got = client.completions.create(
+        model=MODEL, prompt=prompts, temperature=0, max_tokens=16, extra_body={"ignore_eos": True}
+    )
     assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == expected
     assert got.usage.completion_tokens == 32
 
     (chat_expected,) = llm.chat(QUESTION, params, use_tqdm=False)
-    reply = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=16,
-                                           extra_body={"ignore_eos": True})
+    reply = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=16, extra_body={"ignore_eos": True}
+    )
     assert reply.choices[0].message.content == chat_expected.outputs[0].text
     assert reply.usage.prompt_tokens == len(chat_expected.prompt_token_ids)
-    streamed = client.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=16,
-                                              extra_body={"ignore_eos": True}, stream=True)
+    streamed = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=16, extra_body={"ignore_eos": True}, stream=True
+    )
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == chat_expected.outputs[0].text
 
 
 def test_completions_n2_stop_seed_logprobs(client):
-    kwargs = dict(model=MODEL, prompt="Count: one, two, three,", n=2, max_tokens=12, temperature=1.0, seed=7,
-                  logprobs=3)
+    kwargs = dict(
+        model=MODEL, prompt="Count: one, two, three,", n=2, max_tokens=12, temperature=1.0, seed=7, logprobs=3
+    )
     first = client.completions.create(**kwargs)
     again = client.completions.create(**kwargs)
     assert [c.text for c in first.choices] == [c.text for c in again.choices]  # seeded
@@ -93,15 +100,24 @@ def test_completions_n2_stop_seed_logprobs(client):
 
     greedy = client.completions.create(model=MODEL, prompt="Count: one, two, three,", temperature=0, max_tokens=20)
     cut = greedy.choices[0].text.split(",")[0]
-    stopped = client.completions.create(model=MODEL, prompt="Count: one, two, three,", temperature=0,
-                                        max_tokens=20, stop=[","])
+    stopped = client.completions.create(
+        model=MODEL, prompt="Count: one, two, three,", temperature=0, max_tokens=20, stop=[","]
+    )
     assert stopped.choices[0].text == cut and stopped.choices[0].finish_reason == "stop"
 
 
 def test_chat_streams_n2_with_logprobs_and_usage(client):
-    stream = client.chat.completions.create(model=MODEL, messages=QUESTION, n=2, max_tokens=10, seed=3,
-                                            logprobs=True, top_logprobs=2, stream=True,
-                                            stream_options={"include_usage": True})
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=QUESTION,
+        n=2,
+        max_tokens=10,
+        seed=3,
+        logprobs=True,
+        top_logprobs=2,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     texts, roles, finish, usage, tokens = ["", ""], set(), {}, None, [0, 0]
     for chunk in stream:
         assert chunk.object == "chat.completion.chunk"
@@ -116,8 +132,9 @@ def test_chat_streams_n2_with_logprobs_and_usage(client):
     assert "assistant" in roles and all(texts)
     assert set(finish.values()) <= {"stop", "length"} and len(finish) == 2
     assert usage.completion_tokens == sum(tokens) and usage.total_tokens == usage.prompt_tokens + sum(tokens)
-    reply = client.chat.completions.create(model=MODEL, messages=QUESTION, max_completion_tokens=4,
-                                           stop=["Paris"], temperature=0)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, max_completion_tokens=4, stop=["Paris"], temperature=0
+    )
     assert reply.choices[0].finish_reason in ("stop", "length") and "Paris" not in reply.choices[0].message.content
 
 
@@ -125,8 +142,11 @@ def test_user_and_priority_reach_the_scheduler(server, client, monkeypatch):
     """`user` feeds the `fair` policy and `priority` the `priority` policy: both must reach the Request."""
     seen = []
     add = server.core.add_request
-    monkeypatch.setattr(server.core, "add_request",
-                        lambda *a, **kw: (seen.append((kw.get("user"), kw.get("priority"))), add(*a, **kw))[1])
+    monkeypatch.setattr(
+        server.core,
+        "add_request",
+        lambda *a, **kw: (seen.append((kw.get("user"), kw.get("priority"))), add(*a, **kw))[1],
+    )
     client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, user="tenant-a", extra_body={"priority": 3})
     client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, user="tenant-b")
     assert seen == [("tenant-a", 3), ("tenant-b", 0)]
@@ -278,8 +298,15 @@ def test_the_openai_client_raises_its_own_errors(client):
 
 async def one_stream(url: str, i: int, abandon: bool, max_tokens: int) -> int | None:
     """Stream a completion; abandon it after its first tokens, or return its token count."""
-    body = {"model": MODEL, "prompt": f"Story number {i}:", "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "prompt": f"Story number {i}:",
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     async with httpx.AsyncClient(timeout=120) as http:
         async with http.stream("POST", url + C, json=body) as response:
             assert response.status_code == 200
@@ -322,8 +349,10 @@ def test_a_client_that_leaves_a_plain_request_aborts_it(server):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + C, json=body, timeout=1.0)
     page = wait_idle(server, timeout=10)  # 400 tokens would take far longer than this
-    assert metric(page, 'jaxllm:request_success_total{engine="0",finished_reason="abort",model_name="smol"}') \
+    assert (
+        metric(page, 'jaxllm:request_success_total{engine="0",finished_reason="abort",model_name="smol"}')
         == aborted + 1
+    )
     assert server.core.kv.num_free_blocks == server.core.kv.num_usable_blocks
 
 
@@ -332,11 +361,14 @@ def test_the_engine_stats_a_scrape_sees_come_with_the_outputs_they_describe(serv
     reach the event loop in the same hand-over as the outputs of the step they follow."""
     handed = []
     hand_over = server.engine.client._on_outputs
-    monkeypatch.setattr(server.engine.client, "_on_outputs",
-                        lambda outputs, *rest: (handed.append((outputs, rest[-1])), hand_over(outputs, *rest)))
+    monkeypatch.setattr(
+        server.engine.client,
+        "_on_outputs",
+        lambda outputs, *rest: (handed.append((outputs, rest[-1])), hand_over(outputs, *rest)),
+    )
     wait_idle(server)
     client.completions.create(model=MODEL, prompt="Count to ten:", max_tokens=5, extra_body={"ignore_eos": True})
-    (_, stats), = [h for h in handed if any(o.finished for o in h[0])]
+    ((_, stats),) = [h for h in handed if any(o.finished for o in h[0])]
     assert stats["num_running"] == stats["num_waiting"] == 0 and stats["kv_cache_usage"] == 0
     assert all(s is not None for _, s in handed), "every step's outputs carry the stats after it"
 
@@ -344,12 +376,26 @@ def test_the_engine_stats_a_scrape_sees_come_with_the_outputs_they_describe(serv
 def test_metrics_have_vllms_names(server, client):
     client.completions.create(model=MODEL, prompt="Hi there", max_tokens=3)
     page = httpx.get(server.url + "/metrics").text
-    for name in ["num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prompt_tokens_total",
-                 "generation_tokens_total", "request_success_total", "num_preemptions_total",
-                 "prefix_cache_queries_total", "prefix_cache_hits_total"]:
+    for name in [
+        "num_requests_running",
+        "num_requests_waiting",
+        "kv_cache_usage_perc",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "request_success_total",
+        "num_preemptions_total",
+        "prefix_cache_queries_total",
+        "prefix_cache_hits_total",
+    ]:
         metric(page, f"jaxllm:{name}")
-    for name in ["time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds",
-                 "request_queue_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds"]:
+    for name in [
+        "time_to_first_token_seconds",
+        "inter_token_latency_seconds",
+        "e2e_request_latency_seconds",
+        "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+    ]:
         assert metric(page, f"jaxllm:{name}_count") > 0
     assert metric(page, "jaxllm:generation_tokens_total") >= 3 and metric(page, "jaxllm:prompt_tokens_total") > 0
 
@@ -370,8 +416,19 @@ def test_an_idle_engine_thread_sleeps(server):
 def test_serve_enforces_the_api_key_and_exits_0_on_sigterm_mid_stream():
     port = free_port()
     env = {**os.environ, "JAXLLM_API_KEY": "sk-test", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "jaxllm.entrypoints.cli", "--log-level", "WARNING", "serve", "--port", str(port),
-           "--served-model-name", MODEL, *ENGINE_FLAGS]
+    cmd = [
+        sys.executable,
+        "-m",
+        "jaxllm.entrypoints.cli",
+        "--log-level",
+        "WARNING",
+        "serve",
+        "--port",
+        str(port),
+        "--served-model-name",
+        MODEL,
+        *ENGINE_FLAGS,
+    ]
     process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -392,8 +449,12 @@ def test_serve_enforces_the_api_key_and_exits_0_on_sigterm_mid_stream():
         assert [m.id for m in keyed.models.list()] == [MODEL]
         assert keyed.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
 
-        streams = [keyed.completions.create(model=MODEL, prompt=f"Essay {i}:", max_tokens=400,
-                                            stream=True, extra_body={"ignore_eos": True}) for i in range(3)]
+        streams = [
+            keyed.completions.create(
+                model=MODEL, prompt=f"Essay {i}:", max_tokens=400, stream=True, extra_body={"ignore_eos": True}
+            )
+            for i in range(3)
+        ]
         firsts = [next(iter(s)) for s in streams]  # all three are generating
         assert all(f.choices for f in firsts)
         process.send_signal(signal.SIGTERM)

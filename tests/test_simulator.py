@@ -26,19 +26,35 @@ from jaxllm.sim.simulator import SimConfig, cost_model_step_time, simulate
 from jaxllm.sim.synth import LengthDist, synthesize
 from jaxllm.sim.trace import TraceRequest, load_trace
 
-COST = CostModel(bucket_tokens=[1, 64, 512], bucket_base_s=[0.004, 0.01, 0.05], per_context_token_s=2e-6,
-                 per_attention_pair_s=1e-9, per_seq_s=1e-4)
+COST = CostModel(
+    bucket_tokens=[1, 64, 512],
+    bucket_base_s=[0.004, 0.01, 0.05],
+    per_context_token_s=2e-6,
+    per_attention_pair_s=1e-9,
+    per_seq_s=1e-4,
+)
 
 
 def squeezed_config(policy="fcfs", num_blocks=40):
-    return SimConfig(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, policy=policy),
-                     num_blocks=num_blocks, block_size=16)
+    return SimConfig(
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, policy=policy),
+        num_blocks=num_blocks,
+        block_size=16,
+    )
 
 
 def busy_trace(n=60, seed=0):
-    return synthesize(n, request_rate=40, input_len=LengthDist(60, "uniform", range_ratio=0.9),
-                      output_len=LengthDist(30, "exponential", maximum=120), num_prefix_groups=3, prefix_len=32,
-                      num_users=3, num_priorities=2, seed=seed)
+    return synthesize(
+        n,
+        request_rate=40,
+        input_len=LengthDist(60, "uniform", range_ratio=0.9),
+        output_len=LengthDist(30, "exponential", maximum=120),
+        num_prefix_groups=3,
+        prefix_len=32,
+        num_users=3,
+        num_priorities=2,
+        seed=seed,
+    )
 
 
 def test_the_simulator_runs_the_engines_own_classes(monkeypatch):
@@ -84,8 +100,11 @@ def test_a_different_seed_changes_prompts_not_lengths():
 def test_too_long_prompts_fail_like_the_engine_refuses_them():
     trace = synthesize(3, request_rate=10, input_len=LengthDist(300), output_len=LengthDist(4))
     config = squeezed_config()
-    result = simulate(trace[:1] + synthesize(1, request_rate=1, input_len=LengthDist(10), output_len=LengthDist(4),
-                                             start=1.0), config, cost_model_step_time(COST, config))
+    result = simulate(
+        trace[:1] + synthesize(1, request_rate=1, input_len=LengthDist(10), output_len=LengthDist(4), start=1.0),
+        config,
+        cost_model_step_time(COST, config),
+    )
     assert [r.success for r in result.records] == [False, True]
     assert "max_model_len=256" in result.records[0].error
 
@@ -118,8 +137,13 @@ def test_idle_wake_lengthens_only_the_first_step_after_idling():
 
 def test_cost_model_fit_recovers_known_coefficients():
     rng = np.random.default_rng(0)
-    truth = CostModel([1, 2, 4, 8, 16, 32, 64], [0.002 * (1 + i) for i in range(7)], per_context_token_s=3e-6,
-                      per_attention_pair_s=2e-9, per_seq_s=5e-4)
+    truth = CostModel(
+        [1, 2, 4, 8, 16, 32, 64],
+        [0.002 * (1 + i) for i in range(7)],
+        per_context_token_s=3e-6,
+        per_attention_pair_s=2e-9,
+        per_seq_s=5e-4,
+    )
     samples = []
     for _ in range(300):
         seqs = int(rng.integers(1, 9))
@@ -163,9 +187,15 @@ def test_matches_a_real_engine_run_step_for_step(llm):
     """Record a real EngineCore run (arrivals over time, chunked prefill, a shared prefix, preemption in a
     squeezed pool), replay it in the simulator with the real step times: the same requests in every step."""
     core = llm.engine
-    trace = synthesize(12, request_rate=20, input_len=LengthDist(60, "uniform", range_ratio=0.9),
-                       output_len=LengthDist(16, "uniform", range_ratio=0.8), num_prefix_groups=2, prefix_len=32,
-                       seed=3)
+    trace = synthesize(
+        12,
+        request_rate=20,
+        input_len=LengthDist(60, "uniform", range_ratio=0.9),
+        output_len=LengthDist(16, "uniform", range_ratio=0.8),
+        num_prefix_groups=2,
+        prefix_len=32,
+        seed=3,
+    )
     usable = 40  # squeeze the compiled pool without recompiling: ballast holds the other blocks
     ballast = Request("ballast", [1] * 16, SamplingParams())
     assert core.kv.allocate_slots(ballast, (core.kv.num_free_blocks - usable) * core.kv.block_size)
@@ -189,20 +219,62 @@ def test_cli_simulates_ten_thousand_requests(tmp_path):
     from jaxllm.entrypoints.cli import main
 
     trace, cost, result, plots = tmp_path / "t.jsonl", tmp_path / "cost.json", tmp_path / "r.json", tmp_path / "plots"
-    assert main(["trace", "synth", "--out", str(trace), "--num-requests", "10000", "--request-rate", "30",
-                 "--input-len", "200", "--output-len", "100", "--num-prefix-groups", "20", "--prefix-len", "64"]) == 0
+    assert (
+        main(
+            [
+                "trace",
+                "synth",
+                "--out",
+                str(trace),
+                "--num-requests",
+                "10000",
+                "--request-rate",
+                "30",
+                "--input-len",
+                "200",
+                "--output-len",
+                "100",
+                "--num-prefix-groups",
+                "20",
+                "--prefix-len",
+                "64",
+            ]
+        )
+        == 0
+    )
     assert len(load_trace(trace)) == 10000
-    CostModel(COST.bucket_tokens, COST.bucket_base_s, COST.per_context_token_s, COST.per_attention_pair_s,
-              COST.per_seq_s, engine={"max_num_seqs": 64, "max_num_batched_tokens": 512, "max_model_len": 2048,
-                                      "block_size": 16, "num_blocks": 2000, "enable_prefix_caching": True}).save(cost)
+    CostModel(
+        COST.bucket_tokens,
+        COST.bucket_base_s,
+        COST.per_context_token_s,
+        COST.per_attention_pair_s,
+        COST.per_seq_s,
+        engine={
+            "max_num_seqs": 64,
+            "max_num_batched_tokens": 512,
+            "max_model_len": 2048,
+            "block_size": 16,
+            "num_blocks": 2000,
+            "enable_prefix_caching": True,
+        },
+    ).save(cost)
     started = time.perf_counter()
     assert main(["simulate", str(trace), "--cost", str(cost), "--output", str(result), "--plot", str(plots)]) == 0
     elapsed = time.perf_counter() - started
     assert elapsed < 120, f"10,000 requests took {elapsed:.0f} s"  # ~10 s on an idle 2-core machine
     data = json.loads(result.read_text())
     assert data["completed"] == 10000 and data["failed"] == 0 and data["duration"] > 0
-    for key in ("mean_ttft_ms", "p99_itl_ms", "mean_tpot_ms", "output_throughput", "num_preemptions",
-                "prefix_cache_hit_rate", "kv_cache_usage", "ttfts", "itls"):
+    for key in (
+        "mean_ttft_ms",
+        "p99_itl_ms",
+        "mean_tpot_ms",
+        "output_throughput",
+        "num_preemptions",
+        "prefix_cache_hit_rate",
+        "kv_cache_usage",
+        "ttfts",
+        "itls",
+    ):
         assert key in data
     assert data["prefix_cache_hit_rate"] > 0.1
     for name in ("latency_cdf.png", "throughput.png", "kv_cache_usage.png"):
@@ -211,8 +283,14 @@ def test_cli_simulates_ten_thousand_requests(tmp_path):
 
 
 def test_idle_wake_is_fitted_on_requests_that_found_the_engine_idle():
-    engine = {"max_num_seqs": 4, "max_num_batched_tokens": 32, "max_model_len": 128, "num_blocks": 64,
-              "block_size": 16, "enable_prefix_caching": True}
+    engine = {
+        "max_num_seqs": 4,
+        "max_num_batched_tokens": 32,
+        "max_model_len": 128,
+        "num_blocks": 64,
+        "block_size": 16,
+        "enable_prefix_caching": True,
+    }
     model = CostModel(bucket_tokens=[1, 32], bucket_base_s=[0.01, 0.02], engine=engine)
     trace = [TraceRequest(arrival_time=t, prompt_len=20, output_len=3) for t in (0.0, 5.0, 10.0)]
     config = calibrate.sim_config_for(engine)
@@ -226,10 +304,17 @@ def test_idle_wake_is_fitted_on_requests_that_found_the_engine_idle():
 def test_wake_and_prefill_step_costs_are_recovered_from_the_light_and_busy_traces():
     """Runs simulated with known costs stand in for real ones: the joint fit finds those costs again,
     and finds none in runs that had none."""
-    engine = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 512, "num_blocks": 128,
-              "block_size": 16, "enable_prefix_caching": True}
-    model = CostModel(bucket_tokens=[1, 64], bucket_base_s=[0.015, 0.05], per_context_token_s=2e-6,
-                      per_seq_s=2e-4, engine=engine)
+    engine = {
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 64,
+        "max_model_len": 512,
+        "num_blocks": 128,
+        "block_size": 16,
+        "enable_prefix_caching": True,
+    }
+    model = CostModel(
+        bucket_tokens=[1, 64], bucket_base_s=[0.015, 0.05], per_context_token_s=2e-6, per_seq_s=2e-4, engine=engine
+    )
     light, busy = calibrate.light_trace(512), calibrate.busy_trace(512)
     truth = replace(model, idle_wake_s=0.02, per_prefill_step_s=0.006)
     runs = (light, calibrate.simulated(truth, light), busy, calibrate.simulated(truth, busy, seed=BUSY_SEED))
@@ -247,11 +332,16 @@ def test_research_experiment_writes_its_plot_and_the_committed_figures(script, t
     """Each experiment runs on the shipped cost model and reproduces the JSON committed beside it (the
     figures docs/research.md quotes)."""
     folder = Path(__file__).parent.parent / "examples" / "research"
-    subprocess.run([sys.executable, str(folder / f"{script}.py"), "--out", str(tmp_path)], check=True,
-                   capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, str(folder / f"{script}.py"), "--out", str(tmp_path)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     assert (tmp_path / f"{script}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    got, committed = (json.loads(path.read_text()) for path in (tmp_path / f"{script}.json",
-                                                                folder / "results" / f"{script}.json"))
+    got, committed = (
+        json.loads(path.read_text()) for path in (tmp_path / f"{script}.json", folder / "results" / f"{script}.json")
+    )
     assert leaves(got) == pytest.approx(leaves(committed), rel=1e-6)
 
 

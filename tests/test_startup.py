@@ -64,10 +64,16 @@ def test_unreadable_executable_means_compile_not_crash(tmp_path, caplog):
 
 def test_signature_tells_shapes_dtypes_and_trees_apart():
     a = jax.ShapeDtypeStruct((4, 8), jnp.float32)
-    signatures = {abstract_signature(args) for args in [
-        (a,), (jax.ShapeDtypeStruct((4, 9), jnp.float32),), (jax.ShapeDtypeStruct((4, 8), jnp.bfloat16),),
-        ((a,),), ({"k": a},),
-    ]}
+    signatures = {
+        abstract_signature(args)
+        for args in [
+            (a,),
+            (jax.ShapeDtypeStruct((4, 9), jnp.float32),),
+            (jax.ShapeDtypeStruct((4, 8), jnp.bfloat16),),
+            ((a,),),
+            ({"k": a},),
+        ]
+    }
     assert len(signatures) == 5
 
 
@@ -99,8 +105,9 @@ def test_steps_compiled_from_the_config_alone_fit_the_loaded_weights(default_mod
     assert all(leaf.addressable_shards[0].data.unsafe_buffer_pointer() % 64 == 0 for leaf in leaves)
 
 
-def test_converted_weights_are_mapped_by_the_next_load_and_reconverted_when_damaged(tmp_path, monkeypatch, caplog,
-                                                                                      default_model):
+def test_converted_weights_are_mapped_by_the_next_load_and_reconverted_when_damaged(
+    tmp_path, monkeypatch, caplog, default_model
+):
     from jaxllm.parallel.mesh import make_mesh
     from jaxllm.weights import converted, load_model
 
@@ -117,8 +124,9 @@ def test_converted_weights_are_mapped_by_the_next_load_and_reconverted_when_dama
     with caplog.at_level(logging.WARNING):
         again = load_model(None, mesh=make_mesh(), dtype="float32")
     assert "converting again" in caplog.text
-    np.testing.assert_array_equal(np.asarray(again.params["norm"]["weight"]),
-                                  np.asarray(default_model.params["norm"]["weight"]))
+    np.testing.assert_array_equal(
+        np.asarray(again.params["norm"]["weight"]), np.asarray(default_model.params["norm"]["weight"])
+    )
 
 
 def test_a_full_disk_costs_only_the_kept_conversion(tmp_path, monkeypatch, caplog, default_model):
@@ -166,6 +174,9 @@ def test_cached_gguf_tokenizer_is_the_converted_one(tmp_path, monkeypatch):
     for text in ["Hello, world!", "  spaces\tand\nnewlines ", "naïve café 日本語 🙂", "<|im_start|>user"]:
         assert cached.encode(text) == converted.encode(text)
     assert cached.apply_chat_template(chat, tokenize=False) == converted.apply_chat_template(chat, tokenize=False)
-    assert (cached.bos_token, cached.eos_token, cached.pad_token) == \
-        (converted.bos_token, converted.eos_token, converted.pad_token)
+    assert (cached.bos_token, cached.eos_token, cached.pad_token) == (
+        converted.bos_token,
+        converted.eos_token,
+        converted.pad_token,
+    )
     assert cached.get_vocab() == converted.get_vocab()

@@ -16,37 +16,98 @@ from jaxllm.runner.sampler import allowed_token_ids, all_allowed
 
 OBJ = {"type": "object", "additionalProperties": False}
 SCHEMAS = {
-    "a person": {**OBJ, "properties": {"name": {"type": "string", "maxLength": 20},
-                                       "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-                 "required": ["name", "age"]},
-    "a user account": {**OBJ, "properties": {
-        "user": {**OBJ, "properties": {"id": {"type": "integer", "minimum": 1, "maximum": 9999},
-                                       "email": {"type": "string", "pattern": "^[a-z]{1,10}@[a-z]{1,10}\\.com$"}},
-                 "required": ["id", "email"]},
-        "active": {"type": "boolean"}}, "required": ["user", "active"]},
-    "a blog post's tags": {**OBJ, "properties": {"tags": {"type": "array", "minItems": 1, "maxItems": 3,
-                                                          "items": {"type": "string", "maxLength": 12}}},
-                           "required": ["tags"]},
-    "a t-shirt": {**OBJ, "properties": {"color": {"enum": ["red", "green", "blue"]}, "size": {"enum": ["S", "M", "L"]}},
-                  "required": ["color", "size"]},
-    "a point": {**OBJ, "properties": {"x": {"type": "integer", "minimum": -10, "maximum": 10},
-                                      "y": {"type": "integer", "minimum": 0, "maximum": 5}}, "required": ["x", "y"]},
-    "a flight": {**OBJ, "properties": {"date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"},
-                                       "airport": {"type": "string", "pattern": "^[A-Z]{3}$"}},
-                 "required": ["date", "airport"]},
-    "a book": {**OBJ, "properties": {"title": {"type": "string", "maxLength": 30},
-                                     "year": {"type": "integer", "minimum": 1900, "maximum": 2100}},
-               "required": ["title"]},
-    "a shopping list": {**OBJ, "properties": {"items": {"type": "array", "maxItems": 3, "items": {
-        **OBJ, "properties": {"name": {"type": "string", "maxLength": 10}, "qty": {"type": "integer", "minimum": 1,
-                                                                                  "maximum": 9}},
-        "required": ["name", "qty"]}}}, "required": ["items"]},
-    "a few scores": {"type": "array", "minItems": 2, "maxItems": 4, "items": {"type": "integer", "minimum": 0,
-                                                                               "maximum": 100}},
-    "an answer": {**OBJ, "properties": {"answer": {"type": "boolean"},
-                                        "reason": {"type": "string", "maxLength": 40},
-                                        "source": {"anyOf": [{"type": "null"}, {"type": "string", "maxLength": 10}]}},
-                  "required": ["answer", "reason", "source"]},
+    "a person": {
+        **OBJ,
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+        "required": ["name", "age"],
+    },
+    "a user account": {
+        **OBJ,
+        "properties": {
+            "user": {
+                **OBJ,
+                "properties": {
+                    "id": {"type": "integer", "minimum": 1, "maximum": 9999},
+                    "email": {"type": "string", "pattern": "^[a-z]{1,10}@[a-z]{1,10}\\.com$"},
+                },
+                "required": ["id", "email"],
+            },
+            "active": {"type": "boolean"},
+        },
+        "required": ["user", "active"],
+    },
+    "a blog post's tags": {
+        **OBJ,
+        "properties": {
+            "tags": {"type": "array", "minItems": 1, "maxItems": 3, "items": {"type": "string", "maxLength": 12}}
+        },
+        "required": ["tags"],
+    },
+    "a t-shirt": {
+        **OBJ,
+        "properties": {"color": {"enum": ["red", "green", "blue"]}, "size": {"enum": ["S", "M", "L"]}},
+        "required": ["color", "size"],
+    },
+    "a point": {
+        **OBJ,
+        "properties": {
+            "x": {"type": "integer", "minimum": -10, "maximum": 10},
+            "y": {"type": "integer", "minimum": 0, "maximum": 5},
+        },
+        "required": ["x", "y"],
+    },
+    "a flight": {
+        **OBJ,
+        "properties": {
+            "date": {"type": "string", "pattern": "^[0-9]{4}-[0-9]{2}-[0-9]{2}$"},
+            "airport": {"type": "string", "pattern": "^[A-Z]{3}$"},
+        },
+        "required": ["date", "airport"],
+    },
+    "a book": {
+        **OBJ,
+        "properties": {
+            "title": {"type": "string", "maxLength": 30},
+            "year": {"type": "integer", "minimum": 1900, "maximum": 2100},
+        },
+        "required": ["title"],
+    },
+    "a shopping list": {
+        **OBJ,
+        "properties": {
+            "items": {
+                "type": "array",
+                "maxItems": 3,
+                "items": {
+                    **OBJ,
+                    "properties": {
+                        "name": {"type": "string", "maxLength": 10},
+                        "qty": {"type": "integer", "minimum": 1, "maximum": 9},
+                    },
+                    "required": ["name", "qty"],
+                },
+            }
+        },
+        "required": ["items"],
+    },
+    "a few scores": {
+        "type": "array",
+        "minItems": 2,
+        "maxItems": 4,
+        "items": {"type": "integer", "minimum": 0, "maximum": 100},
+    },
+    "an answer": {
+        **OBJ,
+        "properties": {
+            "answer": {"type": "boolean"},
+            "reason": {"type": "string", "maxLength": 40},
+            "source": {"anyOf": [{"type": "null"}, {"type": "string", "maxLength": 10}]},
+        },
+        "required": ["answer", "reason", "source"],
+    },
 }
 PHONE = r"\(\d{3}\) \d{3}-\d{4}"
 CHOICES = ["Paris", "London", "Berlin", "Madrid"]
@@ -61,13 +122,15 @@ SAMPLING = {"greedy": dict(temperature=0), "t=0.8": dict(temperature=0.8)}
 
 
 def chat(tokenizer, question):
-    return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                         add_generation_prompt=True)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    )
 
 
 def constrained(seed=0, max_tokens=96, sampling="greedy", **constraint):
-    return SamplingParams(**SAMPLING[sampling], seed=seed, max_tokens=max_tokens,
-                          structured_outputs=StructuredOutputsParams(**constraint))
+    return SamplingParams(
+        **SAMPLING[sampling], seed=seed, max_tokens=max_tokens, structured_outputs=StructuredOutputsParams(**constraint)
+    )
 
 
 def cases():
@@ -76,15 +139,38 @@ def cases():
     for sampling in SAMPLING:
         for i, (what, schema) in enumerate(SCHEMAS.items()):
             check = lambda text, schema=schema: jsonschema.validate(json.loads(text), schema)  # noqa: E731
-            out.append((f"json {what} {sampling}", f"Give me {what} as JSON.", constrained(i, json=schema,
-                                                                                           sampling=sampling), check))
-        out.append((f"regex {sampling}", "What is the phone number of the White House?",
-                    constrained(sampling=sampling, regex=PHONE), lambda text: _fullmatch(PHONE, text)))
-        out.append((f"choice {sampling}", "Which city is the capital of France?",
-                    constrained(sampling=sampling, choice=CHOICES), lambda text: _one_of(text, CHOICES)))
-        out.append((f"lark {sampling}", "Write an arithmetic expression that equals 10.",
-                    constrained(sampling=sampling, grammar=ARITHMETIC),
-                    lambda text: lark.Lark(ARITHMETIC, start="start").parse(text)))
+            out.append(
+                (
+                    f"json {what} {sampling}",
+                    f"Give me {what} as JSON.",
+                    constrained(i, json=schema, sampling=sampling),
+                    check,
+                )
+            )
+        out.append(
+            (
+                f"regex {sampling}",
+                "What is the phone number of the White House?",
+                constrained(sampling=sampling, regex=PHONE),
+                lambda text: _fullmatch(PHONE, text),
+            )
+        )
+        out.append(
+            (
+                f"choice {sampling}",
+                "Which city is the capital of France?",
+                constrained(sampling=sampling, choice=CHOICES),
+                lambda text: _one_of(text, CHOICES),
+            )
+        )
+        out.append(
+            (
+                f"lark {sampling}",
+                "Write an arithmetic expression that equals 10.",
+                constrained(sampling=sampling, grammar=ARITHMETIC),
+                lambda text: lark.Lark(ARITHMETIC, start="start").parse(text),
+            )
+        )
     return out
 
 
@@ -101,8 +187,7 @@ def generated(llm):
     """Every case in one batch (the engine interleaves them, 8 at a time)."""
     tok = llm.get_tokenizer()
     all_cases = cases()
-    outputs = llm.generate([chat(tok, q) for _, q, _, _ in all_cases], [p for _, _, p, _ in all_cases],
-                           use_tqdm=False)
+    outputs = llm.generate([chat(tok, q) for _, q, _, _ in all_cases], [p for _, _, p, _ in all_cases], use_tqdm=False)
     return [(label, check, o.outputs[0]) for (label, _, _, check), o in zip(all_cases, outputs)]
 
 
@@ -134,13 +219,20 @@ def test_matchers_are_freed_and_each_grammar_compiled_once(llm, generated):
 def test_unconstrained_requests_are_untouched_by_constrained_neighbours(llm):
     tok = llm.get_tokenizer()
     plain = [chat(tok, q) for q in ("Tell me a joke.", "What is 2+2?", "Name a color.")]
-    params = [SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
-              SamplingParams(temperature=0.8, seed=7, max_tokens=20, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, min_tokens=5)]
+    params = [
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=7, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, min_tokens=5),
+    ]
     alone = llm.generate(plain, params, use_tqdm=False)
     mixed_prompts = [plain[0], chat(tok, "Give me a person as JSON."), plain[1], chat(tok, "Pick a city."), plain[2]]
-    mixed_params = [params[0], constrained(json=SCHEMAS["a person"]), params[1],
-                    constrained(sampling="t=0.8", choice=CHOICES), params[2]]
+    mixed_params = [
+        params[0],
+        constrained(json=SCHEMAS["a person"]),
+        params[1],
+        constrained(sampling="t=0.8", choice=CHOICES),
+        params[2],
+    ]
     mixed = llm.generate(mixed_prompts, mixed_params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in alone] == [mixed[i].outputs[0].token_ids for i in (0, 2, 4)]
     jsonschema.validate(json.loads(mixed[1].outputs[0].text), SCHEMAS["a person"])
@@ -148,15 +240,17 @@ def test_unconstrained_requests_are_untouched_by_constrained_neighbours(llm):
 
 
 def test_grammar_end_finishes_the_request_even_with_ignore_eos(llm):
-    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True,
-                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    params = SamplingParams(
+        temperature=0, max_tokens=64, ignore_eos=True, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])
+    )
     (output,) = llm.generate(chat(llm.get_tokenizer(), "Is the sky blue?"), params, use_tqdm=False)
     assert output.outputs[0].finish_reason == "stop" and output.outputs[0].text in ("yes", "no")
 
 
 def test_n_samples_each_follow_the_grammar(llm):
-    params = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=32,
-                            structured_outputs=StructuredOutputsParams(regex=r"[1-9][0-9]?"))
+    params = SamplingParams(
+        n=3, temperature=1.0, seed=3, max_tokens=32, structured_outputs=StructuredOutputsParams(regex=r"[1-9][0-9]?")
+    )
     (output,) = llm.generate(chat(llm.get_tokenizer(), "Pick a number."), params, use_tqdm=False)
     assert len(output.outputs) == 3
     for completion in output.outputs:
@@ -310,17 +404,20 @@ def test_a_grammar_that_fails_to_compile_fails_only_its_request(llm):
 def test_json_is_compact_unless_a_whitespace_pattern_is_given(llm):
     tok = llm.get_tokenizer()
     prompt = chat(tok, "Give me a point as JSON.")
-    compact, spaced = llm.generate([prompt, prompt], [
-        constrained(json=SCHEMAS["a point"]),
-        constrained(json=SCHEMAS["a point"], whitespace_pattern=" ")], use_tqdm=False)
+    compact, spaced = llm.generate(
+        [prompt, prompt],
+        [constrained(json=SCHEMAS["a point"]), constrained(json=SCHEMAS["a point"], whitespace_pattern=" ")],
+        use_tqdm=False,
+    )
     assert not re.search(r"\s", compact.outputs[0].text)
     jsonschema.validate(json.loads(spaced.outputs[0].text), SCHEMAS["a point"])
 
 
 def test_json_object_gives_any_json_object(llm):
     question = 'Reply in JSON with the keys "city" and "country": where is the Eiffel Tower?'
-    (output,) = llm.generate(chat(llm.get_tokenizer(), question), constrained(json_object=True, max_tokens=64),
-                             use_tqdm=False)
+    (output,) = llm.generate(
+        chat(llm.get_tokenizer(), question), constrained(json_object=True, max_tokens=64), use_tqdm=False
+    )
     assert output.outputs[0].finish_reason == "stop"
     assert isinstance(json.loads(output.outputs[0].text), dict)
 

@@ -10,29 +10,55 @@ import pytest
 
 from tests.inprocess_server import MODEL
 
-PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age"],
-          "properties": {"name": {"type": "string", "maxLength": 20},
-                         "age": {"type": "integer", "minimum": 0, "maximum": 120}}}
-WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
-           "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}}}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
-                                           "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_time", "description": "Current time in a city",
-                                           "parameters": {"type": "object", "additionalProperties": False,
-                                                          "required": ["city"],
-                                                          "properties": {"city": {"type": "string",
-                                                                                  "maxLength": 20}}}}}]
+PERSON = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["name", "age"],
+    "properties": {
+        "name": {"type": "string", "maxLength": 20},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+}
+WEATHER = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": ["city", "unit"],
+    "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {"name": "get_weather", "description": "Current weather in a city", "parameters": WEATHER},
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "get_time",
+            "description": "Current time in a city",
+            "parameters": {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["city"],
+                "properties": {"city": {"type": "string", "maxLength": 20}},
+            },
+        },
+    },
+]
 ASK_WEATHER = [{"role": "user", "content": "What is the weather like in Paris?"}]
 
 
 def chat(client, messages, max_tokens=80, **kwargs):
-    return client.chat.completions.create(model=MODEL, messages=messages, temperature=0, max_tokens=max_tokens,
-                                          **kwargs)
+    return client.chat.completions.create(
+        model=MODEL, messages=messages, temperature=0, max_tokens=max_tokens, **kwargs
+    )
 
 
 def test_chat_response_format_json_schema(client):
-    response = chat(client, [{"role": "user", "content": "Give me a person as JSON."}], response_format={
-        "type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+    response = chat(
+        client,
+        [{"role": "user", "content": "Give me a person as JSON."}],
+        response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}},
+    )
     choice = response.choices[0]
     assert choice.finish_reason == "stop"
     jsonschema.validate(json.loads(choice.message.content), PERSON)
@@ -40,21 +66,30 @@ def test_chat_response_format_json_schema(client):
 
 def test_completions_response_format_json_object(client):
     prompt = 'A JSON object with the keys "city" and "country" for the Eiffel Tower: '
-    response = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=64,
-                                         extra_body={"response_format": {"type": "json_object"}})
+    response = client.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        temperature=0,
+        max_tokens=64,
+        extra_body={"response_format": {"type": "json_object"}},
+    )
     assert response.choices[0].finish_reason == "stop"
     assert isinstance(json.loads(response.choices[0].text), dict)
 
 
 def test_vllm_structured_outputs_field(client):
-    response = chat(client, [{"role": "user", "content": "Which city is the capital of France?"}],
-                    extra_body={"structured_outputs": {"choice": ["Paris", "London", "Rome"]}})
+    response = chat(
+        client,
+        [{"role": "user", "content": "Which city is the capital of France?"}],
+        extra_body={"structured_outputs": {"choice": ["Paris", "London", "Rome"]}},
+    )
     assert response.choices[0].message.content in ("Paris", "London", "Rome")
 
 
 def test_named_tool_choice_returns_a_valid_tool_call(client):
-    response = chat(client, ASK_WEATHER, tools=TOOLS,
-                    tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    response = chat(
+        client, ASK_WEATHER, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_weather"}}
+    )
     choice = response.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
     (call,) = choice.message.tool_calls
@@ -76,15 +111,21 @@ def test_required_tool_choice_streams_tool_calls(client):
     jsonschema.validate(json.loads(calls[0].function.arguments), schema)
 
 
-@pytest.mark.parametrize("extra,param", [
-    ({"response_format": {"type": "xml"}}, "response_format.type"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
-     "response_format.json_schema.schema"),
-    ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
-    ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a+"}}, "structured_outputs"),
-    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
-    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-], ids=["unknown-type", "bad-schema", "bad-regex", "two-constraints", "auto", "unknown-function"])
+@pytest.mark.parametrize(
+    "extra,param",
+    [
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+            "response_format.json_schema.schema",
+        ),
+        ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+        ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a+"}}, "structured_outputs"),
+        ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ],
+    ids=["unknown-type", "bad-schema", "bad-regex", "two-constraints", "auto", "unknown-function"],
+)
 def test_bad_constraints_are_400s_and_the_server_serves_on(client, server, extra, param):
     with pytest.raises(openai.BadRequestError) as error:
         chat(client, ASK_WEATHER, extra_body=extra)

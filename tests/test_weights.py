@@ -15,8 +15,15 @@ from jaxllm.parallel.mesh import make_mesh
 from jaxllm.weights import load_model
 from jaxllm.weights.params import abstract_params
 
-TINY = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64)
+TINY = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +52,16 @@ def test_sharded_safetensors_load_the_same_tensors(hf_dir):
     qkv, group = layers["self_attn"]["qkv_proj"], TINY["num_attention_heads"] // TINY["num_key_value_heads"]
     np.testing.assert_array_equal(qkv["bias"][1][:, :group].reshape(-1), state["model.layers.1.self_attn.q_proj.bias"])
     np.testing.assert_array_equal(qkv["bias"][1][:, group].reshape(-1), state["model.layers.1.self_attn.k_proj.bias"])
-    np.testing.assert_array_equal(qkv["kernel"][0][:, :, group + 1].reshape(TINY["hidden_size"], -1),
-                                  state["model.layers.0.self_attn.v_proj.weight"].T)
+    np.testing.assert_array_equal(
+        qkv["kernel"][0][:, :, group + 1].reshape(TINY["hidden_size"], -1),
+        state["model.layers.0.self_attn.v_proj.weight"].T,
+    )
     gate_up = layers["mlp"]["gate_up_proj"]["kernel"][1]
     np.testing.assert_array_equal(gate_up[:, 0], state["model.layers.1.mlp.gate_proj.weight"].T)
     np.testing.assert_array_equal(gate_up[:, 1], state["model.layers.1.mlp.up_proj.weight"].T)
-    np.testing.assert_array_equal(layers["mlp"]["down_proj"]["kernel"][0], state["model.layers.0.mlp.down_proj.weight"].T)
+    np.testing.assert_array_equal(
+        layers["mlp"]["down_proj"]["kernel"][0], state["model.layers.0.mlp.down_proj.weight"].T
+    )
     np.testing.assert_array_equal(loaded.params["lm_head"]["kernel"], state["lm_head.weight"].T)
 
 

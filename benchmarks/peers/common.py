@@ -70,8 +70,19 @@ def time_runs(run, args) -> list[float]:
 
 def report(engine: str, version: str, prompts: list[list[int]], args, latencies: list[float], **extra) -> None:
     median = statistics.median(latencies)
-    print(json.dumps({
-        "engine": engine, "version": version, "num_prompts": len(prompts), "input_len": len(prompts[0]),
-        "output_len": args.output_len, "threads": args.threads, "latencies_s": [round(t, 4) for t in latencies],
-        "output_tokens_per_second": round(len(prompts) * args.output_len / median, 2), **extra,
-    }), flush=True)
+    print(
+        json.dumps(
+            {
+                "engine": engine,
+                "version": version,
+                "num_prompts": len(prompts),
+                "input_len": len(prompts[0]),
+                "output_len": args.output_len,
+                "threads": args.threads,
+                "latencies_s": [round(t, 4) for t in latencies],
+                "output_tokens_per_second": round(len(prompts) * args.output_len / median, 2),
+                **extra,
+            }
+        ),
+        flush=True,
+    )

@@ -82,7 +82,7 @@ class BatchedDecoder:
         out: list[list[int]] = [[] for _ in prompts]
         flat = [(t, p, s, p == len(prompt) - 1) for s, prompt in enumerate(prompts) for p, t in enumerate(prompt)]
         for first in range(0, len(flat), self.n_batch):
-            chunk = flat[first: first + self.n_batch]
+            chunk = flat[first : first + self.n_batch]
             logits = self._decode(chunk)
             for row, seq in enumerate(e[2] for e in chunk if e[3]):
                 out[seq].append(int(np.argmax(logits[row])))
@@ -142,9 +142,12 @@ def check_dequantized(source: Path, written: Path, kind: str) -> None:
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--n-batch", type=int, default=512, help="llama.cpp n_batch / n_ubatch (prefill chunk)")
-    ap.add_argument("--dequantize", choices=sorted(FTYPES), default=None,
-                    help="run on the GGUF with every tensor dequantized to this type (f32, bf16: jaxllm's weights "
-                         "in that dtype)")
+    ap.add_argument(
+        "--dequantize",
+        choices=sorted(FTYPES),
+        default=None,
+        help="run on the GGUF with every tensor dequantized to this type (f32, bf16: jaxllm's weights in that dtype)",
+    )
     ap.add_argument("--output-tokens", default=None, help="write the last timed run's new token ids (JSON) here")
     args = ap.parse_args()
     try:
@@ -170,8 +173,10 @@ def main() -> None:
         return [len(t) for t in tokens]
 
     latencies = time_runs(run, args)
-    log(f"[llama.cpp] llama-cpp-python {llama_cpp.__version__} threads={args.threads} gguf={path.name} "
-        f"prefill {decoder.prefill_s:.3f} s of the last run")
+    log(
+        f"[llama.cpp] llama-cpp-python {llama_cpp.__version__} threads={args.threads} gguf={path.name} "
+        f"prefill {decoder.prefill_s:.3f} s of the last run"
+    )
     if args.output_tokens:
         Path(args.output_tokens).write_text(json.dumps(tokens))
     report("llama.cpp", llama_cpp.__version__, prompts, args, latencies, gguf=path.name)

@@ -41,13 +41,21 @@ def main() -> None:
 
     def run(new_tokens: int) -> list[int]:
         with torch.inference_mode():
-            out = model.generate(input_ids=input_ids, attention_mask=mask, do_sample=False, pad_token_id=pad,
-                                 max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+            out = model.generate(
+                input_ids=input_ids,
+                attention_mask=mask,
+                do_sample=False,
+                pad_token_id=pad,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+            )
         return [out.shape[1] - width] * len(prompts)
 
     latencies = time_runs(run, args)
-    log(f"[transformers] {transformers.__version__} torch {torch.__version__} threads={torch.get_num_threads()} "
-        f"attention={model.config._attn_implementation}")
+    log(
+        f"[transformers] {transformers.__version__} torch {torch.__version__} threads={torch.get_num_threads()} "
+        f"attention={model.config._attn_implementation}"
+    )
     report("transformers", transformers.__version__, prompts, args, latencies)
 
 

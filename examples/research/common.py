@@ -29,23 +29,44 @@ def parse_args(description: str) -> argparse.Namespace:
     return args
 
 
-def run(trace, cost: CostModel, *, policy: str = "fcfs", max_num_seqs: int = 16, max_num_batched_tokens: int = 64,
-        max_model_len: int = 2048, num_blocks: int = 1024, prefix_caching: bool = True, seed: int = 0,
-        oracle_output_len: bool = False) -> SimResult:
-    config = SimConfig(SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, policy),
-                       num_blocks=num_blocks, block_size=cost.engine.get("block_size", 16),
-                       enable_prefix_caching=prefix_caching)
-    return simulate(trace, config, cost_model_step_time(cost, config), seed=seed, oracle_output_len=oracle_output_len,
-                    **cost.event_costs())
+def run(
+    trace,
+    cost: CostModel,
+    *,
+    policy: str = "fcfs",
+    max_num_seqs: int = 16,
+    max_num_batched_tokens: int = 64,
+    max_model_len: int = 2048,
+    num_blocks: int = 1024,
+    prefix_caching: bool = True,
+    seed: int = 0,
+    oracle_output_len: bool = False,
+) -> SimResult:
+    config = SimConfig(
+        SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, policy),
+        num_blocks=num_blocks,
+        block_size=cost.engine.get("block_size", 16),
+        enable_prefix_caching=prefix_caching,
+    )
+    return simulate(
+        trace,
+        config,
+        cost_model_step_time(cost, config),
+        seed=seed,
+        oracle_output_len=oracle_output_len,
+        **cost.event_costs(),
+    )
 
 
-def capacity(cost: CostModel, *, prompt_len: int, output_len: int, max_num_seqs: int = 16,
-             max_num_batched_tokens: int = 64) -> float:
+def capacity(
+    cost: CostModel, *, prompt_len: int, output_len: int, max_num_seqs: int = 16, max_num_batched_tokens: int = 64
+) -> float:
     """Requests per second the engine sustains on this cost model (full decode batches plus the prefill
     steps), so a script can set its load as a fraction of it and stay meaningful on any calibration."""
     context = prompt_len + output_len // 2
-    decode = cost.step_time(StepShape(max_num_seqs, max_num_seqs, max_num_seqs * context, max_num_seqs * context),
-                            max_num_batched_tokens)
+    decode = cost.step_time(
+        StepShape(max_num_seqs, max_num_seqs, max_num_seqs * context, max_num_seqs * context), max_num_batched_tokens
+    )
     chunk = min(prompt_len, max_num_batched_tokens)
     prefill = cost.step_time(StepShape(chunk, 1, prompt_len, chunk * prompt_len), max_num_batched_tokens)
     seconds_per_request = decode * output_len / max_num_seqs + prefill * -(-prompt_len // chunk)

@@ -19,16 +19,33 @@ from jaxllm.sim.synth import LengthDist, synthesize
 def main():
     args = parse_args(__doc__.splitlines()[0])
     cost = CostModel.load(args.cost)
-    trace = synthesize(400, request_rate=float("inf"), input_len=LengthDist(32, "uniform"),
-                       output_len=LengthDist(16, "uniform"), num_prefix_groups=24, prefix_len=768, seed=args.seed)
+    trace = synthesize(
+        400,
+        request_rate=float("inf"),
+        input_len=LengthDist(32, "uniform"),
+        output_len=LengthDist(16, "uniform"),
+        num_prefix_groups=24,
+        prefix_len=768,
+        seed=args.seed,
+    )
     summary = {}
     for policy in ("fcfs", "lpm"):
         result = run(trace, cost, policy=policy, num_blocks=640, seed=args.seed)
         j = result.to_json()
-        summary[policy] = {k: j[k] for k in ("prefix_cache_hit_rate", "total_token_throughput", "output_throughput",
-                                             "duration", "mean_ttft_ms")}
-        print(f"{policy:5s} hit rate {j['prefix_cache_hit_rate']:6.1%}   throughput {j['total_token_throughput']:7.1f} tok/s"
-              f"   makespan {j['duration']:6.0f} s   mean TTFT {j['mean_ttft_ms'] / 1000:6.1f} s")
+        summary[policy] = {
+            k: j[k]
+            for k in (
+                "prefix_cache_hit_rate",
+                "total_token_throughput",
+                "output_throughput",
+                "duration",
+                "mean_ttft_ms",
+            )
+        }
+        print(
+            f"{policy:5s} hit rate {j['prefix_cache_hit_rate']:6.1%}   throughput {j['total_token_throughput']:7.1f} tok/s"
+            f"   makespan {j['duration']:6.0f} s   mean TTFT {j['mean_ttft_ms'] / 1000:6.1f} s"
+        )
     fig, (hit, tput) = figure(2, 4.5)
     names = list(summary)
     hit.bar(names, [summary[p]["prefix_cache_hit_rate"] * 100 for p in names], color=["tab:gray", "tab:green"])

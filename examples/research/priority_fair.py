@@ -47,8 +47,12 @@ def main():
         classes = list(summary[experiment].items())
         width = 0.38
         for k, policy in enumerate(policies):
-            ax.bar([i + k * width for i in range(len(classes))], [v[policy] / 1000 for _, v in classes], width,
-                   label=policy)
+            ax.bar(
+                [i + k * width for i in range(len(classes))],
+                [v[policy] / 1000 for _, v in classes],
+                width,
+                label=policy,
+            )
         ax.set_xticks([i + width / 2 for i in range(len(classes))], [c for c, _ in classes])
         ax.set_ylabel("mean TTFT (s)")
         ax.legend()

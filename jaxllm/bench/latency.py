@@ -41,8 +41,11 @@ def validate(args: argparse.Namespace) -> None:
 
 def latency_stats(latencies: list[float]) -> dict:
     values = np.asarray(latencies, np.float64)
-    return {"avg_latency": float(values.mean()), "latencies": [float(v) for v in values],
-            "percentiles": {str(p): float(np.percentile(values, p)) for p in PERCENTILES}}
+    return {
+        "avg_latency": float(values.mean()),
+        "latencies": [float(v) for v in values],
+        "percentiles": {str(p): float(np.percentile(values, p)) for p in PERCENTILES},
+    }
 
 
 def main(args: argparse.Namespace) -> dict:
@@ -52,14 +55,21 @@ def main(args: argparse.Namespace) -> dict:
     for _ in range(args.num_iters_warmup):
         offline.run_batch(llm, prompts, args.output_len)
     result = latency_stats([offline.run_batch(llm, prompts, args.output_len) for _ in range(args.num_iters)])
-    result["workload"] = {k: getattr(args, k) for k in
-                          ("batch_size", "input_len", "output_len", "num_iters_warmup", "num_iters")}
+    result["workload"] = {
+        k: getattr(args, k) for k in ("batch_size", "input_len", "output_len", "num_iters_warmup", "num_iters")
+    }
     result["machine"] = offline.machine_info()
     print(format_result("jaxllm", result))
     comparison = {}
     for peer in offline.peer_names(args):
-        entry = offline.run_peer(peer, prompts, args.output_len, num_iters=args.num_iters,
-                                 warmup_iters=args.num_iters_warmup, threads=args.peer_threads)
+        entry = offline.run_peer(
+            peer,
+            prompts,
+            args.output_len,
+            num_iters=args.num_iters,
+            warmup_iters=args.num_iters_warmup,
+            threads=args.peer_threads,
+        )
         comparison[peer] = {**entry, **latency_stats(entry["latencies_s"])} if "error" not in entry else entry
         print(format_result(peer, comparison[peer]))
     if comparison:

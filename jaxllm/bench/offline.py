@@ -34,10 +34,13 @@ PEERS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "peers"
 # name → the peer script and its flags. llama.cpp runs the default model's GGUF as shipped (Q4_1) and,
 # like for like with jaxllm's float32 (bfloat16), the same weights dequantized to F32 (BF16) by
 # llama.cpp itself; "-bf16" peers are the like for like of jaxllm's dtype="bfloat16".
-PEERS = {"transformers": ["transformers_generate.py"], "llama.cpp": ["llamacpp_generate.py"],
-         "llama.cpp-f32": ["llamacpp_generate.py", "--dequantize", "f32"],
-         "transformers-bf16": ["transformers_generate.py", "--dtype", "bfloat16"],
-         "llama.cpp-bf16": ["llamacpp_generate.py", "--dequantize", "bf16"]}
+PEERS = {
+    "transformers": ["transformers_generate.py"],
+    "llama.cpp": ["llamacpp_generate.py"],
+    "llama.cpp-f32": ["llamacpp_generate.py", "--dequantize", "f32"],
+    "transformers-bf16": ["transformers_generate.py", "--dtype", "bfloat16"],
+    "llama.cpp-bf16": ["llamacpp_generate.py", "--dequantize", "bf16"],
+}
 
 
 def make_prompts(tokenizer, num_prompts: int, input_len: int) -> list[list[int]]:
@@ -45,7 +48,7 @@ def make_prompts(tokenizer, num_prompts: int, input_len: int) -> list[list[int]]
     ids = tokenizer(FILLER * (input_len // 20 + 8), add_special_tokens=False)["input_ids"]
     while len(ids) < input_len + PROMPT_STRIDE * num_prompts + 1:
         ids = ids + ids
-    return [ids[PROMPT_STRIDE * i: PROMPT_STRIDE * i + input_len] for i in range(num_prompts)]
+    return [ids[PROMPT_STRIDE * i : PROMPT_STRIDE * i + input_len] for i in range(num_prompts)]
 
 
 def add_workload_args(parser: argparse.ArgumentParser, *, compare: bool = True) -> None:
@@ -54,11 +57,21 @@ def add_workload_args(parser: argparse.ArgumentParser, *, compare: bool = True) 
     report.add_argument("--output-json", default=None, help="write the results to this JSON file")
     report.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots into this folder")
     if compare:
-        report.add_argument("--compare", nargs="*", default=None, choices=sorted(PEERS), metavar="PEER",
-                            help=f"also run these peers on the same workload ({', '.join(sorted(PEERS))}; "
-                                 "no name: all of them). Default model only")
-        report.add_argument("--peer-threads", type=int, default=os.cpu_count() or 1,
-                            help="threads for the peers (default: all cores, as jaxllm uses)")
+        report.add_argument(
+            "--compare",
+            nargs="*",
+            default=None,
+            choices=sorted(PEERS),
+            metavar="PEER",
+            help=f"also run these peers on the same workload ({', '.join(sorted(PEERS))}; "
+            "no name: all of them). Default model only",
+        )
+        report.add_argument(
+            "--peer-threads",
+            type=int,
+            default=os.cpu_count() or 1,
+            help="threads for the peers (default: all cores, as jaxllm uses)",
+        )
 
 
 def greedy_params(output_len: int):
@@ -112,14 +125,35 @@ def peer_names(args: argparse.Namespace) -> list[str]:
     return list(args.compare) or sorted(PEERS)
 
 
-def run_peer(name: str, prompts: list[list[int]], output_len: int, *, num_iters: int, warmup_iters: int,
-             threads: int, timeout: float = 7200.0) -> dict:
+def run_peer(
+    name: str,
+    prompts: list[list[int]],
+    output_len: int,
+    *,
+    num_iters: int,
+    warmup_iters: int,
+    threads: int,
+    timeout: float = 7200.0,
+) -> dict:
     """One peer script on the same token ids: `{"engine", "latencies_s", ...}` or `{"engine", "error"}`."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(prompts, f)
     script, *flags = PEERS[name]
-    cmd = [sys.executable, str(PEERS_DIR / script), *flags, "--prompts", f.name, "--output-len", str(output_len),
-           "--num-iters", str(num_iters), "--num-iters-warmup", str(warmup_iters), "--threads", str(threads)]
+    cmd = [
+        sys.executable,
+        str(PEERS_DIR / script),
+        *flags,
+        "--prompts",
+        f.name,
+        "--output-len",
+        str(output_len),
+        "--num-iters",
+        str(num_iters),
+        "--num-iters-warmup",
+        str(warmup_iters),
+        "--threads",
+        str(threads),
+    ]
     try:
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     finally:
@@ -148,5 +182,10 @@ def machine_info() -> dict:
 
     import jax
 
-    return {"cpus": os.cpu_count(), "platform": platform.platform(), "jax": jax.__version__,
-            "backend": jax.default_backend(), "load_average": [round(x, 2) for x in os.getloadavg()]}
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "load_average": [round(x, 2) for x in os.getloadavg()],
+    }

@@ -55,8 +55,9 @@ def plot_latency_cdfs(records: list[RequestRecord], path: str | Path, title: str
     return _save(fig, Path(path))
 
 
-def plot_throughput(records: list[RequestRecord], path: str | Path, title: str = "",
-                    bin_s: float | None = None) -> Path:
+def plot_throughput(
+    records: list[RequestRecord], path: str | Path, title: str = "", bin_s: float | None = None
+) -> Path:
     """Output tokens/s in `bin_s` bins (default: about 60 bins over the run, at least 0.1 s) and
     requests in flight, over the run."""
     done = [r for r in records if r.success]
@@ -76,8 +77,13 @@ def plot_throughput(records: list[RequestRecord], path: str | Path, title: str =
     ax.stairs(counts / bin_s, edges, fill=True, alpha=0.6, label=f"output tokens/s ({bin_s:.2g} s bins)")
     events = sorted([(r.start - t0, 1) for r in done] + [(r.start + r.latency - t0, -1) for r in done])
     in_flight = ax.twinx()
-    in_flight.step([t for t, _ in events], np.cumsum([d for _, d in events]), where="post", color="tab:red",
-                   label="requests in flight")
+    in_flight.step(
+        [t for t, _ in events],
+        np.cumsum([d for _, d in events]),
+        where="post",
+        color="tab:red",
+        label="requests in flight",
+    )
     in_flight.set_ylabel("requests in flight")
     in_flight.set_ylim(bottom=0)
     handles = ax.get_legend_handles_labels()[0] + in_flight.get_legend_handles_labels()[0]
@@ -90,8 +96,16 @@ def save_plots(result: dict, records: list[RequestRecord], out_dir: str | Path, 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     rate = result.get("request_rate")
-    title = ", ".join(part for part in (
-        result.get("model_id"), f"{rate} req/s" if rate is not None else None,
-        f"{result['completed']} completed, {result['failed']} failed") if part)
-    return [plot_latency_cdfs(records, out / f"{prefix}latency_cdf.png", title),
-            plot_throughput(records, out / f"{prefix}throughput.png", title)]
+    title = ", ".join(
+        part
+        for part in (
+            result.get("model_id"),
+            f"{rate} req/s" if rate is not None else None,
+            f"{result['completed']} completed, {result['failed']} failed",
+        )
+        if part
+    )
+    return [
+        plot_latency_cdfs(records, out / f"{prefix}latency_cdf.png", title),
+        plot_throughput(records, out / f"{prefix}throughput.png", title),
+    ]

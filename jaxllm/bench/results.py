@@ -45,15 +45,23 @@ class RequestRecord:
 
 def _stats(prefix: str, values_s: list[float], percentiles: tuple[float, ...]) -> dict:
     ms = np.asarray(values_s, dtype=np.float64) * 1000.0 if values_s else np.zeros(1)
-    out = {f"mean_{prefix}_ms": float(ms.mean()), f"median_{prefix}_ms": float(np.median(ms)),
-           f"std_{prefix}_ms": float(ms.std())}
+    out = {
+        f"mean_{prefix}_ms": float(ms.mean()),
+        f"median_{prefix}_ms": float(np.median(ms)),
+        f"std_{prefix}_ms": float(ms.std()),
+    }
     for p in percentiles:
         out[f"p{p:g}_{prefix}_ms"] = float(np.percentile(ms, p))
     return out
 
 
-def summarize(records: list[RequestRecord], duration: float, *, goodput: dict[str, float] | None = None,
-              percentiles: tuple[float, ...] = (99,)) -> dict:
+def summarize(
+    records: list[RequestRecord],
+    duration: float,
+    *,
+    goodput: dict[str, float] | None = None,
+    percentiles: tuple[float, ...] = (99,),
+) -> dict:
     """The result dict (vLLM's keys). `goodput` maps "ttft"/"tpot"/"e2el" to an SLO in ms."""
     done = [r for r in records if r.success]
     output_tokens = sum(r.output_len for r in done)
@@ -73,9 +81,14 @@ def summarize(records: list[RequestRecord], duration: float, *, goodput: dict[st
         unknown = set(goodput) - {"ttft", "tpot", "e2el"}
         if unknown:
             raise ValueError(f"goodput SLOs are ttft, tpot and e2el (ms); got {sorted(unknown)}")
-        good = sum(1 for r in done if all(
-            (v := {"ttft": r.ttft, "tpot": r.tpot, "e2el": r.latency}[k]) is None or v * 1000.0 <= slo
-            for k, slo in goodput.items()))
+        good = sum(
+            1
+            for r in done
+            if all(
+                (v := {"ttft": r.ttft, "tpot": r.tpot, "e2el": r.latency}[k]) is None or v * 1000.0 <= slo
+                for k, slo in goodput.items()
+            )
+        )
         result["request_goodput"] = good / duration
     samples = {
         "ttft": [r.ttft for r in done if r.ttft is not None],
@@ -97,8 +110,10 @@ def _peaks(done: list[RequestRecord]) -> dict:
         return {"max_output_tokens_per_s": 0.0, "max_concurrent_requests": 0}
     per_second = np.bincount((times - min(r.start for r in done)).astype(int))
     events = sorted([(r.start, 1) for r in done] + [(r.start + r.latency, -1) for r in done])
-    return {"max_output_tokens_per_s": float(per_second.max()),
-            "max_concurrent_requests": int(np.max(np.cumsum([delta for _, delta in events])))}
+    return {
+        "max_output_tokens_per_s": float(per_second.max()),
+        "max_concurrent_requests": int(np.max(np.cumsum([delta for _, delta in events]))),
+    }
 
 
 def per_request(records: list[RequestRecord]) -> dict:
@@ -116,28 +131,46 @@ def per_request(records: list[RequestRecord]) -> dict:
 
 def records_from_result(result: dict) -> list[RequestRecord]:
     """Records back from a result JSON that has `per_request`'s arrays."""
-    return [RequestRecord(prompt_len=p, output_len=o, start=s, ttft=t, itl=list(i), latency=lat,
-                          success=not e, error=e or None)
-            for p, o, s, t, i, lat, e in zip(result["input_lens"], result["output_lens"], result["start_times"],
-                                           result["ttfts"], result["itls"], result["latencies"], result["errors"])]
+    return [
+        RequestRecord(
+            prompt_len=p, output_len=o, start=s, ttft=t, itl=list(i), latency=lat, success=not e, error=e or None
+        )
+        for p, o, s, t, i, lat, e in zip(
+            result["input_lens"],
+            result["output_lens"],
+            result["start_times"],
+            result["ttfts"],
+            result["itls"],
+            result["latencies"],
+            result["errors"],
+        )
+    ]
 
 
-_HEADERS = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
-            "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+_HEADERS = {
+    "ttft": "Time to First Token",
+    "tpot": "Time per Output Token (excl. 1st token)",
+    "itl": "Inter-token Latency",
+    "e2el": "End-to-end Latency",
+}
 
 
 def format_result(result: dict, metrics: tuple[str, ...] = METRICS, title: str = "Serving Benchmark Result") -> str:
     """The summary table vLLM prints, from a result dict (rows for keys it lacks are left out)."""
-    rows = [("Successful requests:", "completed", "d"), ("Failed requests:", "failed", "d"),
-            ("Maximum request concurrency:", "max_concurrency", "d"),
-            ("Benchmark duration (s):", "duration", ".2f"), ("Total input tokens:", "total_input_tokens", "d"),
-            ("Total generated tokens:", "total_output_tokens", "d"),
-            ("Request throughput (req/s):", "request_throughput", ".2f"),
-            ("Request goodput (req/s):", "request_goodput", ".2f"),
-            ("Output token throughput (tok/s):", "output_throughput", ".2f"),
-            ("Peak output token throughput (tok/s):", "max_output_tokens_per_s", ".2f"),
-            ("Peak concurrent requests:", "max_concurrent_requests", "d"),
-            ("Total token throughput (tok/s):", "total_token_throughput", ".2f")]
+    rows = [
+        ("Successful requests:", "completed", "d"),
+        ("Failed requests:", "failed", "d"),
+        ("Maximum request concurrency:", "max_concurrency", "d"),
+        ("Benchmark duration (s):", "duration", ".2f"),
+        ("Total input tokens:", "total_input_tokens", "d"),
+        ("Total generated tokens:", "total_output_tokens", "d"),
+        ("Request throughput (req/s):", "request_throughput", ".2f"),
+        ("Request goodput (req/s):", "request_goodput", ".2f"),
+        ("Output token throughput (tok/s):", "output_throughput", ".2f"),
+        ("Peak output token throughput (tok/s):", "max_output_tokens_per_s", ".2f"),
+        ("Peak concurrent requests:", "max_concurrent_requests", "d"),
+        ("Total token throughput (tok/s):", "total_token_throughput", ".2f"),
+    ]
     lines = [f"{' ' + title + ' ':=^50}"]
     lines += [f"{label:<40} {result[key]:<10{fmt}}" for label, key, fmt in rows if result.get(key) is not None]
     for name in metrics:

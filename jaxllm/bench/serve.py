@@ -49,19 +49,37 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--api-key", default=None, help="bearer key (default: $JAXLLM_API_KEY or $OPENAI_API_KEY)")
     server.add_argument("--model", default=None, help="model name to request (default: the server's first model)")
     load = parser.add_argument_group("load")
-    load.add_argument("--request-rate", type=float, default=None,
-                      help="requests per second, Poisson arrivals; inf sends all at once "
-                           "(default: inf for random, the trace's arrival times for jsonl)")
-    load.add_argument("--burstiness", type=float, default=1.0,
-                      help="gamma shape of the arrival gaps: 1 is Poisson, < 1 burstier, > 1 more even")
+    load.add_argument(
+        "--request-rate",
+        type=float,
+        default=None,
+        help="requests per second, Poisson arrivals; inf sends all at once "
+        "(default: inf for random, the trace's arrival times for jsonl)",
+    )
+    load.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of the arrival gaps: 1 is Poisson, < 1 burstier, > 1 more even",
+    )
     load.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
     load.add_argument("--timeout", type=float, default=300.0, help="seconds before one request counts as failed")
     report = parser.add_argument_group("report")
-    report.add_argument("--goodput", nargs="+", default=None, metavar="KEY:MS",
-                        help="SLOs for goodput, e.g. ttft:500 tpot:50 (keys ttft, tpot, e2el; milliseconds)")
-    report.add_argument("--percentile-metrics", default=",".join(METRICS),
-                        help="metrics to print, comma-separated (the JSON always has all of ttft,tpot,itl,e2el)")
-    report.add_argument("--metric-percentiles", default="99", help="percentiles to report, comma-separated, e.g. 50,90,99")
+    report.add_argument(
+        "--goodput",
+        nargs="+",
+        default=None,
+        metavar="KEY:MS",
+        help="SLOs for goodput, e.g. ttft:500 tpot:50 (keys ttft, tpot, e2el; milliseconds)",
+    )
+    report.add_argument(
+        "--percentile-metrics",
+        default=",".join(METRICS),
+        help="metrics to print, comma-separated (the JSON always has all of ttft,tpot,itl,e2el)",
+    )
+    report.add_argument(
+        "--metric-percentiles", default="99", help="percentiles to report, comma-separated, e.g. 50,90,99"
+    )
     report.add_argument("--output", default=None, metavar="FILE", help="write the result JSON here")
     report.add_argument("--plot", default=None, metavar="DIR", help="write latency CDF and throughput PNGs here")
     report.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
@@ -72,8 +90,12 @@ def main(args: argparse.Namespace) -> dict:
     goodput = parse_goodput(args.goodput)
     percentiles = parse_percentiles(args.metric_percentiles)
     metrics = parse_metrics(args.percentile_metrics)
-    for flag, value in (("--max-concurrency", args.max_concurrency), ("--timeout", args.timeout),
-                        ("--request-rate", args.request_rate), ("--burstiness", args.burstiness)):
+    for flag, value in (
+        ("--max-concurrency", args.max_concurrency),
+        ("--timeout", args.timeout),
+        ("--request-rate", args.request_rate),
+        ("--burstiness", args.burstiness),
+    ):
         if value is not None and not value > 0:
             raise ValueError(f"{flag} must be > 0, got {value}")
     requests = get_requests(args)
@@ -85,18 +107,38 @@ def main(args: argparse.Namespace) -> dict:
     model = args.model or first_model(base_url, headers)
 
     rate_text = "trace arrival times" if rate is None else f"{rate:g} req/s (burstiness {args.burstiness:g})"
-    print(f"Benchmarking {base_url}{ENDPOINT}, model {model}: {len(requests)} requests, {rate_text}, "
-          f"max concurrency {args.max_concurrency or 'unlimited'}", flush=True)
-    records, duration = asyncio.run(run(requests, url=base_url + ENDPOINT, model=model, headers=headers,
-                                        seed=args.seed, max_concurrency=args.max_concurrency,
-                                        timeout=args.timeout, progress=not args.disable_tqdm))
+    print(
+        f"Benchmarking {base_url}{ENDPOINT}, model {model}: {len(requests)} requests, {rate_text}, "
+        f"max concurrency {args.max_concurrency or 'unlimited'}",
+        flush=True,
+    )
+    records, duration = asyncio.run(
+        run(
+            requests,
+            url=base_url + ENDPOINT,
+            model=model,
+            headers=headers,
+            seed=args.seed,
+            max_concurrency=args.max_concurrency,
+            timeout=args.timeout,
+            progress=not args.disable_tqdm,
+        )
+    )
     result = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "backend": "openai", "base_url": base_url, "endpoint": ENDPOINT, "model_id": model,
-        "dataset_name": args.dataset_name, "dataset_path": args.dataset_path, "num_prompts": len(requests),
+        "backend": "openai",
+        "base_url": base_url,
+        "endpoint": ENDPOINT,
+        "model_id": model,
+        "dataset_name": args.dataset_name,
+        "dataset_path": args.dataset_path,
+        "num_prompts": len(requests),
         "request_rate": "trace" if rate is None else ("inf" if math.isinf(rate) else rate),
-        "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "seed": args.seed,
-        "goodput_slos_ms": goodput or None, "request_goodput": None,
+        "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency,
+        "seed": args.seed,
+        "goodput_slos_ms": goodput or None,
+        "request_goodput": None,
         **summarize(records, duration, goodput=goodput, percentiles=percentiles),
         **per_request(records),
     }
@@ -113,9 +155,17 @@ def main(args: argparse.Namespace) -> dict:
     return result
 
 
-async def run(requests: list[TraceRequest], *, url: str, model: str, headers: dict[str, str], seed: int = 0,
-              max_concurrency: int | None = None, timeout: float = 300.0,
-              progress: bool = False) -> tuple[list[RequestRecord], float]:
+async def run(
+    requests: list[TraceRequest],
+    *,
+    url: str,
+    model: str,
+    headers: dict[str, str],
+    seed: int = 0,
+    max_concurrency: int | None = None,
+    timeout: float = 300.0,
+    progress: bool = False,
+) -> tuple[list[RequestRecord], float]:
     """Send every request at its arrival time (relative to the first); records in request order and
     the run's duration (first send to last response)."""
     limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
@@ -128,8 +178,14 @@ async def run(requests: list[TraceRequest], *, url: str, model: str, headers: di
             async def send(index: int, request: TraceRequest) -> RequestRecord:
                 async with gate:
                     record = await stream_completion(
-                        client, url, request_body(request, index, model=model, seed=seed), headers,
-                        prompt_len=request.num_prompt_tokens or 0, clock0=clock0, timeout=timeout)
+                        client,
+                        url,
+                        request_body(request, index, model=model, seed=seed),
+                        headers,
+                        prompt_len=request.num_prompt_tokens or 0,
+                        clock0=clock0,
+                        timeout=timeout,
+                    )
                 bar.update()
                 return record
 
@@ -153,8 +209,11 @@ def request_body(request: TraceRequest, index: int, *, model: str, seed: int = 0
     body = {
         "model": model,
         "prompt": request.prompt if request.prompt is not None else prompt_token_ids(request, index, seed),
-        "max_tokens": request.output_len, "min_tokens": request.output_len, "ignore_eos": True,
-        "temperature": 0.0, "stream": True,
+        "max_tokens": request.output_len,
+        "min_tokens": request.output_len,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "stream": True,
         "stream_options": {"include_usage": True, "continuous_usage_stats": True},
     }
     if request.priority:
@@ -164,9 +223,17 @@ def request_body(request: TraceRequest, index: int, *, model: str, seed: int = 0
     return body
 
 
-async def stream_completion(client: httpx.AsyncClient, url: str, body: dict, headers: dict[str, str], *,
-                            prompt_len: int = 0, clock0: float = 0.0, timeout: float = 300.0,
-                            abort_after: int | None = None) -> RequestRecord:
+async def stream_completion(
+    client: httpx.AsyncClient,
+    url: str,
+    body: dict,
+    headers: dict[str, str],
+    *,
+    prompt_len: int = 0,
+    clock0: float = 0.0,
+    timeout: float = 300.0,
+    abort_after: int | None = None,
+) -> RequestRecord:
     """One streaming request, timed. Never raises (except cancellation): a failure is recorded in
     `error`. `abort_after` closes the connection after that many tokens, as an impatient client."""
     record = RequestRecord(prompt_len=prompt_len)
@@ -302,5 +369,7 @@ def report_problems(records: list[RequestRecord], requests: list[TraceRequest]) 
         print(f"failed x{count}: {message}")
     short = sum(1 for r, q in zip(records, requests) if r.success and r.output_len != q.output_len)
     if short:
-        print(f"warning: {short} completed requests returned a different number of tokens than asked "
-              "(does the server honour min_tokens and ignore_eos?)")
+        print(
+            f"warning: {short} completed requests returned a different number of tokens than asked "
+            "(does the server honour min_tokens and ignore_eos?)"
+        )

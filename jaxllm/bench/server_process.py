@@ -26,8 +26,14 @@ class ServerProcess:
     """`with ServerProcess(flags) as server:` starts `jaxllm serve FLAGS --port P` (its output in
     `log_path`), returns once /health answers 200, and SIGTERMs it on exit."""
 
-    def __init__(self, flags: list[str], *, startup_timeout: float = 600.0, log_path: str | Path | None = None,
-                 env: dict[str, str] | None = None):
+    def __init__(
+        self,
+        flags: list[str],
+        *,
+        startup_timeout: float = 600.0,
+        log_path: str | Path | None = None,
+        env: dict[str, str] | None = None,
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.flags = list(flags)
@@ -39,8 +45,21 @@ class ServerProcess:
     def __enter__(self) -> ServerProcess:
         with open(self.log_path, "w") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "jaxllm.entrypoints.cli", "serve", *self.flags, "--host", "127.0.0.1",
-                 "--port", str(self.port)], stdout=log, stderr=subprocess.STDOUT, env=self.env)
+                [
+                    sys.executable,
+                    "-m",
+                    "jaxllm.entrypoints.cli",
+                    "serve",
+                    *self.flags,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(self.port),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+            )
         try:
             self._wait_healthy()
         except BaseException:

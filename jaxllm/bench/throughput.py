@@ -66,8 +66,9 @@ def main(args: argparse.Namespace) -> dict:
     for index in range(args.rounds):
         row = {"round": index, "jaxllm": jaxllm_run(llm, prompts, args.output_len)}
         for peer in peers:
-            row[peer] = offline.run_peer(peer, prompts, args.output_len, num_iters=1, warmup_iters=1,
-                                         threads=args.peer_threads)
+            row[peer] = offline.run_peer(
+                peer, prompts, args.output_len, num_iters=1, warmup_iters=1, threads=args.peer_threads
+            )
         rounds.append(row)
         print(_round_line(row, peers))
     result = summarize(args, rounds, peers)
@@ -88,10 +89,16 @@ def summarize(args: argparse.Namespace, rounds: list[dict], peers: list[str]) ->
     """vLLM's keys, as medians over rounds, plus every round and the peers' medians and ratios."""
     keys = [k for k in rounds[0]["jaxllm"] if k not in ("num_requests", "total_num_tokens", "total_output_tokens")]
     ours = [r["jaxllm"] for r in rounds]
-    result = {**{k: ours[0][k] for k in ("num_requests", "total_num_tokens", "total_output_tokens")},
-              **{k: round(statistics.median(o[k] for o in ours), 4) for k in keys}}
-    result["workload"] = {"input_len": args.input_len, "output_len": args.output_len,
-                          "num_prompts": args.num_prompts, "rounds": args.rounds}
+    result = {
+        **{k: ours[0][k] for k in ("num_requests", "total_num_tokens", "total_output_tokens")},
+        **{k: round(statistics.median(o[k] for o in ours), 4) for k in keys},
+    }
+    result["workload"] = {
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "num_prompts": args.num_prompts,
+        "rounds": args.rounds,
+    }
     result["machine"] = offline.machine_info()
     comparison = {}
     for peer in peers:
@@ -127,6 +134,8 @@ def format_result(result: dict) -> str:
         if entry["output_tokens_per_second"] is None:
             lines.append(f"{peer}: failed ({entry['errors'][0].splitlines()[-1] if entry['errors'] else '?'})")
         else:
-            lines.append(f"{peer}: {entry['output_tokens_per_second']:.2f} output tokens/s; "
-                         f"jaxllm / {peer} = {entry['ratio']:.2f}x (median of per-round ratios)")
+            lines.append(
+                f"{peer}: {entry['output_tokens_per_second']:.2f} output tokens/s; "
+                f"jaxllm / {peer} = {entry['ratio']:.2f}x (median of per-round ratios)"
+            )
     return "\n".join(lines)

@@ -44,10 +44,12 @@ def replica_devices(index: int, tensor_parallel_size: int) -> dict[str, str]:
     if not visible:
         return {}
     gpus = visible.split(",")
-    mine = gpus[index * tensor_parallel_size:(index + 1) * tensor_parallel_size]
+    mine = gpus[index * tensor_parallel_size : (index + 1) * tensor_parallel_size]
     if len(mine) < tensor_parallel_size:
-        raise ValueError(f"data_parallel_size x tensor_parallel_size needs {(index + 1) * tensor_parallel_size} "
-                         f"GPUs, only {len(gpus)} visible")
+        raise ValueError(
+            f"data_parallel_size x tensor_parallel_size needs {(index + 1) * tensor_parallel_size} "
+            f"GPUs, only {len(gpus)} visible"
+        )
     return {"CUDA_VISIBLE_DEVICES": ",".join(mine)}
 
 
@@ -66,8 +68,15 @@ def _replica_main(index: int, args: EngineArgs, env: dict[str, str], conn, progr
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
     sched = core.config.scheduler
-    conn.send(("ready", EngineInfo(core.loaded.name, core.tokenizer, sched.max_model_len, sched.max_num_seqs,
-                                   core.loaded.arch.vocab_size), core.stats()))
+    conn.send(
+        (
+            "ready",
+            EngineInfo(
+                core.loaded.name, core.tokenizer, sched.max_model_len, sched.max_num_seqs, core.loaded.arch.vocab_size
+            ),
+            core.stats(),
+        )
+    )
     last_push = 0.0
     while True:
         outputs = []
@@ -121,8 +130,12 @@ class DataParallelClient:
         for i in range(n):
             ours, theirs = ctx.Pipe()
             env = replica_devices(i, args.tensor_parallel_size)
-            process = ctx.Process(target=_replica_main, args=(i, replica_args, env, theirs, progress and i == 0),
-                                  name=f"jaxllm-engine-{i}", daemon=True)
+            process = ctx.Process(
+                target=_replica_main,
+                args=(i, replica_args, env, theirs, progress and i == 0),
+                name=f"jaxllm-engine-{i}",
+                daemon=True,
+            )
             process.start()
             theirs.close()
             self.replicas.append(_Replica(i, process, ours, {}))
@@ -132,8 +145,9 @@ class DataParallelClient:
             self.shutdown()
             raise
         for replica in self.replicas:
-            threading.Thread(target=self._read, args=(replica,), name=f"jaxllm-dp-reader-{replica.index}",
-                             daemon=True).start()
+            threading.Thread(
+                target=self._read, args=(replica,), name=f"jaxllm-dp-reader-{replica.index}", daemon=True
+            ).start()
         atexit.register(self.shutdown)  # before multiprocessing terminates its daemons, so no "replica died"
 
     def _wait_ready(self) -> EngineInfo:
@@ -144,8 +158,9 @@ class DataParallelClient:
             try:
                 message = replica.conn.recv()
             except EOFError:
-                raise RuntimeError(f"engine replica {replica.index} exited while starting "
-                                   f"(status {replica.process.exitcode})") from None
+                raise RuntimeError(
+                    f"engine replica {replica.index} exited while starting (status {replica.process.exitcode})"
+                ) from None
             if message[0] == "failed":
                 raise ValueError(f"engine replica {replica.index}: {message[1]}")
             _, info, replica.stats = message
@@ -154,14 +169,19 @@ class DataParallelClient:
 
     # ---- the interface -------------------------------------------------------------------
 
-    def add_request(self, request_id, prompt_token_ids, params, *, prompt=None, priority=0, arrival_time=None,
-                    user=None):
+    def add_request(
+        self, request_id, prompt_token_ids, params, *, prompt=None, priority=0, arrival_time=None, user=None
+    ):
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         with self._lock:
             replica = self._least_loaded()
             if replica is None:
-                self._on_outputs([failed_output(request_id, prompt_token_ids, params, prompt,
-                                                "every engine replica has died")], 0, time.monotonic(), None)
+                self._on_outputs(
+                    [failed_output(request_id, prompt_token_ids, params, prompt, "every engine replica has died")],
+                    0,
+                    time.monotonic(),
+                    None,
+                )
                 return
             replica.in_flight[request_id] = (prompt_token_ids, params)
             replica.routed_since_push += 1
@@ -259,11 +279,19 @@ class DataParallelClient:
             for rid in lost:
                 self._owner.pop(rid, None)
             replica.stats = stats = {**replica.stats, "num_running": 0, "num_waiting": 0}
-        logger.error("%s; failing its %d in-flight request(s)%s", message, len(lost),
-                     "" if self.is_alive() else "; no replica is left")
+        logger.error(
+            "%s; failing its %d in-flight request(s)%s",
+            message,
+            len(lost),
+            "" if self.is_alive() else "; no replica is left",
+        )
         # the failed requests and the emptied replica reach the front's counters and gauges together
-        self._on_outputs([failed_output(rid, ids, params, None, message) for rid, (ids, params) in lost.items()],
-                         replica.index, time.monotonic(), stats)
+        self._on_outputs(
+            [failed_output(rid, ids, params, None, message) for rid, (ids, params) in lost.items()],
+            replica.index,
+            time.monotonic(),
+            stats,
+        )
         if not self.is_alive():
             self._on_dead("every engine replica has died")
 
@@ -273,19 +301,39 @@ class DataParallelEngine:
 
     def __init__(self, args: EngineArgs, *, progress: bool = True):
         self._outputs: queue.SimpleQueue = queue.SimpleQueue()
-        self.client = DataParallelClient(args, lambda outputs, *_: self._outputs.put(outputs),
-                                         lambda message: self._outputs.put(RuntimeError(message)), progress=progress)
+        self.client = DataParallelClient(
+            args,
+            lambda outputs, *_: self._outputs.put(outputs),
+            lambda message: self._outputs.put(RuntimeError(message)),
+            progress=progress,
+        )
         self.tokenizer = self.client.info.tokenizer
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         self.client.info.validate_prompt(prompt_token_ids)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params=None, *, prompt=None, priority=0,
-                    arrival_time=None, user=None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params=None,
+        *,
+        prompt=None,
+        priority=0,
+        arrival_time=None,
+        user=None,
+    ) -> None:
         from jaxllm.sampling_params import SamplingParams
 
-        self.client.add_request(request_id, prompt_token_ids, params if params is not None else SamplingParams(),
-                                prompt=prompt, priority=priority, arrival_time=arrival_time, user=user)
+        self.client.add_request(
+            request_id,
+            prompt_token_ids,
+            params if params is not None else SamplingParams(),
+            prompt=prompt,
+            priority=priority,
+            arrival_time=arrival_time,
+            user=user,
+        )
 
     def step(self) -> list:
         """The outputs of the next step any replica finished (waits for one), and any others already in."""

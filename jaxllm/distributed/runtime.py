@@ -20,8 +20,9 @@ from jaxllm.distributed.watchdog import Watchdog
 logger = logging.getLogger(__name__)
 
 
-def check_node_args(nnodes: int, node_rank: int, master_port: int, tensor_parallel_size: int,
-                    data_parallel_size: int) -> None:
+def check_node_args(
+    nnodes: int, node_rank: int, master_port: int, tensor_parallel_size: int, data_parallel_size: int
+) -> None:
     if not isinstance(nnodes, int) or nnodes < 1:
         raise ValueError(f"nnodes must be a positive integer, got {nnodes!r}")
     if not 0 <= node_rank < nnodes:
@@ -29,15 +30,20 @@ def check_node_args(nnodes: int, node_rank: int, master_port: int, tensor_parall
     if not 0 < master_port < 65536:
         raise ValueError(f"master_port must be in 1..65535, got {master_port!r}")
     if nnodes > 1 and tensor_parallel_size % nnodes:
-        raise ValueError(f"tensor_parallel_size={tensor_parallel_size} must be a multiple of nnodes={nnodes}: "
-                         "each node holds the same number of the model's shards")
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} must be a multiple of nnodes={nnodes}: "
+            "each node holds the same number of the model's shards"
+        )
     if nnodes > 1 and data_parallel_size > 1:
-        raise ValueError("data_parallel_size > 1 with nnodes > 1 is not supported: run one multi-node "
-                         "engine per replica behind a router (see docs/scaling.md)")
+        raise ValueError(
+            "data_parallel_size > 1 with nnodes > 1 is not supported: run one multi-node "
+            "engine per replica behind a router (see docs/scaling.md)"
+        )
 
 
-def initialize(nnodes: int, node_rank: int, master_addr: str, master_port: int, *, tensor_parallel_size: int,
-               timeout: float) -> None:
+def initialize(
+    nnodes: int, node_rank: int, master_addr: str, master_port: int, *, tensor_parallel_size: int, timeout: float
+) -> None:
     """Join the run (no-op for one node). A node that cannot reach the others within `timeout` exits with one line."""
     if nnodes == 1 or jax.distributed.is_initialized():
         return
@@ -49,21 +55,31 @@ def initialize(nnodes: int, node_rank: int, master_addr: str, master_port: int, 
     watchdog.arm(f"node {node_rank}: could not reach {who} at {address} within {timeout:.0f}s")
     started = time.perf_counter()
     try:
-        jax.distributed.initialize(address, nnodes, node_rank, initialization_timeout=max(int(timeout), 1),
-                                   heartbeat_timeout_seconds=max(int(timeout), 10))
+        jax.distributed.initialize(
+            address,
+            nnodes,
+            node_rank,
+            initialization_timeout=max(int(timeout), 1),
+            heartbeat_timeout_seconds=max(int(timeout), 10),
+        )
         # the first collective sets up gloo's connections, which gives up after 30 s: line the nodes up at a
         # barrier with our own timeout first, then do it, rather than during loading where one may lag
         logger.info("node %d: connected to %s in %.1fs", node_rank, address, time.perf_counter() - started)
         _global_min()  # compiled before the barrier, so that nothing slow sits between it and the collective
-        logger.info("node %d: %d devices, first program ready at %.1fs", node_rank, len(jax.devices()),
-                    time.perf_counter() - started)
+        logger.info(
+            "node %d: %d devices, first program ready at %.1fs",
+            node_rank,
+            len(jax.devices()),
+            time.perf_counter() - started,
+        )
         _barrier("jaxllm-joined", timeout)
         agree_min(0)
         logger.info("node %d: joined %d nodes in %.1fs", node_rank, nnodes, time.perf_counter() - started)
     except Exception as e:  # JAX's message is pages long; keep its first line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ConnectionError(f"node {node_rank}: could not join {nnodes} nodes at {address} within "
-                              f"{timeout:.0f}s ({first[:200]})") from None
+        raise ConnectionError(
+            f"node {node_rank}: could not join {nnodes} nodes at {address} within {timeout:.0f}s ({first[:200]})"
+        ) from None
     finally:
         watchdog.disarm()
 
@@ -99,7 +115,12 @@ def _global_min():
 
 def initialize_from_args(args) -> None:
     """`initialize` from `EngineArgs` (validated first)."""
-    check_node_args(args.nnodes, args.node_rank, args.master_port, args.tensor_parallel_size,
-                    args.data_parallel_size)
-    initialize(args.nnodes, args.node_rank, args.master_addr, args.master_port,
-               tensor_parallel_size=args.tensor_parallel_size, timeout=args.distributed_timeout)
+    check_node_args(args.nnodes, args.node_rank, args.master_port, args.tensor_parallel_size, args.data_parallel_size)
+    initialize(
+        args.nnodes,
+        args.node_rank,
+        args.master_addr,
+        args.master_port,
+        tensor_parallel_size=args.tensor_parallel_size,
+        timeout=args.distributed_timeout,
+    )

@@ -107,8 +107,10 @@ class StepLeader:
     def execute(self, out: SchedulerOutput, grammar=None) -> RunnerOutput:
         bucket, inputs, sampling = self.runner.prepare(out, grammar)
         with self._lock:
-            self._watchdog.arm(f"node 0: step {out.step} got no answer from the followers within "
-                               f"{self.timeout:.0f}s (a follower died or hangs)")
+            self._watchdog.arm(
+                f"node 0: step {out.step} got no answer from the followers within "
+                f"{self.timeout:.0f}s (a follower died or hangs)"
+            )
             try:
                 started = time.perf_counter()
                 full, payload = self.payloads.pack(inputs, sampling)
@@ -119,8 +121,10 @@ class StepLeader:
                 self.num_steps += 1
                 return self.runner.to_host(self.runner.run(bucket, inputs, sampling), len(out.scheduled))
             except Exception as e:  # a collective failed: the global mesh is gone for good
-                die(f"node 0: step {out.step} failed across the nodes, a follower is likely gone "
-                    f"({str(e).strip().splitlines()[0][:200]})")
+                die(
+                    f"node 0: step {out.step} failed across the nodes, a follower is likely gone "
+                    f"({str(e).strip().splitlines()[0][:200]})"
+                )
             finally:
                 self._watchdog.disarm()
 
@@ -146,8 +150,9 @@ class StepLeader:
                 if self._closed:
                     return
                 if time.monotonic() - self._last_sent >= interval:
-                    self._watchdog.arm(f"node 0: a heartbeat got no answer within {self.timeout:.0f}s "
-                                       "(a follower died or hangs)")
+                    self._watchdog.arm(
+                        f"node 0: a heartbeat got no answer within {self.timeout:.0f}s (a follower died or hangs)"
+                    )
                     self._send(HEARTBEAT)
                     self._watchdog.disarm()
 

@@ -31,16 +31,19 @@ def supervise(node_rank: int, argv: list[str]) -> int | None:
         _die_with(int(parent))
         return None
     env = {**os.environ, CHILD_ENV: str(os.getpid())}
-    child = subprocess.Popen([sys.executable, "-m", "jaxllm.entrypoints.cli", *argv], env=env,
-                             stderr=subprocess.PIPE, start_new_session=True)  # signals reach it once, from us
+    child = subprocess.Popen(
+        [sys.executable, "-m", "jaxllm.entrypoints.cli", *argv], env=env, stderr=subprocess.PIPE, start_new_session=True
+    )  # signals reach it once, from us
     for sig in FORWARDED:
         signal.signal(sig, lambda sig, _: child.send_signal(sig))
     fatal = _pass_stderr(child.stderr)
     status = child.wait()
     if fatal is None:
         return status if status >= 0 else 128 - status
-    sys.stderr.write(f"jaxllm: error: node {node_rank}: another node died or is unreachable, JAX's coordination "
-                     f"service gave up ({fatal})\n")
+    sys.stderr.write(
+        f"jaxllm: error: node {node_rank}: another node died or is unreachable, JAX's coordination "
+        f"service gave up ({fatal})\n"
+    )
     return EXIT_STATUS
 
 

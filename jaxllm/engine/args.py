@@ -46,8 +46,16 @@ class EngineArgs:
     compilation_cache_dir: str | None = None
 
     def model_config(self) -> ModelConfig:
-        return ModelConfig(self.model, self.tokenizer, self.dtype, self.load_format, self.seed, self.max_model_len,
-                           self.attention_backend, self.scan_layers)
+        return ModelConfig(
+            self.model,
+            self.tokenizer,
+            self.dtype,
+            self.load_format,
+            self.seed,
+            self.max_model_len,
+            self.attention_backend,
+            self.scan_layers,
+        )
 
     def create_engine_config(self, model_max_len: int, platform: str) -> EngineConfig:
         defaults = CPU_DEFAULTS if platform == "cpu" else ACCELERATOR_DEFAULTS
@@ -58,8 +66,13 @@ class EngineArgs:
         max_tokens = self.max_num_batched_tokens or max(defaults["max_num_batched_tokens"], max_num_seqs)
         return EngineConfig(
             model=self.model_config(),
-            cache=CacheConfig(self.block_size, self.enable_prefix_caching, self.kv_cache_memory_bytes,
-                              self.gpu_memory_utilization, cache_dtype=self.kv_cache_dtype),
+            cache=CacheConfig(
+                self.block_size,
+                self.enable_prefix_caching,
+                self.kv_cache_memory_bytes,
+                self.gpu_memory_utilization,
+                cache_dtype=self.kv_cache_dtype,
+            ),
             scheduler=SchedulerConfig(max_num_seqs, max_tokens, max_model_len, self.scheduling_policy),
             parallel=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size),
             compilation_cache_dir=self.compilation_cache_dir,

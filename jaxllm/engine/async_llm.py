@@ -71,20 +71,32 @@ class RequestStream:
             self.sent[c.index] = (len(c.token_ids), len(c.text))
             if newly_ended:
                 self.ended.add(c.index)
-            deltas.append(replace(c, text=c.text[chars:], token_ids=c.token_ids[tokens:],
-                                  logprobs=None if c.logprobs is None else c.logprobs[tokens:]))
+            deltas.append(
+                replace(
+                    c,
+                    text=c.text[chars:],
+                    token_ids=c.token_ids[tokens:],
+                    logprobs=None if c.logprobs is None else c.logprobs[tokens:],
+                )
+            )
         return replace(out, outputs=deltas) if deltas or out.finished else None
 
 
 class AsyncLLM:
     """The async engine, as vLLM's: `from_engine_args(EngineArgs(...))`, `generate`, `abort`, `shutdown`."""
 
-    def __init__(self, engine_args: EngineArgs, *, client_class=None, log_stats: bool = True,
-                 served_model_name: str | None = None, progress: bool = True):
+    def __init__(
+        self,
+        engine_args: EngineArgs,
+        *,
+        client_class=None,
+        log_stats: bool = True,
+        served_model_name: str | None = None,
+        progress: bool = True,
+    ):
         if client_class is None:  # data parallelism: one engine-core process per replica
             client_class = DataParallelClient if engine_args.data_parallel_size > 1 else InProcessClient
-        self.client: EngineCoreClient = client_class(engine_args, self._on_outputs, self._on_dead,
-                                                     progress=progress)
+        self.client: EngineCoreClient = client_class(engine_args, self._on_outputs, self._on_dead, progress=progress)
         self.info = self.client.info
         self.tokenizer = self.info.tokenizer
         self.model_name = served_model_name or self.info.model
@@ -119,9 +131,15 @@ class AsyncLLM:
             raise ValueError("this model has no tokenizer: pass {'prompt_token_ids': [...]} prompts")
         return text, self.tokenizer.encode(text)
 
-    async def generate(self, prompt: PromptType, sampling_params: SamplingParams | None = None,
-                       request_id: str | None = None, *, priority: int = 0,
-                       user: str | None = None) -> AsyncIterator[RequestOutput]:
+    async def generate(
+        self,
+        prompt: PromptType,
+        sampling_params: SamplingParams | None = None,
+        request_id: str | None = None,
+        *,
+        priority: int = 0,
+        user: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
         """Stream the outputs of one request. Bad input raises ValueError before anything is queued."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -137,8 +155,9 @@ class AsyncLLM:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._bind_loop()
         stream = self._streams[request_id] = RequestStream(params.output_kind)
-        self.client.add_request(request_id, token_ids, params, prompt=text, priority=priority, user=user,
-                                arrival_time=time.monotonic())
+        self.client.add_request(
+            request_id, token_ids, params, prompt=text, priority=priority, user=user, arrival_time=time.monotonic()
+        )
         finished = False
         try:
             while not finished:
@@ -174,8 +193,9 @@ class AsyncLLM:
         elif loop is not self._loop:
             raise RuntimeError("AsyncLLM serves one event loop; this is another")
 
-    def _on_outputs(self, outputs: list[RequestOutput], engine_index: int, timestamp: float,
-                    stats: dict | None) -> None:
+    def _on_outputs(
+        self, outputs: list[RequestOutput], engine_index: int, timestamp: float, stats: dict | None
+    ) -> None:
         """Called on the client's thread: hand over to the event loop and return at once."""
         self._call_in_loop(self._dispatch, outputs, engine_index, timestamp, stats)
 
@@ -188,8 +208,7 @@ class AsyncLLM:
         except RuntimeError:  # the loop closed meanwhile
             pass
 
-    def _dispatch(self, outputs: list[RequestOutput], engine_index: int, timestamp: float,
-                  stats: dict | None) -> None:
+    def _dispatch(self, outputs: list[RequestOutput], engine_index: int, timestamp: float, stats: dict | None) -> None:
         if stats is not None:
             self._scraped_stats[engine_index] = stats
         for out in outputs:

@@ -76,8 +76,11 @@ class EngineCore:
             # the loader packs the weights for the CPU kernel (and keeps them packed on disk)
             layout = weight_layout(arch, self.config, source.dtype, mesh)
             reading = pool.submit(source.load, mesh, args.tokenizer, args.seed, layout)
-            model = LoadedModel(source.name, arch, source.hf_config, source.abstract_params(mesh), None,
-                                source.dtype) if overlap else reading.result()
+            model = (
+                LoadedModel(source.name, arch, source.hf_config, source.abstract_params(mesh), None, source.dtype)
+                if overlap
+                else reading.result()
+            )
             self.runner = ModelRunner(model, self.config, mesh, executable_dir=executables)
             block_size = self.config.cache.block_size
             self.kv = KVCacheManager(self.runner.num_blocks, block_size, self.config.cache.enable_prefix_caching)
@@ -112,18 +115,34 @@ class EngineCore:
         # where start-up went (benchmarks/startup.py): weights (packed for the CPU kernel), tokenizer (in a
         # thread, beside the next three), kv_cache, step_key, buckets, waiting_for_weights (after the buckets),
         # prepare_weights (what the runner still rearranges: unrolled layers), total
-        self.startup_phases = {**self.loaded.load_seconds, **self.runner.startup_seconds,
-                               "waiting_for_weights": waited, "total": self.startup_seconds}
+        self.startup_phases = {
+            **self.loaded.load_seconds,
+            **self.runner.startup_seconds,
+            "waiting_for_weights": waited,
+            "total": self.startup_seconds,
+        }
         sched = self.config.scheduler
         logger.info(
             "model %s (%s, %s) loaded in %.1fs; KV cache %d blocks x %d = %d tokens; max_model_len %d, "
             "max_num_seqs %d, max_num_batched_tokens %d; %d buckets (%d executables) ready in %.1fs (%d loaded "
             "compiled; cache: %s); "
             "ready in %.1fs",
-            self.loaded.name, arch.architecture, self.loaded.dtype.name, sum(self.loaded.load_seconds.values()),
-            self.kv.num_usable_blocks, block_size, capacity, sched.max_model_len, sched.max_num_seqs,
-            sched.max_num_batched_tokens, len(self.runner.buckets), self.runner.num_executables,
-            self.runner.compile_seconds, self.runner.loaded_executables, cache_folder or "off", self.startup_seconds,
+            self.loaded.name,
+            arch.architecture,
+            self.loaded.dtype.name,
+            sum(self.loaded.load_seconds.values()),
+            self.kv.num_usable_blocks,
+            block_size,
+            capacity,
+            sched.max_model_len,
+            sched.max_num_seqs,
+            sched.max_num_batched_tokens,
+            len(self.runner.buckets),
+            self.runner.num_executables,
+            self.runner.compile_seconds,
+            self.runner.loaded_executables,
+            cache_folder or "off",
+            self.startup_seconds,
         )
 
     # ---- requests --------------------------------------------------------------------
@@ -131,9 +150,17 @@ class EngineCore:
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         check_prompt(prompt_token_ids, self.config.scheduler.max_model_len, self.loaded.arch.vocab_size)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | None = None, *,
-                    prompt: str | None = None, priority: int = 0, arrival_time: float | None = None,
-                    user: str | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        *,
+        prompt: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        user: str | None = None,
+    ) -> None:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -150,16 +177,25 @@ class EngineCore:
         for index in range(params.n):
             child = params.for_child(index) if params.n > 1 else params
             request = Request(
-                request_id if params.n == 1 else f"{index}_{request_id}", list(prompt_token_ids), child,
+                request_id if params.n == 1 else f"{index}_{request_id}",
+                list(prompt_token_ids),
+                child,
                 self.eos_token_ids,
-                prompt=prompt, priority=priority, arrival_time=arrival, index=index, user=user,
+                prompt=prompt,
+                priority=priority,
+                arrival_time=arrival,
+                index=index,
+                user=user,
                 parent_id=request_id if params.n > 1 else None,
                 sample_seed=child.seed if child.seed is not None else self._fresh_seed(),
             )
             if self.tokenizer is not None and child.detokenize:
                 self._detok[request.request_id] = IncrementalDetokenizer(
-                    self.tokenizer, request.prompt_token_ids, skip_special_tokens=child.skip_special_tokens,
-                    stop=child.stop_strings, include_stop_str_in_output=child.include_stop_str_in_output,
+                    self.tokenizer,
+                    request.prompt_token_ids,
+                    skip_special_tokens=child.skip_special_tokens,
+                    stop=child.stop_strings,
+                    include_stop_str_in_output=child.include_stop_str_in_output,
                 )
             samples.append(request)
         self._groups[request_id] = samples
@@ -263,8 +299,10 @@ class EngineCore:
         request.output_text += detok.get_delta()
 
     def _logprob_dict(self, token: int, result: RunnerOutput, row: int, k: int) -> dict[int, Logprob]:
-        entries = {int(t): (float(lp), rank) for rank, (t, lp) in
-                   enumerate(zip(result.top_token_ids[row][:k], result.top_logprobs[row][:k]), 1)}
+        entries = {
+            int(t): (float(lp), rank)
+            for rank, (t, lp) in enumerate(zip(result.top_token_ids[row][:k], result.top_logprobs[row][:k]), 1)
+        }
         entries.setdefault(token, (float(result.logprobs[row]), int(result.ranks[row])))
         decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
         return {t: Logprob(lp, rank, decode(t)) for t, (lp, rank) in entries.items()}
@@ -286,21 +324,28 @@ class EngineCore:
         finished = all(r.is_finished for r in samples)
         completions = []
         for r in samples:
-            completions.append(CompletionOutput(
-                index=r.index,
-                text=r.output_text,
-                token_ids=list(r.output_token_ids),
-                cumulative_logprob=r.cumulative_logprob if r.sampling_params.logprobs is not None else None,
-                logprobs=list(r.logprobs) if r.sampling_params.logprobs is not None else None,
-                finish_reason=r.status.finish_reason,
-                stop_reason=r.stop_reason,
-            ))
+            completions.append(
+                CompletionOutput(
+                    index=r.index,
+                    text=r.output_text,
+                    token_ids=list(r.output_token_ids),
+                    cumulative_logprob=r.cumulative_logprob if r.sampling_params.logprobs is not None else None,
+                    logprobs=list(r.logprobs) if r.sampling_params.logprobs is not None else None,
+                    finish_reason=r.status.finish_reason,
+                    stop_reason=r.stop_reason,
+                )
+            )
         first = samples[0]
         errors = [r.error for r in samples if r.error]
         output = RequestOutput(
-            request_id=request_id, prompt=first.prompt, prompt_token_ids=first.prompt_token_ids,
-            outputs=completions, finished=finished, metrics=first.metrics,
-            error="; ".join(errors) or None, num_cached_tokens=first.num_cached_tokens,
+            request_id=request_id,
+            prompt=first.prompt,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            metrics=first.metrics,
+            error="; ".join(errors) or None,
+            num_cached_tokens=first.num_cached_tokens,
         )
         if finished:
             del self._groups[request_id]

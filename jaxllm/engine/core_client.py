@@ -64,9 +64,17 @@ class EngineInfo:
 class EngineCoreClient(Protocol):
     info: EngineInfo
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
-                    prompt: str | None = None, priority: int = 0, arrival_time: float | None = None,
-                    user: str | None = None) -> None: ...
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        prompt: str | None = None,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        user: str | None = None,
+    ) -> None: ...
 
     def abort(self, request_ids: Iterable[str]) -> None: ...
 
@@ -77,8 +85,9 @@ class EngineCoreClient(Protocol):
     def shutdown(self) -> None: ...
 
 
-def failed_output(request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None,
-                  error: str) -> RequestOutput:
+def failed_output(
+    request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None, error: str
+) -> RequestOutput:
     """The finished output of a request the engine refused: every sample ends with "error"."""
     samples = [CompletionOutput(index=i, text="", token_ids=[], finish_reason="error") for i in range(params.n)]
     return RequestOutput(request_id, prompt, prompt_token_ids, samples, finished=True, error=error)
@@ -108,14 +117,18 @@ class InProcessClient:
     GIL with it. docs/serving.md has the measurements behind choosing a thread.
     """
 
-    def __init__(self, args: EngineArgs, on_outputs: OutputHandler, on_dead: DeadHandler, *,
-                 progress: bool = True):
+    def __init__(self, args: EngineArgs, on_outputs: OutputHandler, on_dead: DeadHandler, *, progress: bool = True):
         from jaxllm.engine.core import EngineCore
 
         self.core = EngineCore(args, progress=progress)
         sched = self.core.config.scheduler
-        self.info = EngineInfo(self.core.loaded.name, self.core.tokenizer, sched.max_model_len, sched.max_num_seqs,
-                               self.core.loaded.arch.vocab_size)
+        self.info = EngineInfo(
+            self.core.loaded.name,
+            self.core.tokenizer,
+            sched.max_model_len,
+            sched.max_num_seqs,
+            self.core.loaded.arch.vocab_size,
+        )
         self._on_outputs = on_outputs
         self._on_dead = on_dead
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -126,8 +139,9 @@ class InProcessClient:
 
     # ---- the interface -------------------------------------------------------------------
 
-    def add_request(self, request_id, prompt_token_ids, params, *, prompt=None, priority=0, arrival_time=None,
-                    user=None):
+    def add_request(
+        self, request_id, prompt_token_ids, params, *, prompt=None, priority=0, arrival_time=None, user=None
+    ):
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         self._commands.put(("add", (request_id, prompt_token_ids, params, prompt, priority, arrival_time, user)))
 

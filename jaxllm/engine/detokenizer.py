@@ -176,5 +176,5 @@ class IncrementalDetokenizer:
         unsent = "".join(self._unsent)[: self._unsent_len - n]
         self._unsent = [unsent] if unsent else []
         self._unsent_len = len(unsent)
-        text = self.output_text[: -n]
+        text = self.output_text[:-n]
         self._chunks = [text] if text else []

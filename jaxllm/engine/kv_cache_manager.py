@@ -66,7 +66,7 @@ class KVCacheManager:
         n = len(prompt)
         while len(hashes) < num_blocks:
             start, end = len(hashes) * bs, (len(hashes) + 1) * bs
-            tokens = tuple(prompt[start:end] + output[max(start - n, 0):max(end - n, 0)])
+            tokens = tuple(prompt[start:end] + output[max(start - n, 0) : max(end - n, 0)])
             hashes.append(hash((hashes[-1] if hashes else None, tokens)))
         return hashes
 

@@ -265,8 +265,10 @@ def resolve_policy(policy: str) -> type[WaitingQueue]:
         return POLICIES[policy]
     module_name, sep, class_name = policy.rpartition(":") if ":" in policy else policy.rpartition(".")
     if not sep or not module_name:
-        raise ValueError(f"scheduling policy {policy!r} is not one of {', '.join(POLICIES)} "
-                         f"nor a dotted path to a class (pkg.module:Class)")
+        raise ValueError(
+            f"scheduling policy {policy!r} is not one of {', '.join(POLICIES)} "
+            f"nor a dotted path to a class (pkg.module:Class)"
+        )
     try:
         cls = getattr(importlib.import_module(module_name), class_name)
     except (ImportError, AttributeError) as e:

@@ -14,6 +14,10 @@ from jaxllm.weights.orbax import save_checkpoint
 def convert(source: str | None, out: str, dtype: str = "auto") -> Path:
     loaded = load_model(source, mesh=make_mesh(), dtype=dtype)
     return save_checkpoint(
-        Path(out), loaded.params, loaded.hf_config, loaded.tokenizer,
-        dtype=jnp.dtype(loaded.dtype).name, source=loaded.name,
+        Path(out),
+        loaded.params,
+        loaded.hf_config,
+        loaded.tokenizer,
+        dtype=jnp.dtype(loaded.dtype).name,
+        source=loaded.name,
     )

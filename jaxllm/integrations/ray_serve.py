@@ -41,8 +41,7 @@ logger = logging.getLogger("ray.serve")  # Ray writes it to the replica's log
 class JaxLLMDeployment:
     """One replica: an `AsyncLLM` and the OpenAI app of `jaxllm serve` over it."""
 
-    async def __init__(self, engine_args: EngineArgs, served_model_name: str | None = None,
-                       api_key: str | None = None):
+    async def __init__(self, engine_args: EngineArgs, served_model_name: str | None = None, api_key: str | None = None):
         import jax
 
         from jaxllm.engine.async_llm import AsyncLLM
@@ -101,11 +100,19 @@ class ReplicaHeader:
         await self.app(scope, receive, send_tagged)
 
 
-def build_app(engine_args: EngineArgs | dict[str, Any] | None = None, *, num_replicas: int | str | None = None,
-              autoscaling_config: dict | str | None = None, num_cpus: float = 1, num_gpus: float = 0,
-              max_ongoing_requests: int = 256, request_router: RequestRouterConfig | None = None,
-              served_model_name: str | None = None, api_key: str | None = None,
-              name: str = "jaxllm") -> serve.Application:
+def build_app(
+    engine_args: EngineArgs | dict[str, Any] | None = None,
+    *,
+    num_replicas: int | str | None = None,
+    autoscaling_config: dict | str | None = None,
+    num_cpus: float = 1,
+    num_gpus: float = 0,
+    max_ongoing_requests: int = 256,
+    request_router: RequestRouterConfig | None = None,
+    served_model_name: str | None = None,
+    api_key: str | None = None,
+    name: str = "jaxllm",
+) -> serve.Application:
     """A Ray Serve application of jaxllm replicas; run it with `serve.run(app)` or `serve run`.
 
     engine_args: `EngineArgs`, or a dict of its fields (vLLM's names). A dict may also carry every
@@ -124,21 +131,31 @@ def build_app(engine_args: EngineArgs | dict[str, Any] | None = None, *, num_rep
     if engine_args is None or isinstance(engine_args, dict):
         settings = dict(engine_args or {})
         options = {k: settings.pop(k) for k in list(settings) if k in DEPLOYMENT_OPTIONS}
-        keywords = dict(num_replicas=num_replicas, autoscaling_config=autoscaling_config, num_cpus=num_cpus,
-                        num_gpus=num_gpus, max_ongoing_requests=max_ongoing_requests,
-                        request_router=request_router, served_model_name=served_model_name, api_key=api_key,
-                        name=name)
+        keywords = dict(
+            num_replicas=num_replicas,
+            autoscaling_config=autoscaling_config,
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            max_ongoing_requests=max_ongoing_requests,
+            request_router=request_router,
+            served_model_name=served_model_name,
+            api_key=api_key,
+            name=name,
+        )
         keywords.update({k: _parse_option(k, v) for k, v in options.items()})
         return build_app(engine_args_from_dict(settings), **keywords)
     if num_replicas is not None and autoscaling_config is not None:
         raise ValueError("give num_replicas or autoscaling_config, not both")
     if engine_args.nnodes > 1:
         raise ValueError("a Ray Serve replica runs on one node: nnodes must be 1 (scale out with more replicas)")
-    options = dict(num_replicas=num_replicas, autoscaling_config=autoscaling_config,
-                   request_router_config=request_router)
+    options = dict(
+        num_replicas=num_replicas, autoscaling_config=autoscaling_config, request_router_config=request_router
+    )
     deployment = serve.deployment(JaxLLMDeployment, name=name).options(
-        max_ongoing_requests=max_ongoing_requests, ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
-        **{k: v for k, v in options.items() if v is not None})  # None: Ray's default
+        max_ongoing_requests=max_ongoing_requests,
+        ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
+        **{k: v for k, v in options.items() if v is not None},
+    )  # None: Ray's default
     return deployment.bind(engine_args, served_model_name, api_key)
 
 
@@ -148,9 +165,17 @@ def app_builder(args: dict[str, Any]) -> serve.Application:
     return build_app(args)
 
 
-DEPLOYMENT_OPTIONS = {"num_replicas": int, "autoscaling_config": json.loads, "num_cpus": float,
-                      "num_gpus": float, "max_ongoing_requests": int, "request_router": None,
-                      "served_model_name": str, "api_key": str, "name": str}
+DEPLOYMENT_OPTIONS = {
+    "num_replicas": int,
+    "autoscaling_config": json.loads,
+    "num_cpus": float,
+    "num_gpus": float,
+    "max_ongoing_requests": int,
+    "request_router": None,
+    "served_model_name": str,
+    "api_key": str,
+    "name": str,
+}
 
 
 def _parse_option(key: str, value: Any) -> Any:
@@ -169,8 +194,10 @@ def engine_args_from_dict(settings: dict[str, Any]) -> EngineArgs:
     fields = {f.name: f for f in dataclasses.fields(EngineArgs)}
     unknown = sorted(set(settings) - set(fields))
     if unknown:
-        raise ValueError(f"unknown engine setting(s) {unknown}; EngineArgs has {sorted(fields)}, "
-                         f"the deployment takes {sorted(DEPLOYMENT_OPTIONS)}")
+        raise ValueError(
+            f"unknown engine setting(s) {unknown}; EngineArgs has {sorted(fields)}, "
+            f"the deployment takes {sorted(DEPLOYMENT_OPTIONS)}"
+        )
     return EngineArgs(**{k: _parse_field(fields[k], v) for k, v in settings.items()})
 
 

@@ -43,12 +43,14 @@ class LoggingStatLogger:
         queries = s["prefix_cache_queries"] - self._prefix[0]
         hits = s["prefix_cache_hits"] - self._prefix[1]
         self._prefix = (s["prefix_cache_queries"], s["prefix_cache_hits"])
-        line = (f"Engine {self.engine_index:03d}: "
-                f"Avg prompt throughput: {self._prompt_tokens / elapsed:.1f} tokens/s, "
-                f"Avg generation throughput: {self._generation_tokens / elapsed:.1f} tokens/s, "
-                f"Running: {s['num_running']} reqs, Waiting: {s['num_waiting']} reqs, "
-                f"KV cache usage: {100 * s['kv_cache_usage']:.1f}%, "
-                f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%")
+        line = (
+            f"Engine {self.engine_index:03d}: "
+            f"Avg prompt throughput: {self._prompt_tokens / elapsed:.1f} tokens/s, "
+            f"Avg generation throughput: {self._generation_tokens / elapsed:.1f} tokens/s, "
+            f"Running: {s['num_running']} reqs, Waiting: {s['num_waiting']} reqs, "
+            f"KV cache usage: {100 * s['kv_cache_usage']:.1f}%, "
+            f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%"
+        )
         self._prompt_tokens = self._generation_tokens = 0
         logger.info(line)
         return line

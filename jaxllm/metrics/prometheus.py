@@ -13,12 +13,74 @@ from jaxllm.metrics.stats import IterationStats
 LABELS = ("model_name", "engine")
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
-ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-               40.0, 80.0)
-REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                   240.0, 480.0, 960.0, 1920.0, 7680.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+ITL_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+REQUEST_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 
 
 class Collectors:
@@ -43,12 +105,10 @@ class Collectors:
         self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
         self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens the prefix cache supplied.")
         self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between a request's consecutive tokens.",
-                             ITL_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between a request's consecutive tokens.", ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "Arrival to finish.", REQUEST_BUCKETS)
         self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_BUCKETS)
-        self.prefill = histogram("request_prefill_time_seconds", "First scheduled to first token.",
-                                 REQUEST_BUCKETS)
+        self.prefill = histogram("request_prefill_time_seconds", "First scheduled to first token.", REQUEST_BUCKETS)
         self.decode = histogram("request_decode_time_seconds", "First token to finish.", REQUEST_BUCKETS)
 
 
@@ -75,7 +135,8 @@ class PrometheusStatLogger:
         self.prefix_queries = c.prefix_queries.labels(**labels)
         self.prefix_hits = c.prefix_hits.labels(**labels)
         self.ttft, self.itl, self.e2e, self.queue, self.prefill, self.decode = (
-            h.labels(**labels) for h in (c.ttft, c.itl, c.e2e, c.queue, c.prefill, c.decode))
+            h.labels(**labels) for h in (c.ttft, c.itl, c.e2e, c.queue, c.prefill, c.decode)
+        )
         self._engine_totals = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
 
     def record_engine(self, stats: dict) -> None:
@@ -83,8 +144,11 @@ class PrometheusStatLogger:
         self.running.set(stats["num_running"])
         self.waiting.set(stats["num_waiting"])
         self.kv_usage.set(stats["kv_cache_usage"])
-        for key, counter in (("num_preemptions", self.preemptions), ("prefix_cache_queries", self.prefix_queries),
-                             ("prefix_cache_hits", self.prefix_hits)):
+        for key, counter in (
+            ("num_preemptions", self.preemptions),
+            ("prefix_cache_queries", self.prefix_queries),
+            ("prefix_cache_hits", self.prefix_hits),
+        ):
             delta = stats[key] - self._engine_totals[key]
             if delta > 0:
                 counter.inc(delta)

@@ -147,9 +147,12 @@ class GatedMLP(nn.Module):
     @nn.compact
     def __call__(self, x: Float[Array, "T H"], layer=None) -> Float[Array, "T H"]:
         inner, bias, st = self.arch.intermediate_size, self.arch.mlp_bias, self.stacking
-        gate_up = Linear((2, inner), shard_axis=1, dtype=self.dtype, bias=bias, stacking=st, name="gate_up_proj")(x, layer)
-        down = Linear((self.arch.hidden_size,), shard_axis=None, dtype=self.dtype, bias=bias, stacking=st,
-                      name="down_proj")
+        gate_up = Linear((2, inner), shard_axis=1, dtype=self.dtype, bias=bias, stacking=st, name="gate_up_proj")(
+            x, layer
+        )
+        down = Linear(
+            (self.arch.hidden_size,), shard_axis=None, dtype=self.dtype, bias=bias, stacking=st, name="down_proj"
+        )
         return down(nn.silu(gate_up[:, 0]) * gate_up[:, 1], layer)
 
 

@@ -60,19 +60,37 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         # one matmul for q, k and v: per KV head, its group of q heads, then its k, then its v
         group = a.num_heads // a.num_kv_heads
-        qkv = Linear((a.num_kv_heads, group + 2, a.head_dim), shard_axis=0, dtype=self.dtype, bias=a.qkv_bias,
-                     stacking=st, name="qkv_proj")(x, layer)
+        qkv = Linear(
+            (a.num_kv_heads, group + 2, a.head_dim),
+            shard_axis=0,
+            dtype=self.dtype,
+            bias=a.qkv_bias,
+            stacking=st,
+            name="qkv_proj",
+        )(x, layer)
         q = qkv[:, :, :group].reshape(num_tokens, a.num_heads, a.head_dim)
         k, v = qkv[:, :, group], qkv[:, :, group + 1]
         if a.qk_norm:
             q = RMSNorm(a.rms_norm_eps, self.dtype, st, name="q_norm")(q, layer)
             k = RMSNorm(a.rms_norm_eps, self.dtype, st, name="k_norm")(k, layer)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        cache = KVCache(*pallas_kernels.write_kv(cache.k, cache.v, k, v, batch.slot_mapping, layer=layer,
-                                                  backend=self.attention_backend))
+        cache = KVCache(
+            *pallas_kernels.write_kv(
+                cache.k, cache.v, k, v, batch.slot_mapping, layer=layer, backend=self.attention_backend
+            )
+        )
         out = pallas_kernels.ragged_paged_attention(
-            q, cache.k, cache.v, batch.kv_lens, batch.block_tables, batch.cu_q_lens, batch.num_seqs,
-            sm_scale=a.head_dim**-0.5, sliding_window=a.sliding_window, layer=layer, backend=self.attention_backend,
+            q,
+            cache.k,
+            cache.v,
+            batch.kv_lens,
+            batch.block_tables,
+            batch.cu_q_lens,
+            batch.num_seqs,
+            sm_scale=a.head_dim**-0.5,
+            sliding_window=a.sliding_window,
+            layer=layer,
+            backend=self.attention_backend,
         )
         out = out.reshape(num_tokens, a.num_heads * a.head_dim)
         o_proj = Linear((a.hidden_size,), shard_axis=None, dtype=self.dtype, bias=a.o_bias, stacking=st, name="o_proj")
@@ -118,7 +136,9 @@ class CausalLM(nn.Module):
         """Whether "cpu_packed" reads the LM head (tied embedding or lm_head) packed too: whole panels, and an
         even hidden size (bfloat16 weights pair it; the runner picks "cpu_packed" for float32 or bfloat16 only)."""
         a = self.arch
-        return self.matmul_backend == "cpu_packed" and a.vocab_size % stacked_matmul.PANEL == 0 and a.hidden_size % 2 == 0
+        return (
+            self.matmul_backend == "cpu_packed" and a.vocab_size % stacked_matmul.PANEL == 0 and a.hidden_size % 2 == 0
+        )
 
     def pack_leaf(self, path: tuple[str, ...], value):
         """One leaf of the parameter tree as "cpu_packed" reads it (`stacked_matmul.pack`): a packable kernel of
@@ -134,6 +154,7 @@ class CausalLM(nn.Module):
 
     def pack(self, params):
         """`params` with every leaf packed by `pack_leaf` (abstract leaves stay as they are)."""
+
         def leaf(key_path, value):
             if not isinstance(value, (jax.Array, np.ndarray)):
                 return value
@@ -145,7 +166,9 @@ class CausalLM(nn.Module):
     def __call__(self, cache: KVCache, batch: StepInputs) -> tuple[Float[Array, "R V"], KVCache]:
         a = self.arch
         head_packed = self.packs_head()
-        embed = Embed(a.vocab_size, a.hidden_size, self.dtype, head_packed and a.tie_word_embeddings, name="embed_tokens")
+        embed = Embed(
+            a.vocab_size, a.hidden_size, self.dtype, head_packed and a.tie_word_embeddings, name="embed_tokens"
+        )
         hidden = embed(batch.token_ids).astype(self.dtype)
         cos, sin = rotary_cos_sin(a, batch.positions, self.dtype)
         carry = (hidden, cache, jnp.int32(0))
@@ -161,12 +184,15 @@ class CausalLM(nn.Module):
             carry, _ = layers(carry, batch, cos, sin)
         else:
             for i in range(a.num_layers):
-                carry, _ = DecoderLayer(a, self.dtype, self.attention_backend, name=f"layers_{i}")(carry, batch, cos, sin)
+                carry, _ = DecoderLayer(a, self.dtype, self.attention_backend, name=f"layers_{i}")(
+                    carry, batch, cos, sin
+                )
         hidden, cache, _ = carry
         hidden = RMSNorm(a.rms_norm_eps, self.dtype, name="norm")(hidden[batch.logits_indices])
         if a.tie_word_embeddings:
             logits = embed.attend(hidden)
         else:
-            logits = Linear((a.vocab_size,), shard_axis=0, dtype=self.dtype, bias=False, packed=head_packed,
-                            name="lm_head")(hidden)
+            logits = Linear(
+                (a.vocab_size,), shard_axis=0, dtype=self.dtype, bias=False, packed=head_packed, name="lm_head"
+            )(hidden)
         return logits.astype(jnp.float32), cache

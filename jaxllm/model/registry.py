@@ -160,8 +160,12 @@ def arch_from_hf_config(config: Any) -> ModelArch:
     architecture = architectures[0] if architectures else None
     if architecture is None:
         model_type = _get(config, "model_type")
-        architecture = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}.get(model_type, str(model_type))
+        architecture = {
+            "llama": "LlamaForCausalLM",
+            "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM",
+        }.get(model_type, str(model_type))
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"unsupported architecture {architecture!r}; jaxllm supports {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -196,8 +200,9 @@ def arch_from_hf_config(config: Any) -> ModelArch:
 
     num_kv_heads = _get(config, "num_key_value_heads") or num_heads
     if num_heads % num_kv_heads:
-        raise ValueError(f"{architecture}: num_attention_heads={num_heads} is not a multiple of "
-                         f"num_key_value_heads={num_kv_heads}")
+        raise ValueError(
+            f"{architecture}: num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
+        )
     attention_bias = bool(_get(config, "attention_bias", False))
     eos = _get(config, "eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))

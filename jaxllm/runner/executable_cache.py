@@ -37,8 +37,17 @@ _SOURCE_SUFFIXES = (".py", ".cc", ".h")
 # reach it: left out of the source hash, so that editing them keeps compiled steps valid. Everything else
 # (the model, the runner and its sampler, the kernels, sharding, top-level settings, any new subpackage)
 # may change the graph and is hashed.
-_HOST_ONLY = {"engine", "weights", "structured", "distributed", "entrypoints", "bench", "sim", "metrics",
-              "integrations"}
+_HOST_ONLY = {
+    "engine",
+    "weights",
+    "structured",
+    "distributed",
+    "entrypoints",
+    "bench",
+    "sim",
+    "metrics",
+    "integrations",
+}
 _FORMAT = b"jaxllm-executable-1"
 
 _served_by_jax_cache = threading.local()  # per compiling thread: did JAX's persistent cache answer?
@@ -83,7 +92,8 @@ def environment_fingerprint() -> str:
     """What every executable of this process shares: code, versions, backend, devices, flags, settings."""
     backend = jax.devices()[0].client
     parts = [
-        _FORMAT, _source_digest(),
+        _FORMAT,
+        _source_digest(),
         *(f"{p}=={importlib.metadata.version(p)}".encode() for p in _PACKAGES),
         f"{backend.platform} {backend.platform_version}".encode(),
         repr([(d.id, d.device_kind, d.process_index) for d in jax.devices()]).encode(),
@@ -125,8 +135,9 @@ class ExecutableCache:
             return None
         try:
             payload, in_tree, out_tree = pickle.loads(blob)
-            return serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
-                                                             execution_devices=list(devices))
+            return serialize_executable.deserialize_and_load(
+                payload, in_tree, out_tree, execution_devices=list(devices)
+            )
         except Exception as e:  # a truncated file or an incompatible blob: recompile and overwrite it
             logger.warning("cached executable %s unreadable (%s: %s); compiling", path.name, type(e).__name__, e)
             return None

@@ -17,8 +17,15 @@ from jaxllm.runner.sampler import SamplingInputs, ban_tokens
 
 
 class InputBatch:
-    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, max_model_len: int,
-                 vocab_size: int, block_size: int):
+    def __init__(
+        self,
+        max_tokens: int,
+        max_seqs: int,
+        max_blocks_per_seq: int,
+        max_model_len: int,
+        vocab_size: int,
+        block_size: int,
+    ):
         self.block_size = block_size
         i32, f32 = np.int32, np.float32
         self.token_ids = np.zeros(max_tokens, i32)
@@ -78,13 +85,29 @@ class InputBatch:
         self.logits_indices[num_seqs:S] = 0
         self.num_seqs[0] = num_seqs
         inputs = StepInputs(
-            self.token_ids[:T], self.positions[:T], self.slot_mapping[:T], self.cu_q_lens[: S + 1],
-            self.kv_lens[:S], self.block_tables[:S], self.num_seqs, self.logits_indices[:S],
+            self.token_ids[:T],
+            self.positions[:T],
+            self.slot_mapping[:T],
+            self.cu_q_lens[: S + 1],
+            self.kv_lens[:S],
+            self.block_tables[:S],
+            self.num_seqs,
+            self.logits_indices[:S],
         )
         sampling = SamplingInputs(
-            self.temperature[:S], self.top_k[:S], self.top_p[:S], self.min_p[:S], self.repetition_penalty[:S],
-            self.presence_penalty[:S], self.frequency_penalty[:S], self.seeds[:S], self.steps[:S],
-            self.history[:S], self.prompt_lens[:S], self.allowed[:S], self.num_logprobs[:S],
+            self.temperature[:S],
+            self.top_k[:S],
+            self.top_p[:S],
+            self.min_p[:S],
+            self.repetition_penalty[:S],
+            self.presence_penalty[:S],
+            self.frequency_penalty[:S],
+            self.seeds[:S],
+            self.steps[:S],
+            self.history[:S],
+            self.prompt_lens[:S],
+            self.allowed[:S],
+            self.num_logprobs[:S],
         )
         return inputs, sampling
 

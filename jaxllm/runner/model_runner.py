@@ -83,8 +83,12 @@ def step_model(arch, config: EngineConfig, dtype, mesh: Mesh) -> CausalLM:
     if mesh.size > 1 and jax.default_backend() == "cpu":  # the C++ kernels have no partitioning rules:
         attention = "reference" if attention == "auto" else attention  # XLA would all-gather the cache
         matmul = "reference"  # and the weights
-    elif (scan and jax.default_backend() == "cpu" and jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16)
-          and stacked_matmul.available()):
+    elif (
+        scan
+        and jax.default_backend() == "cpu"
+        and jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16)
+        and stacked_matmul.available()
+    ):
         # the loader (`weight_layout`) or set_params packs the matmul weights for it. bfloat16 weights: the kernel rounds x to
         # bfloat16 for its dot product, and the rest of the step (norms, rotary, residual, SwiGLU)
         # runs in float32, which XLA's CPU backend runs 3-4x faster than bfloat16 (benchmarks/NOTES.md
@@ -116,8 +120,14 @@ class ModelRunner:
         self.startup_seconds = {"kv_cache": time.perf_counter() - started}  # phases, for the start-up report
         self.buckets = make_buckets(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs)
         largest = self.buckets[-1]
-        self.batch = InputBatch(largest.num_tokens, largest.num_seqs, self.max_blocks_per_seq,
-                                sched_cfg.max_model_len, arch.vocab_size, self.block_size)
+        self.batch = InputBatch(
+            largest.num_tokens,
+            largest.num_seqs,
+            self.max_blocks_per_seq,
+            sched_cfg.max_model_len,
+            arch.vocab_size,
+            self.block_size,
+        )
         self.model = step_model(arch, config, loaded.dtype, mesh)
         self.set_params(loaded.params, laid_out=loaded.laid_out)
         loaded.params = None  # the runner owns the weights now (the stacked copy can go)
@@ -160,8 +170,17 @@ class ModelRunner:
 
             kernels = (cpu.available(), stacked_matmul.available())
         model, devices = self.model, [d.id for d in self.mesh.devices.flat]
-        return fingerprint(environment_fingerprint(), model.arch, str(model.dtype), attention, model.scan_layers,
-                           model.matmul_backend, kernels, self.mesh.shape, devices)
+        return fingerprint(
+            environment_fingerprint(),
+            model.arch,
+            str(model.dtype),
+            attention,
+            model.scan_layers,
+            model.matmul_backend,
+            kernels,
+            self.mesh.shape,
+            devices,
+        )
 
     def _named(self, fn, name: str):
         """`fn` under a name carrying the step's key: JAX's persistent cache then never serves it under a key of
@@ -189,8 +208,9 @@ class ModelRunner:
             if bucket not in self._compiled:
                 jobs["forward", bucket] = (self._forward_fn, (self.params, self.cache, inputs))
             if bucket.num_seqs not in self._samplers:
-                logits = jax.ShapeDtypeStruct((bucket.num_seqs, self.loaded.arch.vocab_size), jnp.float32,
-                                              sharding=replicated(self.mesh))
+                logits = jax.ShapeDtypeStruct(
+                    (bucket.num_seqs, self.loaded.arch.vocab_size), jnp.float32, sharding=replicated(self.mesh)
+                )
                 jobs["sample", bucket.num_seqs] = (self._sample_fn, (logits, sampling))
         return jobs
 
@@ -206,8 +226,10 @@ class ModelRunner:
         jobs = self._executable_jobs()
         keys = {job: fingerprint(self._key, job[0], abstract_signature(args)) for job, (_, args) in jobs.items()}
         made = {}
-        with ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool, \
-                tqdm(total=len(jobs), desc="Compiling steps", disable=not progress, unit="executable") as bar:
+        with (
+            ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool,
+            tqdm(total=len(jobs), desc="Compiling steps", disable=not progress, unit="executable") as bar,
+        ):
             loads = {job: pool.submit(self._executables.load, keys[job], self.mesh.devices.flat) for job in jobs}
             futures = {}
             for job in reversed(jobs):  # largest first: the last compile to finish is a short one
@@ -253,6 +275,9 @@ class ModelRunner:
     def to_host(self, result: SamplerOutput, n: int) -> RunnerOutput:
         host: SamplerOutput = jax.device_get(result)
         return RunnerOutput(
-            np.asarray(host.token_ids[:n]), np.asarray(host.logprobs[:n]), np.asarray(host.ranks[:n]),
-            np.asarray(host.top_token_ids[:n]), np.asarray(host.top_logprobs[:n]),
+            np.asarray(host.token_ids[:n]),
+            np.asarray(host.logprobs[:n]),
+            np.asarray(host.ranks[:n]),
+            np.asarray(host.top_token_ids[:n]),
+            np.asarray(host.top_logprobs[:n]),
         )

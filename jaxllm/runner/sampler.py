@@ -70,7 +70,9 @@ class SamplingInputs(NamedTuple):
 class SamplerOutput(NamedTuple):
     token_ids: Int[Array, " S"]
     logprobs: Float[Array, " S"]  # raw log-softmax of the model's logits at the sampled token
-    ranks: Int[Array, " S"]  # 1 + number of tokens with a strictly higher raw logprob (0 when no row asked for logprobs)
+    ranks: Int[
+        Array, " S"
+    ]  # 1 + number of tokens with a strictly higher raw logprob (0 when no row asked for logprobs)
     top_token_ids: Int[Array, "S K"]  # K = MAX_LOGPROBS, by decreasing raw logprob
     top_logprobs: Float[Array, "S K"]
 
@@ -271,8 +273,9 @@ def _truncation_bisect(x, e, key_min, k_on, top_k, p_on, top_p) -> UInt32[Array,
     return jnp.maximum(key_k, key_p)
 
 
-def _truncation(x: Float[Array, "S V"], thr_min: Float[Array, " S"], top_k, top_p,
-                candidates: int = TOPK_CANDIDATES) -> UInt32[Array, " S"]:
+def _truncation(
+    x: Float[Array, "S V"], thr_min: Float[Array, " S"], top_k, top_p, candidates: int = TOPK_CANDIDATES
+) -> UInt32[Array, " S"]:
     """Threshold keys of top_k then top_p on the scaled logits x, after a min_p threshold thr_min.
 
     The k-th largest of the min_p-filtered logits is max(thr_min, k-th largest of x), so top_k

@@ -54,8 +54,9 @@ from jaxllm.sim.synth import LengthDist, synthesize
 logger = logging.getLogger("jaxllm")
 
 
-def sweep_points(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 capacity_tokens: int) -> list[list[tuple[int, int]]]:
+def sweep_points(
+    max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, capacity_tokens: int
+) -> list[list[tuple[int, int]]]:
     """Steps to time, each a list of (start, num_new_tokens) per sequence, within the engine's limits."""
     contexts = sorted({c for c in (16, 64, 256, max_model_len // 2, max_model_len - 1) if 0 < c < max_model_len})
     seq_counts = sorted({min(2**i, max_num_seqs) for i in range(max_num_seqs.bit_length() + 1)})
@@ -100,7 +101,9 @@ def _time_step(core, layout: list[tuple[int, int]], warm: bool) -> tuple[StepSha
             kv.free(request, uncache=True)
 
 
-def time_sweep(core, points: list[list[tuple[int, int]]], repeats: int, progress: bool) -> list[tuple[StepShape, float]]:
+def time_sweep(
+    core, points: list[list[tuple[int, int]]], repeats: int, progress: bool
+) -> list[tuple[StepShape, float]]:
     """Each point's median time over `repeats` rounds of the whole sweep.
 
     The median, not the fastest: a real run meets the machine's usual jitter, and the fastest of five
@@ -156,25 +159,38 @@ def calibrate(core, *, repeats: int = 5, progress: bool = True) -> CostModel:
     model = fit_cost_model(time_sweep(core, points, repeats, progress), sched.max_num_batched_tokens)
 
     trace = engine_pass_trace(sched.max_num_seqs, sched.max_num_batched_tokens, sched.max_model_len)
-    run_trace_on_engine(core, engine_pass_trace(sched.max_num_seqs, sched.max_num_batched_tokens,
-                                                sched.max_model_len, seed=1))  # warm: first-use costs off the fit
+    run_trace_on_engine(
+        core, engine_pass_trace(sched.max_num_seqs, sched.max_num_batched_tokens, sched.max_model_len, seed=1)
+    )  # warm: first-use costs off the fit
     run = run_trace_on_engine(core, trace)
     measured = np.array(run.durations())
     seqs = np.array([s.shape.num_seqs for s in run.steps], dtype=float)
     residual = measured - np.array([model.step_time(s.shape, sched.max_num_batched_tokens) for s in run.steps])
     per_step, per_seq = fit_host_overhead(seqs, residual)
-    model = replace(model, bucket_base_s=[b + per_step for b in model.bucket_base_s],
-                    per_seq_s=model.per_seq_s + float(per_seq))
+    model = replace(
+        model, bucket_base_s=[b + per_step for b in model.bucket_base_s], per_seq_s=model.per_seq_s + float(per_seq)
+    )
     predicted = np.array([model.step_time(s.shape, sched.max_num_batched_tokens) for s in run.steps])
     rel = np.abs(predicted - measured) / measured
-    model.fit.update({"engine_steps": len(run.steps), "engine_mean_abs_rel_error": float(rel.mean()),
-                      "engine_p90_abs_rel_error": float(np.percentile(rel, 90)),
-                      "engine_total_rel_error": float(abs(predicted.sum() - measured.sum()) / measured.sum()),
-                      "host_overhead_per_step_s": per_step, "host_overhead_per_seq_s": float(per_seq)})
+    model.fit.update(
+        {
+            "engine_steps": len(run.steps),
+            "engine_mean_abs_rel_error": float(rel.mean()),
+            "engine_p90_abs_rel_error": float(np.percentile(rel, 90)),
+            "engine_total_rel_error": float(abs(predicted.sum() - measured.sum()) / measured.sum()),
+            "host_overhead_per_step_s": per_step,
+            "host_overhead_per_seq_s": float(per_seq),
+        }
+    )
     model.engine = _engine_description(core)
     light, busy = light_trace(sched.max_model_len), busy_trace(sched.max_model_len)
-    model, fit = fit_event_costs(model, light, run_trace_on_engine(core, light).records,
-                                 busy, run_trace_on_engine(core, busy, seed=BUSY_SEED).records)
+    model, fit = fit_event_costs(
+        model,
+        light,
+        run_trace_on_engine(core, light).records,
+        busy,
+        run_trace_on_engine(core, busy, seed=BUSY_SEED).records,
+    )
     model.fit.update({f"engine_{k}": v for k, v in fit.items()})
     return model
 
@@ -183,13 +199,20 @@ def _engine_description(core) -> dict:
     """What `CostModel.engine` records: the shapes, pool and machine the model was measured on."""
     sched = core.config.scheduler
     return {
-        "model": core.loaded.name, "dtype": core.loaded.dtype.name, "platform": jax.default_backend(),
-        "max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
-        "max_model_len": sched.max_model_len, "block_size": core.kv.block_size,
-        "num_blocks": core.runner.num_blocks, "enable_prefix_caching": core.config.cache.enable_prefix_caching,
-        "kv_bytes_per_block": bytes_per_block(core.loaded.arch, core.kv.block_size, core.loaded.dtype,
-                                              core.runner.mesh.shape["model"]),
-        "machine": platform.node(), "processor": platform.processor() or platform.machine(),
+        "model": core.loaded.name,
+        "dtype": core.loaded.dtype.name,
+        "platform": jax.default_backend(),
+        "max_num_seqs": sched.max_num_seqs,
+        "max_num_batched_tokens": sched.max_num_batched_tokens,
+        "max_model_len": sched.max_model_len,
+        "block_size": core.kv.block_size,
+        "num_blocks": core.runner.num_blocks,
+        "enable_prefix_caching": core.config.cache.enable_prefix_caching,
+        "kv_bytes_per_block": bytes_per_block(
+            core.loaded.arch, core.kv.block_size, core.loaded.dtype, core.runner.mesh.shape["model"]
+        ),
+        "machine": platform.node(),
+        "processor": platform.processor() or platform.machine(),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
 
@@ -226,8 +249,9 @@ def calibrate_server(model: CostModel, server_flags: list[str]) -> CostModel:
         name = first_model(server.url, {})
         records, _ = asyncio.run(run(trace, url=server.url + "/v1/completions", model=name, headers={}))
         metrics = server.metrics()
-        busy_records, _ = asyncio.run(run(busy, url=server.url + "/v1/completions", model=name, headers={},
-                                          seed=BUSY_SEED))
+        busy_records, _ = asyncio.run(
+            run(busy, url=server.url + "/v1/completions", model=name, headers={}, seed=BUSY_SEED)
+        )
     failed = [r.error for r in records + busy_records if not r.success]
     if failed:
         raise RuntimeError(f"server pass: {len(failed)} requests failed, e.g. {failed[0]}")
@@ -239,22 +263,31 @@ def calibrate_server(model: CostModel, server_flags: list[str]) -> CostModel:
     per_step = max(measured_per_step, 0.0)
     model = replace(model, bucket_base_s=[b + per_step for b in model.bucket_base_s])
     # per request: the client's TTFT minus the server's own (arrival at its front to the first token out)
-    served_ttft = metrics["jaxllm:time_to_first_token_seconds_sum"] / metrics["jaxllm:time_to_first_token_seconds_count"]
+    served_ttft = (
+        metrics["jaxllm:time_to_first_token_seconds_sum"] / metrics["jaxllm:time_to_first_token_seconds_count"]
+    )
     model = replace(model, request_latency_s=max(float(np.mean([r.ttft for r in records])) - served_ttft, 0.0))
     model, fit = fit_event_costs(model, trace, records, busy, busy_records)
 
     check = simulated(model, trace)
     ttft_err = abs(sum(s.ttft for s in check) - sum(r.ttft for r in records)) / sum(r.ttft for r in records)
     tpot_err = abs(sum(s.tpot for s in check) - sum(r.tpot for r in records)) / sum(r.tpot for r in records)
-    model.fit.update({"server_requests": len(records), "server_overhead_per_step_s": per_step,
-                      "server_measured_per_step_s": measured_per_step,
-                      **{f"server_{k}": v for k, v in fit.items()}, "server_mean_ttft_rel_error": ttft_err,
-                      "server_mean_tpot_rel_error": tpot_err})
+    model.fit.update(
+        {
+            "server_requests": len(records),
+            "server_overhead_per_step_s": per_step,
+            "server_measured_per_step_s": measured_per_step,
+            **{f"server_{k}": v for k, v in fit.items()},
+            "server_mean_ttft_rel_error": ttft_err,
+            "server_mean_tpot_rel_error": tpot_err,
+        }
+    )
     return model
 
 
-def fit_event_costs(model: CostModel, light, light_records, busy, busy_records,
-                    iterations: int = 30) -> tuple[CostModel, dict]:
+def fit_event_costs(
+    model: CostModel, light, light_records, busy, busy_records, iterations: int = 30
+) -> tuple[CostModel, dict]:
     """`model` with `per_prefill_step_s` and `idle_wake_s` fitted together on real runs of the light and
     busy traces, and what the fit rests on.
 
@@ -275,8 +308,13 @@ def fit_event_costs(model: CostModel, light, light_records, busy, busy_records,
             mid = (low + high) / 2
             fitted, idle, error = with_p(mid)
             low, high = (mid, high) if error < 0 else (low, mid)
-    return fitted, {"idle_wake_s": fitted.idle_wake_s, "per_prefill_step_s": fitted.per_prefill_step_s,
-                    "idle_arrivals": idle, "busy_requests": len(busy_records), "busy_mean_ttft_rel_error": error / real}
+    return fitted, {
+        "idle_wake_s": fitted.idle_wake_s,
+        "per_prefill_step_s": fitted.per_prefill_step_s,
+        "idle_arrivals": idle,
+        "busy_requests": len(busy_records),
+        "busy_mean_ttft_rel_error": error / real,
+    }
 
 
 def fit_idle_wake(model: CostModel, trace, records) -> tuple[CostModel, int]:
@@ -297,16 +335,25 @@ def simulated(model: CostModel, trace, seed: int = 0) -> list:
 
 def sim_config_for(engine: dict) -> SimConfig:
     """The simulator's view of a calibrated engine (`CostModel.engine`)."""
-    return SimConfig(SchedulerConfig(engine["max_num_seqs"], engine["max_num_batched_tokens"], engine["max_model_len"]),
-                     num_blocks=engine["num_blocks"], block_size=engine["block_size"],
-                     enable_prefix_caching=engine["enable_prefix_caching"])
+    return SimConfig(
+        SchedulerConfig(engine["max_num_seqs"], engine["max_num_batched_tokens"], engine["max_model_len"]),
+        num_blocks=engine["num_blocks"],
+        block_size=engine["block_size"],
+        enable_prefix_caching=engine["enable_prefix_caching"],
+    )
 
 
 def engine_args_for(engine: dict) -> EngineArgs:
     """Engine arguments that rebuild a calibrated engine (`CostModel.engine`): its shapes and KV pool."""
-    return EngineArgs(max_num_seqs=engine["max_num_seqs"], max_num_batched_tokens=engine["max_num_batched_tokens"],
-                      max_model_len=engine["max_model_len"], block_size=engine["block_size"], dtype=engine["dtype"],
-                      enable_prefix_caching=engine["enable_prefix_caching"], kv_cache_memory_bytes=kv_bytes_for(engine))
+    return EngineArgs(
+        max_num_seqs=engine["max_num_seqs"],
+        max_num_batched_tokens=engine["max_num_batched_tokens"],
+        max_model_len=engine["max_model_len"],
+        block_size=engine["block_size"],
+        dtype=engine["dtype"],
+        enable_prefix_caching=engine["enable_prefix_caching"],
+        kv_cache_memory_bytes=kv_bytes_for(engine),
+    )
 
 
 def kv_bytes_for(engine: dict) -> int:

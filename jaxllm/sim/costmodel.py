@@ -99,11 +99,13 @@ class CostModel:
         return float(np.interp(bucket, xs, ys))
 
     def step_time(self, shape: StepShape, max_num_batched_tokens: int) -> float:
-        return (self.base(bucket_tokens(shape.num_tokens, max_num_batched_tokens))
-                + self.per_context_token_s * shape.context_tokens
-                + self.per_attention_pair_s * shape.attention_pairs
-                + self.per_seq_s * shape.num_seqs
-                + (self.per_prefill_step_s if shape.num_tokens > shape.num_seqs else 0.0))
+        return (
+            self.base(bucket_tokens(shape.num_tokens, max_num_batched_tokens))
+            + self.per_context_token_s * shape.context_tokens
+            + self.per_attention_pair_s * shape.attention_pairs
+            + self.per_seq_s * shape.num_seqs
+            + (self.per_prefill_step_s if shape.num_tokens > shape.num_seqs else 0.0)
+        )
 
     def event_costs(self) -> dict[str, float]:
         """`simulate()`'s per-request and per-wake-up costs from this model."""
@@ -138,7 +140,7 @@ def fit_cost_model(samples: list[tuple[StepShape, float]], max_num_batched_token
     y = np.array([t for _, t in samples])
     for row, (s, _) in enumerate(samples):
         x[row, column[bucket_tokens(s.num_tokens, max_num_batched_tokens)]] = 1.0
-        x[row, len(buckets):] = (s.context_tokens, s.attention_pairs, s.num_seqs)
+        x[row, len(buckets) :] = (s.context_tokens, s.attention_pairs, s.num_seqs)
     active = list(range(x.shape[1]))
     while True:
         weights = 1.0 / y  # relative error
@@ -149,12 +151,19 @@ def fit_cost_model(samples: list[tuple[StepShape, float]], max_num_batched_token
         if not negative:
             break
         active.remove(min(negative, key=lambda i: coef[i]))
-    base = np.maximum(coef[:len(buckets)], 0.0)
-    coef[:len(buckets)] = base
+    base = np.maximum(coef[: len(buckets)], 0.0)
+    coef[: len(buckets)] = base
     rel = np.abs(x @ coef - y) / y
     return CostModel(
-        bucket_tokens=buckets, bucket_base_s=[float(v) for v in base],
-        per_context_token_s=float(coef[-3]), per_attention_pair_s=float(coef[-2]), per_seq_s=float(coef[-1]),
-        fit={"samples": len(samples), "mean_abs_rel_error": float(rel.mean()),
-             "p90_abs_rel_error": float(np.percentile(rel, 90)), "max_abs_rel_error": float(rel.max())},
+        bucket_tokens=buckets,
+        bucket_base_s=[float(v) for v in base],
+        per_context_token_s=float(coef[-3]),
+        per_attention_pair_s=float(coef[-2]),
+        per_seq_s=float(coef[-1]),
+        fit={
+            "samples": len(samples),
+            "mean_abs_rel_error": float(rel.mean()),
+            "p90_abs_rel_error": float(np.percentile(rel, 90)),
+            "max_abs_rel_error": float(rel.max()),
+        },
     )

@@ -92,8 +92,14 @@ def run_trace_on_engine(core, trace: list[TraceRequest], *, seed: int = 0) -> En
                 r, rid = trace[next_arrival], str(next_arrival)
                 tokens = prompt_token_ids(r, next_arrival, seed)
                 records[next_arrival].prompt_len = len(tokens)
-                core.add_request(rid, tokens, forced_params(r.output_len), priority=r.priority,
-                                 arrival_time=t0 + r.arrival_time, user=r.user)
+                core.add_request(
+                    rid,
+                    tokens,
+                    forced_params(r.output_len),
+                    priority=r.priority,
+                    arrival_time=t0 + r.arrival_time,
+                    user=r.user,
+                )
                 first_step[rid] = len(steps)
                 next_arrival += 1
             if not core.scheduler.num_unfinished:

@@ -14,8 +14,10 @@ def plot_kv_usage(sim, path: str | Path, title: str = "") -> Path:
     """Fraction of KV blocks in use after each step of a `SimResult`."""
     fig = Figure(figsize=(10, 4), layout="constrained")
     ax = fig.subplots()
-    ax.set_title(f"KV-cache usage over time{' — ' + title if title else ''} "
-                 f"({sim.num_preemptions} preemptions, prefix-cache hit rate {sim.prefix_cache_hit_rate:.0%})")
+    ax.set_title(
+        f"KV-cache usage over time{' — ' + title if title else ''} "
+        f"({sim.num_preemptions} preemptions, prefix-cache hit rate {sim.prefix_cache_hit_rate:.0%})"
+    )
     ax.set_xlabel("time since the first request (s)")
     ax.set_ylabel("blocks in use")
     ax.grid(alpha=0.3)

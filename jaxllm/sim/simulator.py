@@ -80,17 +80,19 @@ class SimResult:
         result = summarize(self.records, self.duration, **summary_kwargs)
         series = self.kv_usage[:: max(1, -(-len(self.kv_usage) // MAX_SERIES_POINTS))]
         usage = [u for _, u in self.kv_usage] or [0.0]
-        result.update({
-            "num_steps": self.num_steps,
-            "num_preemptions": self.num_preemptions,
-            "prefix_cache_queries": self.prefix_cache_queries,
-            "prefix_cache_hits": self.prefix_cache_hits,
-            "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
-            "mean_kv_cache_usage": sum(usage) / len(usage),
-            "max_kv_cache_usage": max(usage),
-            "kv_cache_usage": {"time_s": [t for t, _ in series], "usage": [u for _, u in series]},
-            **self.extra,
-        })
+        result.update(
+            {
+                "num_steps": self.num_steps,
+                "num_preemptions": self.num_preemptions,
+                "prefix_cache_queries": self.prefix_cache_queries,
+                "prefix_cache_hits": self.prefix_cache_hits,
+                "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
+                "mean_kv_cache_usage": sum(usage) / len(usage),
+                "max_kv_cache_usage": max(usage),
+                "kv_cache_usage": {"time_s": [t for t, _ in series], "usage": [u for _, u in series]},
+                **self.extra,
+            }
+        )
         return result
 
 
@@ -103,9 +105,17 @@ def record_token(record: RequestRecord, now: float, previous: float) -> None:
     record.output_len += 1
 
 
-def simulate(trace: list[TraceRequest], config: SimConfig, step_time: StepTime, *, seed: int = 0,
-             oracle_output_len: bool = False, record_steps: bool = False, request_latency_s: float = 0.0,
-             idle_wake_s: float = 0.0) -> SimResult:
+def simulate(
+    trace: list[TraceRequest],
+    config: SimConfig,
+    step_time: StepTime,
+    *,
+    seed: int = 0,
+    oracle_output_len: bool = False,
+    record_steps: bool = False,
+    request_latency_s: float = 0.0,
+    idle_wake_s: float = 0.0,
+) -> SimResult:
     """Run `trace` (sorted by arrival) to completion; `oracle_output_len` tells policies each true output length.
 
     `request_latency_s` and `idle_wake_s` are `CostModel`'s (see there): a request reaches the scheduler
@@ -117,8 +127,10 @@ def simulate(trace: list[TraceRequest], config: SimConfig, step_time: StepTime, 
     sched_cfg = config.scheduler
     kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
     if kv.num_usable_blocks * config.block_size < sched_cfg.max_model_len:
-        raise ValueError(f"the KV pool holds {kv.num_usable_blocks * config.block_size} tokens, fewer than "
-                         f"max_model_len={sched_cfg.max_model_len}: raise the number of blocks")
+        raise ValueError(
+            f"the KV pool holds {kv.num_usable_blocks * config.block_size} tokens, fewer than "
+            f"max_model_len={sched_cfg.max_model_len}: raise the number of blocks"
+        )
     scheduler = Scheduler(sched_cfg, kv)
     records = [RequestRecord(prompt_len=0, start=r.arrival_time) for r in trace]
     index: dict[int, int] = {}  # id(Request) → trace index
@@ -135,8 +147,16 @@ def simulate(trace: list[TraceRequest], config: SimConfig, step_time: StepTime, 
             records[i].error = f"the prompt has {len(tokens)} tokens, more than max_model_len={sched_cfg.max_model_len}"
             return
         params = SamplingParams(max_tokens=r.output_len, min_tokens=r.output_len, ignore_eos=True, detokenize=False)
-        request = Request(str(i), tokens, params, (), priority=r.priority, arrival_time=r.arrival_time, user=r.user,
-                          expected_output_len=r.output_len if oracle_output_len else None)
+        request = Request(
+            str(i),
+            tokens,
+            params,
+            (),
+            priority=r.priority,
+            arrival_time=r.arrival_time,
+            user=r.user,
+            expected_output_len=r.output_len if oracle_output_len else None,
+        )
         index[id(request)] = i
         scheduler.add_request(request)
 
@@ -174,8 +194,14 @@ def simulate(trace: list[TraceRequest], config: SimConfig, step_time: StepTime, 
         kv_usage.append((clock - start, kv.usage))
 
     return SimResult(
-        records=records, duration=clock - start, num_steps=len(kv_usage),
-        num_preemptions=scheduler.num_preemptions, prefix_cache_queries=kv.prefix_cache_queries,
-        prefix_cache_hits=kv.prefix_cache_hits, kv_usage=kv_usage, free_blocks_at_end=kv.num_free_blocks,
-        num_usable_blocks=kv.num_usable_blocks, steps=steps,
+        records=records,
+        duration=clock - start,
+        num_steps=len(kv_usage),
+        num_preemptions=scheduler.num_preemptions,
+        prefix_cache_queries=kv.prefix_cache_queries,
+        prefix_cache_hits=kv.prefix_cache_hits,
+        kv_usage=kv_usage,
+        free_blocks_at_end=kv.num_free_blocks,
+        num_usable_blocks=kv.num_usable_blocks,
+        steps=steps,
     )

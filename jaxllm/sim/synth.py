@@ -64,10 +64,21 @@ def arrival_times(rng: np.random.Generator, n: int, rate: float, burstiness: flo
     return np.cumsum(gaps)
 
 
-def synthesize(num_requests: int, *, request_rate: float, input_len: LengthDist, output_len: LengthDist,
-               burstiness: float = 1.0, num_prefix_groups: int = 0, prefix_len: int = 0,
-               num_users: int = 0, user_skew: float = 0.0, num_priorities: int = 1,
-               start: float = 0.0, seed: int = 0) -> list[TraceRequest]:
+def synthesize(
+    num_requests: int,
+    *,
+    request_rate: float,
+    input_len: LengthDist,
+    output_len: LengthDist,
+    burstiness: float = 1.0,
+    num_prefix_groups: int = 0,
+    prefix_len: int = 0,
+    num_users: int = 0,
+    user_skew: float = 0.0,
+    num_priorities: int = 1,
+    start: float = 0.0,
+    seed: int = 0,
+) -> list[TraceRequest]:
     """A trace of `num_requests` made-up requests.
 
     With prefix groups, each request joins one group (uniformly) and its prompt is the group's
@@ -91,13 +102,17 @@ def synthesize(num_requests: int, *, request_rate: float, input_len: LengthDist,
     trace = []
     for i in range(num_requests):
         shared = prefix_len if groups is not None else 0
-        trace.append(TraceRequest(
-            arrival_time=round(float(arrivals[i]), 6), output_len=int(outputs[i]),
-            prompt_len=int(inputs[i]) + shared,
-            priority=int(priorities[i]) if priorities is not None else 0,
-            user=f"user-{users[i]}" if users is not None else None,
-            prefix_group=f"g{groups[i]}" if groups is not None else None, prefix_len=shared,
-        ))
+        trace.append(
+            TraceRequest(
+                arrival_time=round(float(arrivals[i]), 6),
+                output_len=int(outputs[i]),
+                prompt_len=int(inputs[i]) + shared,
+                priority=int(priorities[i]) if priorities is not None else 0,
+                user=f"user-{users[i]}" if users is not None else None,
+                prefix_group=f"g{groups[i]}" if groups is not None else None,
+                prefix_len=shared,
+            )
+        )
     return trace
 
 

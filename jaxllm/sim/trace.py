@@ -62,8 +62,11 @@ class TraceRequest:
         return self.prompt_len
 
     def to_json(self) -> dict:
-        return {k: v for k, v in asdict(self).items() if v is not None and not (k == "prefix_len" and not v)
-                and not (k == "priority" and v == 0)}
+        return {
+            k: v
+            for k, v in asdict(self).items()
+            if v is not None and not (k == "prefix_len" and not v) and not (k == "priority" and v == 0)
+        }
 
 
 def prompt_token_ids(request: TraceRequest, index: int, seed: int = 0) -> list[int]:

@@ -38,8 +38,7 @@ def grammar_text(kind: str, spec: Any, whitespace_pattern: str | None = None) ->
             raise ValueError(f"regex must be a string, got {type(spec).__name__}")
         text = matcher.grammar_from_regex(spec)
     elif kind == "choice":
-        if (not isinstance(spec, (list, tuple)) or not spec
-                or not all(isinstance(c, str) and c for c in spec)):
+        if not isinstance(spec, (list, tuple)) or not spec or not all(isinstance(c, str) and c for c in spec):
             raise ValueError(f"choice must be a non-empty list of non-empty strings, got {spec!r:.200}")
         text = llguidance.grammar_from("choice", json.dumps(list(spec)))
     elif kind == "grammar":
@@ -69,5 +68,10 @@ def _schema(spec: Any) -> dict:
 
 
 def _what(kind: str) -> str:
-    return {"json": "JSON schema", "json_object": "JSON object settings", "regex": "regex",
-            "grammar": "grammar", "choice": "choice list"}[kind]
+    return {
+        "json": "JSON schema",
+        "json_object": "JSON object settings",
+        "regex": "regex",
+        "grammar": "grammar",
+        "choice": "choice list",
+    }[kind]

@@ -36,14 +36,12 @@ PARALLEL_FILL = (os.cpu_count() or 1) > 2
 
 
 class StructuredOutputManager:
-    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...],
-                 max_workers: int | None = None):
+    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], max_workers: int | None = None):
         self.unsupported = tokenizer_problem(hf_tokenizer)  # a reason, or None when usable
         self._hf_tokenizer = hf_tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = tuple(eos_token_ids)
-        self._pool = ThreadPoolExecutor(max_workers or min(4, os.cpu_count() or 1),
-                                        thread_name_prefix="jaxllm-grammar")
+        self._pool = ThreadPoolExecutor(max_workers or min(4, os.cpu_count() or 1), thread_name_prefix="jaxllm-grammar")
         self._tokenizer: Future | None = None  # the LLTokenizer, built on first use
         self._executor = None  # llguidance's batch mask executor, made on first use (PARALLEL_FILL)
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
@@ -67,7 +65,8 @@ class StructuredOutputManager:
             return future
         if self._tokenizer is None:
             self._tokenizer = self._pool.submit(
-                llguidance_tokenizer, self._hf_tokenizer, self.vocab_size, self.eos_token_ids)
+                llguidance_tokenizer, self._hf_tokenizer, self.vocab_size, self.eos_token_ids
+            )
         future = self._pool.submit(self._compile, params.llguidance_grammar)
         self._cache[key] = future
         while len(self._cache) > CACHE_SIZE:
@@ -118,8 +117,11 @@ class StructuredOutputManager:
         if not self._matchers:
             return []
         start = time.perf_counter()
-        rows = [(self._matchers[s.request.request_id], row) for row, s in enumerate(scheduled)
-                if s.samples and s.request.request_id in self._matchers]
+        rows = [
+            (self._matchers[s.request.request_id], row)
+            for row, s in enumerate(scheduled)
+            if s.samples and s.request.request_id in self._matchers
+        ]
         if rows:
             if allowed.dtype != np.uint32 or not allowed.flags.c_contiguous or allowed.shape[1] * 32 < self.vocab_size:
                 raise ValueError(f"allowed must be C-contiguous uint32 [rows, >= {-(-self.vocab_size // 32)}]")

@@ -65,11 +65,14 @@ def _response_format(fmt: Any) -> StructuredOutputsParams | None:
     if kind == "json_schema":
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-            raise RequestFieldError("response_format json_schema needs a 'json_schema' object with a 'schema' "
-                                    "object", "response_format.json_schema")
+            raise RequestFieldError(
+                "response_format json_schema needs a 'json_schema' object with a 'schema' object",
+                "response_format.json_schema",
+            )
         return _params("response_format.json_schema.schema", json=spec["schema"])
-    raise RequestFieldError(f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
-                            "response_format.type")
+    raise RequestFieldError(
+        f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}", "response_format.type"
+    )
 
 
 def _structured_outputs(fields: Any) -> StructuredOutputsParams:
@@ -77,8 +80,11 @@ def _structured_outputs(fields: Any) -> StructuredOutputsParams:
         raise RequestFieldError("structured_outputs must be an object", "structured_outputs")
     unknown = sorted(set(fields) - set(STRUCTURED_OUTPUTS_KEYS))
     if unknown:
-        raise RequestFieldError(f"structured_outputs: unsupported key(s) {', '.join(unknown)}; supported: "
-                                f"{', '.join(STRUCTURED_OUTPUTS_KEYS)}", f"structured_outputs.{unknown[0]}")
+        raise RequestFieldError(
+            f"structured_outputs: unsupported key(s) {', '.join(unknown)}; supported: "
+            f"{', '.join(STRUCTURED_OUTPUTS_KEYS)}",
+            f"structured_outputs.{unknown[0]}",
+        )
     return _params("structured_outputs", **fields)
 
 
@@ -106,9 +112,14 @@ class ForcedToolCall:
         except json.JSONDecodeError:
             return None
         calls = [(self.named, value)] if self.named is not None else [(c["name"], c["parameters"]) for c in value]
-        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                 "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
-                for name, arguments in calls]
+        return [
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
+            }
+            for name, arguments in calls
+        ]
 
 
 def forced_tool_call(request) -> ForcedToolCall | None:
@@ -118,11 +129,21 @@ def forced_tool_call(request) -> ForcedToolCall | None:
         return None
     functions = _functions(tools)
     if choice is None or choice == "auto":
-        raise RequestFieldError("tool_choice 'auto' needs a tool-call parser for this model, which this server does "
-                                "not have; use tool_choice 'required' or name a function", "tool_choice")
+        raise RequestFieldError(
+            "tool_choice 'auto' needs a tool-call parser for this model, which this server does "
+            "not have; use tool_choice 'required' or name a function",
+            "tool_choice",
+        )
     if choice == "required":
-        calls = [{"type": "object", "additionalProperties": False, "required": ["name", "parameters"],
-                  "properties": {"name": {"const": name}, "parameters": schema}} for name, schema in functions.items()]
+        calls = [
+            {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["name", "parameters"],
+                "properties": {"name": {"const": name}, "parameters": schema},
+            }
+            for name, schema in functions.items()
+        ]
         array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
         if getattr(request, "parallel_tool_calls", True) is False:
             array["maxItems"] = 1
@@ -130,8 +151,10 @@ def forced_tool_call(request) -> ForcedToolCall | None:
     function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str):
-        raise RequestFieldError("tool_choice must be 'none', 'auto', 'required' or {'type': 'function', "
-                                "'function': {'name': ...}}", "tool_choice")
+        raise RequestFieldError(
+            "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}",
+            "tool_choice",
+        )
     if name not in functions:
         raise RequestFieldError(f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
     return ForcedToolCall(name, _params("tools", json=functions[name]))
@@ -145,8 +168,9 @@ def _functions(tools: Any) -> dict[str, dict]:
     for i, tool in enumerate(tools):
         function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
         if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise RequestFieldError("each tool must be {'type': 'function', 'function': {'name': ..., "
-                                    "'parameters': {...}}}", f"tools.{i}")
+            raise RequestFieldError(
+                "each tool must be {'type': 'function', 'function': {'name': ..., 'parameters': {...}}}", f"tools.{i}"
+            )
         parameters = function.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(parameters, dict):
             raise RequestFieldError("a function's parameters must be a JSON schema object", f"tools.{i}")

@@ -28,7 +28,13 @@ from jaxllm.config import LOAD_FORMATS, resolve_dtype
 from jaxllm.model.registry import ModelArch, arch_from_hf_config
 from jaxllm.weights import converted, hf, orbax
 from jaxllm.weights.default import DEFAULT_MODEL_NAME, default_model_path
-from jaxllm.weights.params import Layout, abstract_params, host_params_from_hf_tensors, param_shardings, params_from_hf_tensors
+from jaxllm.weights.params import (
+    Layout,
+    abstract_params,
+    host_params_from_hf_tensors,
+    param_shardings,
+    params_from_hf_tensors,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -98,10 +104,13 @@ class ModelSource:
     def abstract_params(self, mesh: Mesh) -> Any:
         """The parameter tree as ShapeDtypeStructs carrying their shardings (what compiling needs)."""
         shapes, specs = abstract_params(self.arch, self.dtype)
-        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes,
-                            param_shardings(specs, mesh))
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, param_shardings(specs, mesh)
+        )
 
-    def load(self, mesh: Mesh, tokenizer: str | None = None, seed: int = 0, layout: Layout | None = None) -> LoadedModel:
+    def load(
+        self, mesh: Mesh, tokenizer: str | None = None, seed: int = 0, layout: Layout | None = None
+    ) -> LoadedModel:
         """The weights, placed on `mesh` (and rearranged by `layout`), and the tokenizer (`tokenizer`
         overrides the model's own)."""
         started = time.perf_counter()
@@ -113,9 +122,16 @@ class ModelSource:
         elif self.format == "gguf":  # dequantizing takes seconds: later starts map what the first converted
             shapes, specs = abstract_params(arch, jdtype)
             params = converted.load_or_convert(
-                path, arch, jdtype, shapes, param_shardings(specs, mesh), layout.name if layout else "",
-                lambda allocate: host_params_from_hf_tensors(arch, jdtype, self.gguf_file.tensor, str(path), layout,
-                                                             allocate))  # laid out as it is converted
+                path,
+                arch,
+                jdtype,
+                shapes,
+                param_shardings(specs, mesh),
+                layout.name if layout else "",
+                lambda allocate: host_params_from_hf_tensors(
+                    arch, jdtype, self.gguf_file.tensor, str(path), layout, allocate
+                ),
+            )  # laid out as it is converted
         elif self.format == "orbax":
             shapes, specs = abstract_params(arch, jdtype)
             params = orbax.restore_params(path, shapes, param_shardings(specs, mesh))
@@ -134,8 +150,16 @@ class ModelSource:
         else:
             tok = _load_tokenizer(path)
         seconds = {"weights": weights_loaded - started, "tokenizer": time.perf_counter() - weights_loaded}
-        return LoadedModel(name=self.name, arch=arch, hf_config=self.hf_config, params=params, tokenizer=tok,
-                           dtype=jdtype, load_seconds=seconds, laid_out=layout is not None)
+        return LoadedModel(
+            name=self.name,
+            arch=arch,
+            hf_config=self.hf_config,
+            params=params,
+            tokenizer=tok,
+            dtype=jdtype,
+            load_seconds=seconds,
+            laid_out=layout is not None,
+        )
 
 
 def open_model(model: str | None = None, *, load_format: str = "auto", dtype: str = "auto") -> ModelSource:

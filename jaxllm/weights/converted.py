@@ -46,8 +46,18 @@ def wait_for_saves() -> None:
 
 def _folder(source: Path, arch, dtype, layout: str) -> Path:
     stat = source.stat()
-    key = repr((str(source.resolve()), stat.st_size, stat.st_mtime_ns, repr(arch), np.dtype(dtype).str,
-                str(np.dtype(dtype)), layout, FORMAT))
+    key = repr(
+        (
+            str(source.resolve()),
+            stat.st_size,
+            stat.st_mtime_ns,
+            repr(arch),
+            np.dtype(dtype).str,
+            str(np.dtype(dtype)),
+            layout,
+            FORMAT,
+        )
+    )
     return cache_dir() / "weights" / hashlib.sha256(key.encode()).hexdigest()[:32]
 
 
@@ -62,6 +72,7 @@ def _bits(dtype: np.dtype) -> np.dtype:
 
 def _load(folder: Path, shapes) -> Any:
     """The saved host arrays, memory-mapped, or None when any is missing or does not match its shape."""
+
     def leaf(key_path, shape):
         name = _leaf_name(leaf_path(key_path))
         array = np.load(folder / name, mmap_mode="c")
@@ -133,8 +144,9 @@ class _Writer:
         _saving[self.folder].start()
 
 
-def load_or_convert(source: Path, arch, dtype, shapes, shardings, layout: str,
-                    convert: Callable[[Allocate], Any]) -> Any:
+def load_or_convert(
+    source: Path, arch, dtype, shapes, shardings, layout: str, convert: Callable[[Allocate], Any]
+) -> Any:
     """The parameter tree of `source`: mapped from the kept conversion, else `convert(allocate)`ed (host arrays
     from `allocate`) and kept. `shapes` / `shardings`: the tree's ShapeDtypeStructs and shardings
     (params.abstract_params); `layout`: names the rearrangement `convert` applies, if any (params.Layout)."""

@@ -80,7 +80,9 @@ def _dequantize(raw: np.ndarray, ggml_type: int) -> np.ndarray:
     out = np.empty((rows.shape[0], width), np.float32)
     quant = getattr(gguf.quants, kind.name)
     for start in range(0, rows.shape[0], DEQUANTIZE_ROWS):
-        out[start:start + DEQUANTIZE_ROWS] = quant.dequantize_rows(rows[start:start + DEQUANTIZE_ROWS]).reshape(-1, width)
+        out[start : start + DEQUANTIZE_ROWS] = quant.dequantize_rows(rows[start : start + DEQUANTIZE_ROWS]).reshape(
+            -1, width
+        )
     return out.reshape(*raw.shape[:-1], width)
 
 
@@ -115,7 +117,7 @@ class _HeaderParser:
         self.pos += n
         if self.pos > len(self.buffer):
             raise ValueError("a string runs past the end of the file")
-        return str(self.buffer[self.pos - n:self.pos], "utf-8")
+        return str(self.buffer[self.pos - n : self.pos], "utf-8")
 
     def value(self, kind: int):
         if kind == _STRING:
@@ -244,8 +246,15 @@ class GGUFFile:
         shape = tuple(reversed(info.dims))
         block, type_size = gguf.GGML_QUANT_SIZES[kind]
         nbytes = int(np.prod(shape)) * type_size // block
-        plain = {"F16": np.float16, "F32": np.float32, "F64": np.float64, "I8": np.int8, "I16": np.int16,
-                 "I32": np.int32, "I64": np.int64}.get(kind.name)
+        plain = {
+            "F16": np.float16,
+            "F32": np.float32,
+            "F64": np.float64,
+            "I8": np.int8,
+            "I16": np.int16,
+            "I32": np.int32,
+            "I64": np.int64,
+        }.get(kind.name)
         dtype, shape = (plain, shape) if plain else (np.uint8, gguf.quant_shape_to_byte_shape(shape, kind))
         start = self._data_offset + info.offset
         if start + nbytes > len(self._buffer):
@@ -285,8 +294,18 @@ class GGUFFile:
         import transformers
 
         stat = self.path.stat()
-        key = hashlib.sha256(repr((str(self.path.resolve()), stat.st_size, stat.st_mtime_ns, transformers.__version__,
-                                   tokenizers.__version__, TOKENIZER_CACHE_FORMAT)).encode()).hexdigest()[:32]
+        key = hashlib.sha256(
+            repr(
+                (
+                    str(self.path.resolve()),
+                    stat.st_size,
+                    stat.st_mtime_ns,
+                    transformers.__version__,
+                    tokenizers.__version__,
+                    TOKENIZER_CACHE_FORMAT,
+                )
+            ).encode()
+        ).hexdigest()[:32]
         return cache_dir() / "tokenizers" / f"{key}.json"
 
     def _convert_tokenizer(self):
@@ -304,8 +323,12 @@ class GGUFFile:
         tokens, config = grouped["tokenizer"], grouped["tokenizer_config"]
         if tokens.get("tokenizer_type") == "llama":
             config.setdefault("add_bos_token", True)
-        for special, key in (("bos_token", "bos_token_id"), ("eos_token", "eos_token_id"),
-                             ("unk_token", "unknown_token_id"), ("pad_token", "padding_token_id")):
+        for special, key in (
+            ("bos_token", "bos_token_id"),
+            ("eos_token", "eos_token_id"),
+            ("unk_token", "unknown_token_id"),
+            ("pad_token", "padding_token_id"),
+        ):
             token_id = md.get(f"tokenizer.ggml.{key}")
             config[special] = tokens["tokens"][token_id] if token_id is not None else None
         backend, extra = convert_gguf_tokenizer(self.gguf_architecture, tokens)

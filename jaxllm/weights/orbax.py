@@ -39,8 +39,10 @@ def restore_params(path: Path, shapes, shardings):
     """Restore straight onto the mesh, cast to the dtypes of `shapes`."""
     marker = json.loads((path / MARKER).read_text())
     if marker.get("version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: checkpoint format version {marker.get('version')} (this jaxllm reads "
-                         f"{FORMAT_VERSION}); convert the source model again with `jaxllm convert`")
+        raise ValueError(
+            f"{path}: checkpoint format version {marker.get('version')} (this jaxllm reads "
+            f"{FORMAT_VERSION}); convert the source model again with `jaxllm convert`"
+        )
     target = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, shardings)
     try:
         with ocp.StandardCheckpointer() as ckpt:

@@ -31,9 +31,14 @@ def _tiny_inputs(arch: ModelArch, dtype) -> tuple[KVCache, StepInputs]:
     i32 = jnp.int32
     cache = jnp.zeros((arch.num_layers, 2, 1, arch.num_kv_heads, arch.head_dim), dtype)
     batch = StepInputs(
-        token_ids=jnp.zeros((1,), i32), positions=jnp.zeros((1,), i32), slot_mapping=jnp.zeros((1,), i32),
-        cu_q_lens=jnp.array([0, 1], i32), kv_lens=jnp.ones((1,), i32), block_tables=jnp.zeros((1, 1), i32),
-        num_seqs=jnp.ones((1,), i32), logits_indices=jnp.zeros((1,), i32),
+        token_ids=jnp.zeros((1,), i32),
+        positions=jnp.zeros((1,), i32),
+        slot_mapping=jnp.zeros((1,), i32),
+        cu_q_lens=jnp.array([0, 1], i32),
+        kv_lens=jnp.ones((1,), i32),
+        block_tables=jnp.zeros((1, 1), i32),
+        num_seqs=jnp.ones((1,), i32),
+        logits_indices=jnp.zeros((1,), i32),
     )
     return KVCache(cache, cache), batch
 
@@ -94,7 +99,7 @@ def aligned_empty(path: tuple[str, ...], shape: tuple[int, ...], dtype: np.dtype
     nbytes = int(np.prod(shape)) * dtype.itemsize
     raw = np.empty(nbytes + HOST_ALIGNMENT, np.uint8)
     start = -raw.ctypes.data % HOST_ALIGNMENT
-    return raw[start:start + nbytes].view(dtype).reshape(shape)
+    return raw[start : start + nbytes].view(dtype).reshape(shape)
 
 
 Allocate = Callable[[tuple[str, ...], tuple[int, ...], np.dtype], np.ndarray]  # (leaf path, shape, dtype) → array
@@ -113,8 +118,14 @@ class Layout:
         return jax.tree_util.tree_map_with_path(lambda key_path, v: self.leaf(leaf_path(key_path), v), params)
 
 
-def host_params_from_hf_tensors(arch: ModelArch, dtype, get_tensor: GetTensor, source: str,
-                                layout: Layout | None = None, allocate: Allocate = aligned_empty) -> Params:
+def host_params_from_hf_tensors(
+    arch: ModelArch,
+    dtype,
+    get_tensor: GetTensor,
+    source: str,
+    layout: Layout | None = None,
+    allocate: Allocate = aligned_empty,
+) -> Params:
     """The parameter tree as host arrays from `allocate`, read by transformers name and laid out by `layout`,
     one layer at a time (no second copy of the tree)."""
     shapes, _ = abstract_params(arch, dtype)
@@ -134,8 +145,9 @@ def host_params_from_hf_tensors(arch: ModelArch, dtype, get_tensor: GetTensor, s
                 value = None
             if value is None or value.shape != layer_shape:
                 got = ", ".join(f"{n} {p.shape}" for n, p in zip(names, parts))
-                raise ValueError(f"{source}: tensor shapes {got} do not make {path[-2]} {layer_shape} "
-                                 f"for {arch.architecture}") from None
+                raise ValueError(
+                    f"{source}: tensor shapes {got} do not make {path[-2]} {layer_shape} for {arch.architecture}"
+                ) from None
             value = value.astype(np_dtype, copy=False)
             if layout is not None:
                 value = layout.leaf(path, value[None])[0] if stacked else layout.leaf(path, value)
@@ -148,16 +160,15 @@ def host_params_from_hf_tensors(arch: ModelArch, dtype, get_tensor: GetTensor, s
 def place(host: Params, shardings: Params) -> Params:
     """Host arrays → device arrays. Each process places only its own shards: device_put onto a multi-host mesh
     would first all-gather the whole array to check that every host holds the same value."""
-    return jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda index: a[index]),
-                        host, shardings)
+    return jax.tree.map(lambda a, s: jax.make_array_from_callback(a.shape, s, lambda index: a[index]), host, shardings)
 
 
-def params_from_hf_tensors(arch: ModelArch, dtype, get_tensor: GetTensor, mesh: Mesh, source: str,
-                           layout: Layout | None = None) -> Params:
+def params_from_hf_tensors(
+    arch: ModelArch, dtype, get_tensor: GetTensor, mesh: Mesh, source: str, layout: Layout | None = None
+) -> Params:
     """Build the device parameter tree, reading each tensor by its transformers name."""
     _, specs = abstract_params(arch, dtype)
-    return place(host_params_from_hf_tensors(arch, dtype, get_tensor, source, layout),
-                 param_shardings(specs, mesh))
+    return place(host_params_from_hf_tensors(arch, dtype, get_tensor, source, layout), param_shardings(specs, mesh))
 
 
 def hf_tensor_names(arch: ModelArch) -> list[str]:
@@ -177,9 +188,11 @@ def unstack_layers(params: Params, num_layers: int) -> Params:
     Each slice keeps its leaf's sharding minus the layer axis. Checkpoints and loaders always
     use the stacked form; this runs once, when an engine starts.
     """
+
     def layer(i):
         def take(x):
             return jax.device_put(x[i], NamedSharding(x.sharding.mesh, PartitionSpec(*x.sharding.spec[1:])))
+
         return jax.tree.map(take, params["layers"])
 
     rest = {k: v for k, v in params.items() if k != "layers"}

@@ -34,11 +34,24 @@ def supports(k_cache) -> bool:
 def available() -> bool:
     """Build (once per machine) and register the kernels; False, with a warning, if that fails."""
     return cpu_ffi.register(SOURCE, "RaggedPagedAttentionCpu", TARGET) and cpu_ffi.register(
-        SOURCE, "WriteKvCpu", WRITE_TARGET)
+        SOURCE, "WriteKvCpu", WRITE_TARGET
+    )
 
 
-def ragged_paged_attention_cpu(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, *, sm_scale: float,
-                               sliding_window: int | None = None, soft_cap: float | None = None, layer=None):
+def ragged_paged_attention_cpu(
+    q,
+    k_cache,
+    v_cache,
+    kv_lens,
+    block_tables,
+    cu_q_lens,
+    num_seqs,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    layer=None,
+):
     """The reference's contract; caches float32 or bfloat16; computes in float32."""
     if not available():
         raise RuntimeError("the CPU attention kernel could not be built (see the warning above)")
@@ -46,10 +59,18 @@ def ragged_paged_attention_cpu(q, k_cache, v_cache, kv_lens, block_tables, cu_q_
         raise ValueError(f"the CPU kernel reads float32 or bfloat16 caches, got {k_cache.dtype}")
     i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
     out = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-        q.astype(jnp.float32), k_cache, v_cache, i32(kv_lens), i32(block_tables), i32(cu_q_lens),
-        jnp.reshape(i32(num_seqs), (-1,))[:1], jnp.reshape(i32(0 if layer is None else layer), (1,)),
-        sm_scale=np.float32(sm_scale), sliding_window=np.int32(sliding_window or 0),
-        soft_cap=np.float32(soft_cap or 0.0))
+        q.astype(jnp.float32),
+        k_cache,
+        v_cache,
+        i32(kv_lens),
+        i32(block_tables),
+        i32(cu_q_lens),
+        jnp.reshape(i32(num_seqs), (-1,))[:1],
+        jnp.reshape(i32(0 if layer is None else layer), (1,)),
+        sm_scale=np.float32(sm_scale),
+        sliding_window=np.int32(sliding_window or 0),
+        soft_cap=np.float32(soft_cap or 0.0),
+    )
     return out.astype(q.dtype)
 
 
@@ -62,5 +83,10 @@ def write_kv_cpu(k_cache, v_cache, k, v, slot_mapping, layer=None):
         raise ValueError(f"the CPU kernel writes float32 or bfloat16 caches, got {k_cache.dtype}")
     shapes = (jax.ShapeDtypeStruct(k_cache.shape, k_cache.dtype), jax.ShapeDtypeStruct(v_cache.shape, v_cache.dtype))
     return jax.ffi.ffi_call(WRITE_TARGET, shapes, input_output_aliases={0: 0, 1: 1})(
-        k_cache, v_cache, k.astype(jnp.float32), v.astype(jnp.float32), jnp.asarray(slot_mapping, jnp.int32),
-        jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,)))
+        k_cache,
+        v_cache,
+        k.astype(jnp.float32),
+        v.astype(jnp.float32),
+        jnp.asarray(slot_mapping, jnp.int32),
+        jnp.reshape(jnp.asarray(0 if layer is None else layer, jnp.int32), (1,)),
+    )

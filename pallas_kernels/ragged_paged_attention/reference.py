@@ -70,7 +70,8 @@ def ragged_paged_attention_reference(
     items_per_step: int | None = None,
 ) -> Float[Array, "T Hq D"]:
     q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs = map(
-        jnp.asarray, (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs))
+        jnp.asarray, (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
+    )
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = cache_dims(k_cache, layer)
     group = num_q_heads // num_kv_heads
@@ -80,8 +81,9 @@ def ragged_paged_attention_reference(
     chunk_blocks = max(1, min(max_blocks, chunk_tokens // block_size))
     chunk = chunk_blocks * block_size  # keys per work item
 
-    plan = make_tile_plan(cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens,
-                          block_q=block_q, sliding_window=sliding_window)
+    plan = make_tile_plan(
+        cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens, block_q=block_q, sliding_window=sliding_window
+    )
     num_tiles = plan.seq.shape[0]
     per_step = items_per_step or num_tiles
 
@@ -96,8 +98,7 @@ def ragged_paged_attention_reference(
     # Query tiles [NT, BQ, Hkv, G, D], pre-scaled; rows past a tile's end are masked below.
     slot = jnp.arange(block_q, dtype=jnp.int32)
     rows = jnp.minimum(plan.row0[:, None] + slot, num_tokens - 1)
-    q_tiles = (q[rows].astype(jnp.float32) * sm_scale).reshape(
-        num_tiles, block_q, num_kv_heads, group, head_dim)
+    q_tiles = (q[rows].astype(jnp.float32) * sm_scale).reshape(num_tiles, block_q, num_kv_heads, group, head_dim)
     row_pos = plan.pos0[:, None] + slot  # [NT, BQ]
     row_ok = slot[None, :] < plan.nrows[:, None]
     tables = block_tables.astype(jnp.int32)
@@ -147,8 +148,7 @@ def ragged_paged_attention_reference(
         return step + 1, m_new, l, acc
 
     stats = jnp.full((num_tiles + 1, block_q, num_kv_heads, group), MASK_VALUE, jnp.float32)
-    init = (jnp.int32(0), stats, jnp.zeros_like(stats),
-            jnp.zeros((*stats.shape, head_dim), jnp.float32))
+    init = (jnp.int32(0), stats, jnp.zeros_like(stats), jnp.zeros((*stats.shape, head_dim), jnp.float32))
     _, _, l, acc = jax.lax.while_loop(lambda c: c[0] * per_step < total_items, body, init)
 
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [NT+1, BQ, Hkv, G, D]
@@ -173,13 +173,13 @@ def ragged_paged_attention_dense(
 ) -> Float[Array, "T Hq D"]:
     """Naive version: every row gathers all `max_blocks` blocks of its table and masks."""
     q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs = map(
-        jnp.asarray, (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs))
+        jnp.asarray, (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
+    )
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = cache_dims(k_cache, layer)
     group = num_q_heads // num_kv_heads
     max_blocks = block_tables.shape[1]
-    plan = make_tile_plan(cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens, block_q=1,
-                          sliding_window=sliding_window)
+    plan = make_tile_plan(cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens, block_q=1, sliding_window=sliding_window)
     seq = plan.seq[plan.row_tile]
     pos = plan.pos0[plan.row_tile]
     kv_len = jnp.where(plan.row_real, plan.kv_len[plan.row_tile], 0)

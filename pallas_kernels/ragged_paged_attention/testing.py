@@ -28,8 +28,7 @@ class Batch:
     layer: int | None = None
 
     def args(self):
-        return (self.q, self.k_cache, self.v_cache, self.kv_lens, self.block_tables,
-                self.cu_q_lens, self.num_seqs)
+        return (self.q, self.k_cache, self.v_cache, self.kv_lens, self.block_tables, self.cu_q_lens, self.num_seqs)
 
     def kv_bytes_needed(self, sliding_window: int | None = None) -> int:
         """Bytes of K and V the batch's real rows attend to (one layer)."""
@@ -78,8 +77,10 @@ def make_batch(
     num_tokens = num_tokens or sum(q_lens) + 3
     assert max_seqs >= n and num_tokens >= sum(q_lens)
     need_hi = [(kl - 1) // block_size + 1 for kl in kv_lens]  # blocks 0..hi-1 hold the context
-    need_lo = [0 if sliding_window is None else max(0, kl - ql - sliding_window + 1) // block_size
-               for ql, kl in zip(q_lens, kv_lens)]
+    need_lo = [
+        0 if sliding_window is None else max(0, kl - ql - sliding_window + 1) // block_size
+        for ql, kl in zip(q_lens, kv_lens)
+    ]
     max_blocks = max_blocks or max(need_hi) + 2
     assert max_blocks >= max(need_hi)
     used = sum(hi - lo for lo, hi in zip(need_lo, need_hi))
@@ -97,7 +98,7 @@ def make_batch(
     tables[:] = rng.choice(nan_blocks, size=tables.shape) if hostile else 0
     cursor = 0
     for i, (lo, hi, kl) in enumerate(zip(need_lo, need_hi, kv_lens)):
-        tables[i, lo:hi] = real_blocks[cursor:cursor + hi - lo]
+        tables[i, lo:hi] = real_blocks[cursor : cursor + hi - lo]
         cursor += hi - lo
         if hostile:  # stale but finite garbage past the context in the last block
             tail = kl - (hi - 1) * block_size
@@ -120,12 +121,22 @@ def make_batch(
     cu[: n + 1] = np.concatenate([[0], np.cumsum(q_lens)])
     kv = np.zeros(max_seqs, np.int32)
     kv[:n] = kv_lens
-    return Batch(q, k_cache, v_cache, kv, tables, cu, np.array([n], np.int32), list(q_lens),
-                 layer if num_layers is not None else None)
+    return Batch(
+        q,
+        k_cache,
+        v_cache,
+        kv,
+        tables,
+        cu,
+        np.array([n], np.int32),
+        list(q_lens),
+        layer if num_layers is not None else None,
+    )
 
 
-def reference_f64(batch: Batch, *, sm_scale: float, sliding_window: int | None = None,
-                  soft_cap: float | None = None) -> np.ndarray:
+def reference_f64(
+    batch: Batch, *, sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None
+) -> np.ndarray:
     """Float64 attention of every real row, computed from the stored (rounded) values."""
     q = batch.q.astype(np.float64)
     k_cache = batch.k_cache if batch.layer is None else batch.k_cache[batch.layer]
@@ -138,7 +149,7 @@ def reference_f64(batch: Batch, *, sm_scale: float, sliding_window: int | None =
         kv_len = int(batch.kv_lens[i])
         start = int(batch.cu_q_lens[i])
         lo = 0 if sliding_window is None else max(0, kv_len - q_len - sliding_window + 1)
-        blocks = batch.block_tables[i, lo // block_size:(kv_len - 1) // block_size + 1]
+        blocks = batch.block_tables[i, lo // block_size : (kv_len - 1) // block_size + 1]
         k = k_cache[blocks].reshape(-1, hkv, d).astype(np.float64)
         v = v_cache[blocks].reshape(-1, hkv, d).astype(np.float64)
         first = (lo // block_size) * block_size

@@ -79,8 +79,9 @@ def supports(q, k_cache, layer) -> bool:
     return pow2(block_size) and pow2(head_dim) and head_dim >= 16 and _TritonParams is not None
 
 
-def default_config(num_tokens: int, max_seqs: int, num_q_heads: int, num_kv_heads: int,
-                   block_size: int, max_blocks: int) -> dict:
+def default_config(
+    num_tokens: int, max_seqs: int, num_q_heads: int, num_kv_heads: int, block_size: int, max_blocks: int
+) -> dict:
     """Static tiling for a bucket (num_tokens, max_seqs); all values are powers of two."""
     group_p = _next_pow2(num_q_heads // num_kv_heads)
     decode_like = num_tokens <= 2 * max_seqs
@@ -94,12 +95,32 @@ def default_config(num_tokens: int, max_seqs: int, num_q_heads: int, num_kv_head
     splits = 1
     while programs * splits < 512 and splits < 16 and max_context // (splits * 2) >= 512:
         splits *= 2
-    return dict(block_q=block_q, chunk_blocks=chunk_blocks, num_kv_splits=splits,
-                num_warps=4 if block_m <= 16 else 8, num_stages=2)
+    return dict(
+        block_q=block_q,
+        chunk_blocks=chunk_blocks,
+        num_kv_splits=splits,
+        num_warps=4 if block_m <= 16 else 8,
+        num_stages=2,
+    )
 
 
-def _kernel(meta_ref, layer_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *stat_refs,
-            sm_scale, sliding_window, soft_cap, group, group_p, chunk_blocks, num_kv_splits):
+def _kernel(
+    meta_ref,
+    layer_ref,
+    tables_ref,
+    q_ref,
+    k_ref,
+    v_ref,
+    o_ref,
+    *stat_refs,
+    sm_scale,
+    sliding_window,
+    soft_cap,
+    group,
+    group_p,
+    chunk_blocks,
+    num_kv_splits,
+):
     head = pl.program_id(1)
     split = pl.program_id(2)
     block_m, head_dim = q_ref.shape
@@ -156,8 +177,7 @@ def _kernel(meta_ref, layer_ref, tables_ref, q_ref, k_ref, v_ref, o_ref, *stat_r
         alpha = jnp.exp(m - m_new)
         l = l * alpha + p.sum(axis=1)
         v = jnp.where(key_ok, load(v_ref, blocks), 0).astype(q.dtype)
-        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                             preferred_element_type=jnp.float32)
+        pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
         return acc * alpha[:, None] + pv, m_new, l
 
     acc = jnp.zeros((block_m, head_dim), jnp.float32)
@@ -192,14 +212,20 @@ def resolve_config(q_shape, cache_shape, tables_shape, **overrides) -> KernelCon
     cfg.update({k: v for k, v in overrides.items() if v is not None})
     cfg = KernelConfig(**cfg)
     group_p = _next_pow2(num_q_heads // num_kv_heads)
-    for name, val in (("block_q", cfg.block_q), ("chunk_blocks", cfg.chunk_blocks),
-                      ("block_size", block_size), ("head_dim", head_dim)):
+    for name, val in (
+        ("block_q", cfg.block_q),
+        ("chunk_blocks", cfg.chunk_blocks),
+        ("block_size", block_size),
+        ("head_dim", head_dim),
+    ):
         if val < 1 or val & (val - 1):
             raise ValueError(f"{name}={val} must be a power of two for the Triton kernel")
     if cfg.block_q * group_p < 16 or cfg.chunk_blocks * block_size < 16 or head_dim < 16:
-        raise ValueError(f"Triton dots need >= 16 rows, keys and head_dim; got block_q*group="
-                         f"{cfg.block_q * group_p}, chunk keys={cfg.chunk_blocks * block_size}, "
-                         f"head_dim={head_dim}")
+        raise ValueError(
+            f"Triton dots need >= 16 rows, keys and head_dim; got block_q*group="
+            f"{cfg.block_q * group_p}, chunk keys={cfg.chunk_blocks * block_size}, "
+            f"head_dim={head_dim}"
+        )
     return cfg
 
 
@@ -213,13 +239,24 @@ class Prepared(NamedTuple):
     plan: TilePlan
 
 
-def prepare(q, kv_lens, block_tables, cu_q_lens, num_seqs, *, num_kv_heads: int, cfg: KernelConfig,
-            sliding_window: int | None = None, layer=None) -> Prepared:
+def prepare(
+    q,
+    kv_lens,
+    block_tables,
+    cu_q_lens,
+    num_seqs,
+    *,
+    num_kv_heads: int,
+    cfg: KernelConfig,
+    sliding_window: int | None = None,
+    layer=None,
+) -> Prepared:
     num_tokens, num_q_heads, head_dim = q.shape
     group = num_q_heads // num_kv_heads
     group_p = _next_pow2(group)
-    plan = make_tile_plan(cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens, block_q=cfg.block_q,
-                          sliding_window=sliding_window)
+    plan = make_tile_plan(
+        cu_q_lens, kv_lens, num_seqs, num_tokens=num_tokens, block_q=cfg.block_q, sliding_window=sliding_window
+    )
     num_tiles = plan.seq.shape[0]
     zero = jnp.zeros_like(plan.seq)
     meta = jnp.stack([plan.seq, plan.nrows, plan.pos0, plan.key_lo, plan.key_hi, zero, zero, zero], axis=1)
@@ -233,11 +270,22 @@ def prepare(q, kv_lens, block_tables, cu_q_lens, num_seqs, *, num_kv_heads: int,
     return Prepared(meta, layer_arr, block_tables.astype(jnp.int32), q_tiles, plan)
 
 
-def launch(prep: Prepared, k_cache, v_cache, *, cfg: KernelConfig, group: int, sm_scale: float,
-           sliding_window: int | None = None, soft_cap: float | None = None, interpret: bool = False):
+def launch(
+    prep: Prepared,
+    k_cache,
+    v_cache,
+    *,
+    cfg: KernelConfig,
+    group: int,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    interpret: bool = False,
+):
     """The pallas_call: grid (tile, kv_head, kv_split). Returns (acc,) or (acc, m, l) per split."""
     num_tiles, num_kv_heads, block_m, head_dim = prep.q_tiles.shape
     grid = (num_tiles, num_kv_heads, cfg.num_kv_splits)
+
     def full(x):  # the whole array: the kernel indexes it itself (caches, tables, layer)
         zeros = (0,) * x.ndim
         return pl.BlockSpec(x.shape, lambda t, h, j: zeros)
@@ -259,15 +307,27 @@ def launch(prep: Prepared, k_cache, v_cache, *, cfg: KernelConfig, group: int, s
         out_shape += [stat, stat]
         out_specs += [pl.BlockSpec((None, None, None, block_m), lambda t, h, j: (j, t, h, 0))] * 2
     kernel = functools.partial(
-        _kernel, sm_scale=float(sm_scale), sliding_window=sliding_window,
-        soft_cap=None if soft_cap is None else float(soft_cap), group=group, group_p=_next_pow2(group),
-        chunk_blocks=cfg.chunk_blocks, num_kv_splits=cfg.num_kv_splits)
+        _kernel,
+        sm_scale=float(sm_scale),
+        sliding_window=sliding_window,
+        soft_cap=None if soft_cap is None else float(soft_cap),
+        group=group,
+        group_p=_next_pow2(group),
+        chunk_blocks=cfg.chunk_blocks,
+        num_kv_splits=cfg.num_kv_splits,
+    )
     params = {}
     if _TritonParams is not None:
         params["compiler_params"] = _TritonParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return pl.pallas_call(
-        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        interpret=interpret, name="ragged_paged_attention", **params,
+        kernel,
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        interpret=interpret,
+        name="ragged_paged_attention",
+        **params,
     )(prep.meta, prep.layer, prep.block_tables, prep.q_tiles, k_cache, v_cache)
 
 
@@ -311,15 +371,42 @@ def ragged_paged_attention_triton(
 ) -> Float[Array, "T Hq D"]:
     """The Pallas Triton kernel behind the public contract (see the module docstring)."""
     q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs = map(
-        jnp.asarray, (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs))
+        jnp.asarray, (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
+    )
     _, _, num_kv_heads, _ = cache_dims(k_cache, layer)
     group = q.shape[1] // num_kv_heads
-    cfg = resolve_config(q.shape, k_cache.shape, block_tables.shape, block_q=block_q, chunk_blocks=chunk_blocks,
-                         num_kv_splits=num_kv_splits, num_warps=num_warps, num_stages=num_stages)
+    cfg = resolve_config(
+        q.shape,
+        k_cache.shape,
+        block_tables.shape,
+        block_q=block_q,
+        chunk_blocks=chunk_blocks,
+        num_kv_splits=num_kv_splits,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
-    prep = prepare(q, kv_lens, block_tables, cu_q_lens, num_seqs, num_kv_heads=num_kv_heads, cfg=cfg,
-                   sliding_window=sliding_window, layer=layer)
-    outs = launch(prep, k_cache, v_cache, cfg=cfg, group=group, sm_scale=sm_scale,
-                  sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret)
+    prep = prepare(
+        q,
+        kv_lens,
+        block_tables,
+        cu_q_lens,
+        num_seqs,
+        num_kv_heads=num_kv_heads,
+        cfg=cfg,
+        sliding_window=sliding_window,
+        layer=layer,
+    )
+    outs = launch(
+        prep,
+        k_cache,
+        v_cache,
+        cfg=cfg,
+        group=group,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+        interpret=interpret,
+    )
     return finish(outs, prep.plan, q_shape=q.shape, group=group, block_q=cfg.block_q, dtype=q.dtype)

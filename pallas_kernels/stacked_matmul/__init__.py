@@ -89,12 +89,12 @@ def packed_matmul(x: Float[Array, "T K"], w) -> Float[Array, "T N"]:
 
 
 def kernel_applies(x, w) -> bool:
-    return (jax.default_backend() == "cpu"
-            and x.dtype == jnp.float32 and w.dtype == jnp.float32 and available())
+    return jax.default_backend() == "cpu" and x.dtype == jnp.float32 and w.dtype == jnp.float32 and available()
 
 
-def stacked_matmul(x: Float[Array, "T K"], w: Float[Array, "L K *N"], layer: Int[Array, ""] | int,
-                   *, backend: str = "auto") -> Float[Array, " T *N"]:
+def stacked_matmul(
+    x: Float[Array, "T K"], w: Float[Array, "L K *N"], layer: Int[Array, ""] | int, *, backend: str = "auto"
+) -> Float[Array, " T *N"]:
     """`x @ w[layer]`, contracting x's last axis with the layer's first."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -117,8 +117,10 @@ def stacked_matmul_cpu(x, w, layer, *, packed: bool = False):
         raise RuntimeError("the CPU stacked-matmul kernel could not be built (see the warning above)")
     dtypes_ok = x.dtype == w.dtype == jnp.float32 or (packed and x.dtype == w.dtype == jnp.bfloat16)
     if x.ndim != 2 or not dtypes_ok:
-        raise ValueError(f"the CPU kernel takes float32 x [T, K] and w [L, K, ...] (or both bfloat16, packed), "
-                         f"got {x.dtype}{x.shape}, {w.dtype}{w.shape}")
+        raise ValueError(
+            f"the CPU kernel takes float32 x [T, K] and w [L, K, ...] (or both bfloat16, packed), "
+            f"got {x.dtype}{x.shape}, {w.dtype}{w.shape}"
+        )
     out = jax.ShapeDtypeStruct((x.shape[0], math.prod(w.shape[2:])), jnp.float32)
     flat = jax.ffi.ffi_call(TARGET, out)(x, w, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), packed=packed)
     return flat.reshape(x.shape[0], *w.shape[2:])

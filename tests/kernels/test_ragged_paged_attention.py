@@ -43,9 +43,18 @@ KINDS = {
 def _batch(kind, *, group, block_size, head_dim, dtype, seed=0, **kw):
     q_lens, kv_lens = KINDS[kind]
     return make_batch(
-        np.random.default_rng(seed), q_lens, kv_lens, num_q_heads=NUM_KV_HEADS * group,
-        num_kv_heads=NUM_KV_HEADS, head_dim=head_dim, block_size=block_size, dtype=jnp.dtype(dtype),
-        max_blocks=MAX_CONTEXT // block_size + 2, **BUCKET, **kw)
+        np.random.default_rng(seed),
+        q_lens,
+        kv_lens,
+        num_q_heads=NUM_KV_HEADS * group,
+        num_kv_heads=NUM_KV_HEADS,
+        head_dim=head_dim,
+        block_size=block_size,
+        dtype=jnp.dtype(dtype),
+        max_blocks=MAX_CONTEXT // block_size + 2,
+        **BUCKET,
+        **kw,
+    )
 
 
 @functools.cache
@@ -70,13 +79,34 @@ def _check(batch, out, dtype, *, sm_scale, sliding_window=None, soft_cap=None):
     return err
 
 
-def _run(backend, kinds, *, group, block_size, head_dim, dtype, sliding_window=None, soft_cap=None,
-         layer=None, num_layers=None, q_dtype=None, **kw):
-    sm_scale = head_dim ** -0.5
+def _run(
+    backend,
+    kinds,
+    *,
+    group,
+    block_size,
+    head_dim,
+    dtype,
+    sliding_window=None,
+    soft_cap=None,
+    layer=None,
+    num_layers=None,
+    q_dtype=None,
+    **kw,
+):
+    sm_scale = head_dim**-0.5
     fn = _compiled(backend, sm_scale, sliding_window, soft_cap, **kw)
     for kind in kinds:
-        batch = _batch(kind, group=group, block_size=block_size, head_dim=head_dim, dtype=dtype,
-                       sliding_window=sliding_window, num_layers=num_layers, layer=layer)
+        batch = _batch(
+            kind,
+            group=group,
+            block_size=block_size,
+            head_dim=head_dim,
+            dtype=dtype,
+            sliding_window=sliding_window,
+            num_layers=num_layers,
+            layer=layer,
+        )
         if q_dtype is not None:  # e.g. kv_cache_dtype="bfloat16" under a float32 model
             batch.q = batch.q.astype(q_dtype)
         args = batch.args()
@@ -85,6 +115,7 @@ def _run(backend, kinds, *, group, block_size, head_dim, dtype, sliding_window=N
 
 
 # --- the reference and the C++ CPU kernel: the full cross product ---------------------------
+
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -95,26 +126,30 @@ def test_cross_product(backend, group, block_size, head_dim, dtype):
     _run(backend, KINDS, group=group, block_size=block_size, head_dim=head_dim, dtype=dtype)
 
 
-@pytest.mark.parametrize("kw", [
-    dict(chunk_tokens=8, items_per_step=1),  # one block per item, one item per step: many merges
-    dict(chunk_tokens=32, items_per_step=3, block_q=4),  # items of one tile split across steps
-    dict(chunk_tokens=256, block_q=32),  # whole context in one item, tiles wider than sequences
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(chunk_tokens=8, items_per_step=1),  # one block per item, one item per step: many merges
+        dict(chunk_tokens=32, items_per_step=3, block_q=4),  # items of one tile split across steps
+        dict(chunk_tokens=256, block_q=32),  # whole context in one item, tiles wider than sequences
+    ],
+)
 def test_reference_tilings(kw):
     _run("reference", KINDS, group=3, block_size=8, head_dim=64, dtype="float32", **kw)
 
 
 # --- a bfloat16 cache under float32 queries ------------------------------------------------
 
+
 @pytest.mark.parametrize("backend", ["reference", "cpu"])
 @pytest.mark.parametrize("group,block_size,head_dim", [(3, 16, 64), (1, 8, 128), (4, 32, 64)])
 def test_bfloat16_cache_float32_queries(backend, group, block_size, head_dim):
     """kv_cache_dtype="bfloat16" with a float32 model: half the bytes read, float32 math."""
-    _run(backend, KINDS, group=group, block_size=block_size, head_dim=head_dim, dtype="bfloat16",
-         q_dtype=np.float32)
+    _run(backend, KINDS, group=group, block_size=block_size, head_dim=head_dim, dtype="bfloat16", q_dtype=np.float32)
 
 
 # --- the C++ CPU kernel's decode path: rows split over threads, and its fallbacks ----------
+
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("sliding_window,soft_cap", [(None, None), (1900, 30.0)])
@@ -122,10 +157,19 @@ def test_cpu_decode_rows_split_into_slices(dtype, sliding_window, soft_cap):
     """Decode rows long enough to be split into slices (flash-decoding, on >= 2 threads: more than the
     kernel's kMinTeamCost of 4096 keys in all) beside short ones; slices start mid-block under the window,
     and the last block has a tail."""
-    batch = make_batch(np.random.default_rng(1), [1] * 6, [2900, 37, 1, 1333, 603, 2500], num_q_heads=9, num_kv_heads=3,
-                       head_dim=64, block_size=16, dtype=jnp.dtype(dtype), sliding_window=sliding_window)
-    out = _compiled("cpu", 64 ** -0.5, sliding_window, soft_cap)(*batch.args())
-    _check(batch, out, dtype, sm_scale=64 ** -0.5, sliding_window=sliding_window, soft_cap=soft_cap)
+    batch = make_batch(
+        np.random.default_rng(1),
+        [1] * 6,
+        [2900, 37, 1, 1333, 603, 2500],
+        num_q_heads=9,
+        num_kv_heads=3,
+        head_dim=64,
+        block_size=16,
+        dtype=jnp.dtype(dtype),
+        sliding_window=sliding_window,
+    )
+    out = _compiled("cpu", 64**-0.5, sliding_window, soft_cap)(*batch.args())
+    _check(batch, out, dtype, sm_scale=64**-0.5, sliding_window=sliding_window, soft_cap=soft_cap)
 
 
 @pytest.mark.parametrize("group,head_dim", [(2, 40), (12, 64)])
@@ -160,18 +204,27 @@ def test_table_entries_past_the_context_are_never_followed(backend):
     for i in range(batch.block_tables.shape[0]):
         used = -(-int(batch.kv_lens[i]) // block_size) if i < len(batch.q_lens) else 0
         batch.block_tables[i, used:] = garbage[used:]
-    out = _compiled(backend, head_dim ** -0.5)(*batch.args())
-    _check(batch, out, "float32", sm_scale=head_dim ** -0.5)
+    out = _compiled(backend, head_dim**-0.5)(*batch.args())
+    _check(batch, out, "float32", sm_scale=head_dim**-0.5)
 
 
 # --- sliding window, soft cap, the layer-stacked cache ------------------------------------
+
 
 @pytest.mark.parametrize("backend", ["reference", "pallas", "cpu"])
 @pytest.mark.parametrize("sliding_window,soft_cap", [(24, None), (None, 20.0), (9, 5.0)])
 def test_window_and_soft_cap(backend, sliding_window, soft_cap):
     # the batch builder also points table entries wholly before each window at NaN blocks
-    _run(backend, ["mixed", "prefill"], group=4, block_size=8, head_dim=64, dtype="float32",
-         sliding_window=sliding_window, soft_cap=soft_cap)
+    _run(
+        backend,
+        ["mixed", "prefill"],
+        group=4,
+        block_size=8,
+        head_dim=64,
+        dtype="float32",
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
 
 
 @pytest.mark.parametrize("backend", ["reference", "pallas", "cpu"])
@@ -185,29 +238,32 @@ def test_layer_stacked_cache(backend, dtype):
 def test_layer_stacked_cache_in_scan(backend):
     """The model's pattern: scan over layers with the whole 5-D cache as carry, traced layer."""
     num_layers, head_dim = 3, 64
-    batch = _batch("mixed", group=4, block_size=16, head_dim=head_dim, dtype="float32", num_layers=num_layers,
-                   layer=0)
+    batch = _batch("mixed", group=4, block_size=16, head_dim=head_dim, dtype="float32", num_layers=num_layers, layer=0)
     q, k_cache, v_cache, *meta = batch.args()
 
     @jax.jit
     def run(q, k_cache, v_cache, *meta):
         def step(carry, layer):
             k, v = carry
-            out = ragged_paged_attention(q, k, v, *meta, sm_scale=head_dim ** -0.5, layer=layer, backend=backend)
+            out = ragged_paged_attention(q, k, v, *meta, sm_scale=head_dim**-0.5, layer=layer, backend=backend)
             return (k, v), out
+
         _, outs = jax.lax.scan(step, (k_cache, v_cache), jnp.arange(num_layers, dtype=jnp.int32))
         return outs
 
     outs = run(q, k_cache, v_cache, *meta)
     for layer in range(num_layers):
         batch.layer = layer
-        _check(batch, outs[layer], "float32", sm_scale=head_dim ** -0.5)
+        _check(batch, outs[layer], "float32", sm_scale=head_dim**-0.5)
 
 
 def test_pallas_lowers_stacked_cache_without_copy():
     """In HLO the kernel takes the whole 5-D cache: no per-layer slice is materialised."""
-    f = jax.jit(lambda q, k, v, *m, layer: ragged_paged_attention_triton(
-        q, k, v, *m, layer=layer, sm_scale=0.1, interpret=False))
+    f = jax.jit(
+        lambda q, k, v, *m, layer: ragged_paged_attention_triton(
+            q, k, v, *m, layer=layer, sm_scale=0.1, interpret=False
+        )
+    )
     args = _shapes(five=True)
     text = f.trace(*args, layer=jnp.int32(1)).lower(lowering_platforms=("cuda",)).as_text()
     call = next(line for line in text.splitlines() if "xla.gpu.triton" in line)
@@ -216,20 +272,30 @@ def test_pallas_lowers_stacked_cache_without_copy():
 
 # --- compiled for CUDA, on this CPU-only machine -----------------------------------------
 
+
 def _shapes(five: bool, dtype=jnp.bfloat16, num_tokens=32, max_seqs=8, head_dim=64, group=4):
     sds = jax.ShapeDtypeStruct
     cache = (3, 64, 16, NUM_KV_HEADS, head_dim) if five else (64, 16, NUM_KV_HEADS, head_dim)
-    return (sds((num_tokens, NUM_KV_HEADS * group, head_dim), dtype), sds(cache, dtype), sds(cache, dtype),
-            sds((max_seqs,), jnp.int32), sds((max_seqs, 16), jnp.int32), sds((max_seqs + 1,), jnp.int32),
-            sds((1,), jnp.int32))
+    return (
+        sds((num_tokens, NUM_KV_HEADS * group, head_dim), dtype),
+        sds(cache, dtype),
+        sds(cache, dtype),
+        sds((max_seqs,), jnp.int32),
+        sds((max_seqs, 16), jnp.int32),
+        sds((max_seqs + 1,), jnp.int32),
+        sds((1,), jnp.int32),
+    )
 
 
-@pytest.mark.parametrize("kw", [
-    dict(five=False),
-    dict(five=True),
-    dict(five=False, dtype=jnp.float32, num_tokens=8, group=3, num_kv_splits=4, sliding_window=32, soft_cap=30.0),
-    dict(five=True, num_tokens=256, head_dim=128, group=1),
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(five=False),
+        dict(five=True),
+        dict(five=False, dtype=jnp.float32, num_tokens=8, group=3, num_kv_splits=4, sliding_window=32, soft_cap=30.0),
+        dict(five=True, num_tokens=256, head_dim=128, group=1),
+    ],
+)
 def test_lowers_for_cuda(kw):
     kw = dict(kw)
     static = {k: kw.pop(k) for k in ("num_kv_splits", "sliding_window", "soft_cap") if k in kw}
@@ -245,6 +311,7 @@ def test_lowers_for_cuda(kw):
 
 # --- contract, dispatch, compilation ------------------------------------------------------
 
+
 def test_dispatch_and_errors():
     batch = _batch("mixed", group=1, block_size=16, head_dim=64, dtype="float32")
     assert jax.default_backend() == "cpu"
@@ -259,7 +326,7 @@ def test_dispatch_and_errors():
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         ragged_paged_attention(*f16, sm_scale=0.125, backend="cpu")
     fallback = ragged_paged_attention(*f16, sm_scale=0.125)  # "auto" falls back to the reference
-    assert not np.isnan(np.asarray(fallback, np.float32)[:sum(batch.q_lens)]).any()
+    assert not np.isnan(np.asarray(fallback, np.float32)[: sum(batch.q_lens)]).any()
     with pytest.raises(ValueError, match="backend"):
         ragged_paged_attention(*batch.args(), sm_scale=0.125, backend="cuda")
     q, k, v, *meta = batch.args()
@@ -282,6 +349,7 @@ def test_one_compilation_serves_every_context_length():
 
 # --- write_kv ------------------------------------------------------------------------------
 
+
 def _cache(shape, seed=0):
     return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
 
@@ -298,7 +366,7 @@ def test_write_kv_scatters_by_slot(layer, dtype, backend):
     slots = np.concatenate([real, [0, 0, 0]]).astype(np.int32)  # three padding rows -> scratch slot
     k_new = rng.standard_normal((len(slots), hkv, d)).astype(np.float32)
     v_new = rng.standard_normal((len(slots), hkv, d)).astype(np.float32)
-    k_new[0, 0, :3] = [np.nan, np.inf, 1 + 2 ** -8]  # NaN, inf and a bfloat16 rounding tie survive the cast
+    k_new[0, 0, :3] = [np.nan, np.inf, 1 + 2**-8]  # NaN, inf and a bfloat16 rounding tie survive the cast
     lay = None if layer is None else jnp.int32(layer)
     write = functools.partial(pallas_kernels.write_kv, backend=backend)
     k_out, v_out = jax.jit(write)(k_cache, v_cache, k_new, v_new, slots, lay)
@@ -353,6 +421,7 @@ def test_layer_scan_with_write_and_attention_does_not_copy_the_cache():
             k, v = pallas_kernels.write_kv(*carry, new, new, slots, layer)
             out = ragged_paged_attention(q, k, v, kv_lens, tables, cu, num_seqs, sm_scale=0.125, layer=layer)
             return (k, v), out.sum()
+
         (k, v), outs = jax.lax.scan(layer_fn, (k_cache, v_cache), jnp.arange(num_layers, dtype=jnp.int32))
         return k, v, outs
 

@@ -24,9 +24,18 @@ def poisoned_stack(rng, layers, k, out_shape, layer):
 
 # rows 1-4 stream the weights; more multiply packed 32-column panels in 8-row tiles: cover both,
 # a last panel narrower than 32 columns (257, 105) and a last tile shorter than 8 rows (13, 37)
-@pytest.mark.parametrize("rows,k,out_shape", [(1, 576, (960,)), (3, 200, (3, 5, 7)), (8, 131, (2, 257)),
-                                               (2, 1536, (576,)), (13, 64, (105,)), (37, 576, (3, 2, 64)),
-                                               (64, 100, (96,))])
+@pytest.mark.parametrize(
+    "rows,k,out_shape",
+    [
+        (1, 576, (960,)),
+        (3, 200, (3, 5, 7)),
+        (8, 131, (2, 257)),
+        (2, 1536, (576,)),
+        (13, 64, (105,)),
+        (37, 576, (3, 2, 64)),
+        (64, 100, (96,)),
+    ],
+)
 def test_kernel_matches_the_oracle_and_reads_only_its_layer(rows, k, out_shape):
     assert stacked_matmul.available(), "the C++ kernel must build here (a C++ compiler is a test requirement)"
     rng = np.random.default_rng(rows * 1000 + k)
@@ -44,8 +53,10 @@ def test_kernel_matches_the_oracle_and_reads_only_its_layer(rows, k, out_shape):
 # bfloat16 (x and w, K even): the oracle multiplies the same bfloat16 values in float64, so only the
 # float32 accumulation may differ
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("rows,k,out_shape", [(1, 576, (960,)), (3, 200, (2, 32)), (8, 132, (64,)),
-                                               (13, 1536, (576,)), (37, 64, (3, 2, 64)), (64, 100, (96,))])
+@pytest.mark.parametrize(
+    "rows,k,out_shape",
+    [(1, 576, (960,)), (3, 200, (2, 32)), (8, 132, (64,)), (13, 1536, (576,)), (37, 64, (3, 2, 64)), (64, 100, (96,))],
+)
 def test_packed_kernel_matches_the_oracle_and_reads_only_its_layer(rows, k, out_shape, dtype):
     rng = np.random.default_rng(rows * 1000 + k)
     layers, layer = 5, int(rng.integers(0, 5))
@@ -117,6 +128,7 @@ def test_inside_a_scan_over_layers():
     def run(fn):
         def body(h, layer):
             return jnp.tanh(fn(h, w, layer)), None
+
         return jax.jit(lambda x: jax.lax.scan(body, x, jnp.arange(4))[0])(x)
 
     want = x.astype(np.float64)

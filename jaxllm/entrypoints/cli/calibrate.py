@@ -12,13 +12,20 @@ CALIBRATION_DEFAULTS = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_mo
 
 
 def register(sub) -> None:
-    parser = sub.add_parser("calibrate", help="fit the simulator's step-time model on this machine",
-                            formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = sub.add_parser(
+        "calibrate",
+        help="fit the simulator's step-time model on this machine",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     parser.add_argument("--out", required=True, metavar="FILE", help="the cost model JSON to write")
     parser.add_argument("--repeats", type=int, default=5, help="rounds over the sweep (each point keeps its median)")
-    parser.add_argument("--server", action=argparse.BooleanOptionalAction, default=True,
-                        help="also fit what `jaxllm serve` adds (a child server on a light trace), for simulating "
-                             "a server; --no-server models the offline engine")
+    parser.add_argument(
+        "--server",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also fit what `jaxllm serve` adds (a child server on a light trace), for simulating "
+        "a server; --no-server models the offline engine",
+    )
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(func=run, **CALIBRATION_DEFAULTS)
 
@@ -38,17 +45,23 @@ def run(args) -> None:
         model = calibrate_server(model, same_pool.to_cli_args())
     model.save(args.out)
     fit = model.fit
-    print(f"cost model ({model.form}) fitted on {fit['samples']} device steps: mean |error| "
-          f"{fit['mean_abs_rel_error']:.1%}, p90 {fit['p90_abs_rel_error']:.1%}; on {fit['engine_steps']} engine steps: "
-          f"mean {fit['engine_mean_abs_rel_error']:.1%}, total time {fit['engine_total_rel_error']:.1%}; "
-          f"{event_costs(fit, 'engine')}")
+    print(
+        f"cost model ({model.form}) fitted on {fit['samples']} device steps: mean |error| "
+        f"{fit['mean_abs_rel_error']:.1%}, p90 {fit['p90_abs_rel_error']:.1%}; on {fit['engine_steps']} engine steps: "
+        f"mean {fit['engine_mean_abs_rel_error']:.1%}, total time {fit['engine_total_rel_error']:.1%}; "
+        f"{event_costs(fit, 'engine')}"
+    )
     if args.server:
-        print(f"server: +{fit['server_overhead_per_step_s'] * 1e3:.1f} ms per step, {model.request_latency_s * 1e3:.1f} ms "
-              f"per request, {event_costs(fit, 'server')}; mean TTFT error {fit['server_mean_ttft_rel_error']:.1%}, "
-              f"mean TPOT error {fit['server_mean_tpot_rel_error']:.1%} on {fit['server_requests']} requests")
+        print(
+            f"server: +{fit['server_overhead_per_step_s'] * 1e3:.1f} ms per step, {model.request_latency_s * 1e3:.1f} ms "
+            f"per request, {event_costs(fit, 'server')}; mean TTFT error {fit['server_mean_ttft_rel_error']:.1%}, "
+            f"mean TPOT error {fit['server_mean_tpot_rel_error']:.1%} on {fit['server_requests']} requests"
+        )
     print(f"wrote {args.out}")
 
 
 def event_costs(fit: dict, prefix: str) -> str:
-    return (f"+{fit[prefix + '_idle_wake_s'] * 1e3:.1f} ms on the first step after idling, "
-            f"+{fit[prefix + '_per_prefill_step_s'] * 1e3:.1f} ms per prefill step")
+    return (
+        f"+{fit[prefix + '_idle_wake_s'] * 1e3:.1f} ms on the first step after idling, "
+        f"+{fit[prefix + '_per_prefill_step_s'] * 1e3:.1f} ms per prefill step"
+    )

@@ -35,10 +35,19 @@ def sampling_params(args):
     from jaxllm.sampling_params import SamplingParams
 
     return SamplingParams(
-        n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
-        seed=args.sampling_seed, stop=args.stop, ignore_eos=args.ignore_eos,
+        n=args.n,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        max_tokens=args.max_tokens,
+        min_tokens=args.min_tokens,
+        seed=args.sampling_seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
     )
 
 

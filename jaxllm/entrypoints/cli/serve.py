@@ -13,21 +13,36 @@ from jaxllm.engine.args import EngineArgs
 
 def register(sub) -> None:
     serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    serve.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
-                       help="model path or HF repo (same as --model; default: SmolLM2-135M-Instruct)")
+    serve.add_argument(
+        "model_tag",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="model path or HF repo (same as --model; default: SmolLM2-135M-Instruct)",
+    )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=os.environ.get("JAXLLM_API_KEY"),
-                       help="require `Authorization: Bearer KEY` on /v1/* (default: $JAXLLM_API_KEY)")
-    serve.add_argument("--served-model-name", nargs="+", default=None,
-                       help="the model name(s) clients use (default: the model's path)")
-    serve.add_argument("--max-log-len", type=int, default=None,
-                       help="log at most this many characters of each prompt")
+    serve.add_argument(
+        "--api-key",
+        default=os.environ.get("JAXLLM_API_KEY"),
+        help="require `Authorization: Bearer KEY` on /v1/* (default: $JAXLLM_API_KEY)",
+    )
+    serve.add_argument(
+        "--served-model-name", nargs="+", default=None, help="the model name(s) clients use (default: the model's path)"
+    )
+    serve.add_argument("--max-log-len", type=int, default=None, help="log at most this many characters of each prompt")
     serve.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
-    serve.add_argument("--timeout-graceful-shutdown", type=float, default=5.0,
-                       help="seconds shutdown waits for responses to finish after aborting them")
-    serve.add_argument("--headless", action="store_true",
-                       help="multi-host follower (--node-rank > 0): no HTTP, only run node 0's steps")
+    serve.add_argument(
+        "--timeout-graceful-shutdown",
+        type=float,
+        default=5.0,
+        help="seconds shutdown waits for responses to finish after aborting them",
+    )
+    serve.add_argument(
+        "--headless",
+        action="store_true",
+        help="multi-host follower (--node-rank > 0): no HTTP, only run node 0's steps",
+    )
     EngineArgs.add_cli_args(serve)
     serve.set_defaults(func=run)
 
@@ -50,9 +65,19 @@ def run(args) -> None:
 
         run_headless(EngineArgs.from_cli_args(args))
         return
-    engine = AsyncLLM.from_engine_args(EngineArgs.from_cli_args(args), log_stats=not args.disable_log_stats,
-                                       served_model_name=(args.served_model_name or [None])[0])
-    app = build_app(engine, served_model_names=args.served_model_name, api_key=args.api_key,
-                    max_log_len=args.max_log_len)
-    serve_http(app, engine, host=args.host, port=args.port, log_level=args.log_level.lower(),
-               timeout_graceful_shutdown=args.timeout_graceful_shutdown)
+    engine = AsyncLLM.from_engine_args(
+        EngineArgs.from_cli_args(args),
+        log_stats=not args.disable_log_stats,
+        served_model_name=(args.served_model_name or [None])[0],
+    )
+    app = build_app(
+        engine, served_model_names=args.served_model_name, api_key=args.api_key, max_log_len=args.max_log_len
+    )
+    serve_http(
+        app,
+        engine,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level.lower(),
+        timeout_graceful_shutdown=args.timeout_graceful_shutdown,
+    )

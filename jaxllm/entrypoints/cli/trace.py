@@ -13,10 +13,15 @@ def register(sub) -> None:
     synth.add_argument("--num-requests", type=int, default=1000)
     synth.add_argument("--seed", type=int, default=0)
     arrivals = synth.add_argument_group("arrivals")
-    arrivals.add_argument("--request-rate", type=float, default=float("inf"),
-                          help="requests per second (default inf: all at time 0)")
-    arrivals.add_argument("--burstiness", type=float, default=1.0,
-                          help="gamma shape of the gaps: 1 is Poisson, below 1 burstier (vLLM's --burstiness)")
+    arrivals.add_argument(
+        "--request-rate", type=float, default=float("inf"), help="requests per second (default inf: all at time 0)"
+    )
+    arrivals.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of the gaps: 1 is Poisson, below 1 burstier (vLLM's --burstiness)",
+    )
     lengths = synth.add_argument_group("lengths")
     from jaxllm.sim.synth import DISTRIBUTIONS
 
@@ -27,8 +32,12 @@ def register(sub) -> None:
     lengths.add_argument("--range-ratio", type=float, default=0.5, help="uniform: mean·[1-r, 1+r]")
     lengths.add_argument("--sigma", type=float, default=1.0, help="lognormal: spread in log space")
     mix = synth.add_argument_group("prefixes, tenants, priorities")
-    mix.add_argument("--num-prefix-groups", type=int, default=0,
-                     help="requests share one of this many prefixes (their prompt: prefix + input-len tokens)")
+    mix.add_argument(
+        "--num-prefix-groups",
+        type=int,
+        default=0,
+        help="requests share one of this many prefixes (their prompt: prefix + input-len tokens)",
+    )
     mix.add_argument("--prefix-len", type=int, default=0, help="shared prefix length (tokens)")
     mix.add_argument("--num-users", type=int, default=0, help="tenants (the `user` field)")
     mix.add_argument("--user-skew", type=float, default=0.0, help="Zipf exponent of tenant shares (0: equal)")
@@ -41,13 +50,27 @@ def run_synth(args) -> None:
     from jaxllm.sim.trace import save_trace
 
     def dist(which: str) -> LengthDist:
-        return LengthDist(getattr(args, f"{which}_len"), getattr(args, f"{which}_dist"), args.range_ratio, args.sigma,
-                          maximum=getattr(args, f"max_{which}_len"))
+        return LengthDist(
+            getattr(args, f"{which}_len"),
+            getattr(args, f"{which}_dist"),
+            args.range_ratio,
+            args.sigma,
+            maximum=getattr(args, f"max_{which}_len"),
+        )
 
-    trace = synthesize(args.num_requests, request_rate=args.request_rate, burstiness=args.burstiness,
-                       input_len=dist("input"), output_len=dist("output"), num_prefix_groups=args.num_prefix_groups,
-                       prefix_len=args.prefix_len, num_users=args.num_users, user_skew=args.user_skew,
-                       num_priorities=args.num_priorities, seed=args.seed)
+    trace = synthesize(
+        args.num_requests,
+        request_rate=args.request_rate,
+        burstiness=args.burstiness,
+        input_len=dist("input"),
+        output_len=dist("output"),
+        num_prefix_groups=args.num_prefix_groups,
+        prefix_len=args.prefix_len,
+        num_users=args.num_users,
+        user_skew=args.user_skew,
+        num_priorities=args.num_priorities,
+        seed=args.seed,
+    )
     save_trace(trace, args.out)
     span = trace[-1].arrival_time
     print(f"wrote {len(trace)} requests over {span:.1f} s to {args.out}")

@@ -17,8 +17,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import jaxllm
 from jaxllm.engine.async_llm import AsyncLLM
 from jaxllm.entrypoints.openai.errors import OpenAIError, parse_request, status_error
-from jaxllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                ModelCard, ModelList, TokenizeRequest)
+from jaxllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
 from jaxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jaxllm.entrypoints.openai.serving_engine import convert_engine_errors
@@ -29,8 +35,13 @@ logger = logging.getLogger("jaxllm.server")
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None, api_key: str | None = None,
-              max_log_len: int | None = None) -> FastAPI:
+def build_app(
+    engine: AsyncLLM,
+    *,
+    served_model_names: list[str] | None = None,
+    api_key: str | None = None,
+    max_log_len: int | None = None,
+) -> FastAPI:
     names = served_model_names or [engine.model_name]
     completion = OpenAIServingCompletion(engine, names, max_log_len)
     chat = OpenAIServingChat(engine, names, max_log_len)
@@ -75,8 +86,7 @@ def build_app(engine: AsyncLLM, *, served_model_names: list[str] | None = None, 
 
     @app.get("/v1/models")
     async def models():
-        cards = [ModelCard(id=name, root=engine.info.model, max_model_len=engine.info.max_model_len)
-                 for name in names]
+        cards = [ModelCard(id=name, root=engine.info.model, max_model_len=engine.info.max_model_len) for name in names]
         return ModelList(data=cards)
 
     @app.post("/tokenize")

@@ -14,8 +14,15 @@ from http import HTTPStatus
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
 
-TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-         405: "invalid_request_error", 413: "invalid_request_error", 500: "server_error", 503: "server_error"}
+TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "server_error",
+    503: "server_error",
+}
 
 
 class OpenAIError(Exception):
@@ -40,8 +47,9 @@ def bad_request(message: str, param: str | None = None) -> OpenAIError:
 
 
 def not_supported(param: str) -> OpenAIError:
-    return OpenAIError(f"'{param}' is not supported yet by this server", status=400, param=param,
-                       code="unsupported_parameter")
+    return OpenAIError(
+        f"'{param}' is not supported yet by this server", status=400, param=param, code="unsupported_parameter"
+    )
 
 
 def from_validation_error(e: ValidationError) -> OpenAIError:
@@ -54,8 +62,9 @@ def from_validation_error(e: ValidationError) -> OpenAIError:
     message = f"{param}: {first['msg']}" if param else first["msg"]
     if first["type"] == "missing":
         message = f"'{param}' is a required property"
-    return OpenAIError(message, param=param, code="missing_required_parameter" if first["type"] == "missing"
-                       else "invalid_type")
+    return OpenAIError(
+        message, param=param, code="missing_required_parameter" if first["type"] == "missing" else "invalid_type"
+    )
 
 
 def _is_union_branch(part) -> bool:

@@ -29,11 +29,18 @@ class GracefulServer(uvicorn.Server):
         await super().shutdown(sockets)
 
 
-def serve_http(app, engine: AsyncLLM, *, host: str, port: int, log_level: str = "info",
-               timeout_graceful_shutdown: float = 5.0) -> None:
+def serve_http(
+    app, engine: AsyncLLM, *, host: str, port: int, log_level: str = "info", timeout_graceful_shutdown: float = 5.0
+) -> None:
     """Serve until SIGINT/SIGTERM (blocks); the engine is shut down on the way out."""
-    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, lifespan="off",
-                            timeout_graceful_shutdown=timeout_graceful_shutdown)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_level=log_level,
+        lifespan="off",
+        timeout_graceful_shutdown=timeout_graceful_shutdown,
+    )
     try:
         GracefulServer(config, engine).run()
     finally:

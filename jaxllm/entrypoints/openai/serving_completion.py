@@ -6,17 +6,29 @@ from collections.abc import AsyncIterator
 from contextlib import aclosing
 
 from jaxllm.entrypoints.openai.errors import bad_request, not_supported
-from jaxllm.entrypoints.openai.protocol import (CompletionChoice, CompletionLogProbs, CompletionRequest,
-                                                CompletionResponse, random_id)
-from jaxllm.entrypoints.openai.serving_engine import (SSE_DONE, OpenAIServing, convert_engine_errors, engine_error,
-                                                      sse, usage)
+from jaxllm.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    random_id,
+)
+from jaxllm.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    OpenAIServing,
+    convert_engine_errors,
+    engine_error,
+    sse,
+    usage,
+)
 from jaxllm.outputs import CompletionOutput, Logprob
 from jaxllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
 class OpenAIServingCompletion(OpenAIServing):
-    async def create_completion(self, request: CompletionRequest,
-                                request_id: str | None = None) -> CompletionResponse | AsyncIterator[str]:
+    async def create_completion(
+        self, request: CompletionRequest, request_id: str | None = None
+    ) -> CompletionResponse | AsyncIterator[str]:
         """The response, or (stream=True) the server-sent events. Request errors raise before anything runs."""
         self.check_model(request.model)
         self.check_engine()
@@ -29,16 +41,18 @@ class OpenAIServingCompletion(OpenAIServing):
             return self.stream(request, request_id, prompts, outputs)
         return await self.full_response(request, request_id, prompts, outputs)
 
-    def completion_sampling_params(self, request: CompletionRequest, prompt_len: int,
-                                   structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+    def completion_sampling_params(
+        self, request: CompletionRequest, prompt_len: int, structured_outputs: StructuredOutputsParams | None = None
+    ) -> SamplingParams:
         """The request's SamplingParams for a prompt of `prompt_len` tokens."""
         if request.suffix is not None:
             raise not_supported("suffix")
         if request.echo and request.logprobs is not None:
             raise bad_request("echo with logprobs needs prompt logprobs, which are not supported yet", param="echo")
         max_tokens = self.token_budget(request.max_tokens, prompt_len, "max_tokens")
-        return self.sampling_params(request, max_tokens=max_tokens, logprobs=request.logprobs,
-                                    structured_outputs=structured_outputs)
+        return self.sampling_params(
+            request, max_tokens=max_tokens, logprobs=request.logprobs, structured_outputs=structured_outputs
+        )
 
     def prompts(self, request: CompletionRequest) -> list[dict]:
         """Every prompt as {"prompt": text, "prompt_token_ids": ids}, checked against the model's limits."""
@@ -75,13 +89,19 @@ class OpenAIServingCompletion(OpenAIServing):
             echo = (out.prompt or "") if request.echo else ""
             for c in out.outputs:
                 generated += len(c.token_ids)
-                choices.append(CompletionChoice(
-                    index=i * request.n + c.index, text=echo + c.text,
-                    logprobs=completion_logprobs(c, len(echo))[0] if request.logprobs is not None else None,
-                    finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+                choices.append(
+                    CompletionChoice(
+                        index=i * request.n + c.index,
+                        text=echo + c.text,
+                        logprobs=completion_logprobs(c, len(echo))[0] if request.logprobs is not None else None,
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                    )
+                )
         prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
-        return CompletionResponse(id=request_id, model=self.model_name(request), choices=choices,
-                                  usage=usage(prompt_tokens, generated))
+        return CompletionResponse(
+            id=request_id, model=self.model_name(request), choices=choices, usage=usage(prompt_tokens, generated)
+        )
 
     async def stream(self, request, request_id, prompts, outputs) -> AsyncIterator[str]:
         n, model = request.n, self.model_name(request)
@@ -110,14 +130,31 @@ class OpenAIServingCompletion(OpenAIServing):
                         offsets[index] += len(text)
                         generated[index] += len(c.token_ids)
                         chunk = CompletionResponse(
-                            id=request_id, created=first.created, model=model,
-                            choices=[CompletionChoice(index=index, text=text, logprobs=logprobs,
-                                                      finish_reason=c.finish_reason, stop_reason=c.stop_reason)],
-                            usage=usage(prompt_tokens, sum(generated)) if continuous else None)
+                            id=request_id,
+                            created=first.created,
+                            model=model,
+                            choices=[
+                                CompletionChoice(
+                                    index=index,
+                                    text=text,
+                                    logprobs=logprobs,
+                                    finish_reason=c.finish_reason,
+                                    stop_reason=c.stop_reason,
+                                )
+                            ],
+                            usage=usage(prompt_tokens, sum(generated)) if continuous else None,
+                        )
                         yield sse(chunk)
             if include_usage:
-                yield sse(CompletionResponse(id=request_id, created=first.created, model=model, choices=[],
-                                             usage=usage(prompt_tokens, sum(generated))))
+                yield sse(
+                    CompletionResponse(
+                        id=request_id,
+                        created=first.created,
+                        model=model,
+                        choices=[],
+                        usage=usage(prompt_tokens, sum(generated)),
+                    )
+                )
         except Exception as e:
             yield convert_engine_errors(e).sse()
         yield SSE_DONE

@@ -36,8 +36,7 @@ class OpenAIServing:
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_model_names:
-            raise OpenAIError(f"The model `{model}` does not exist.", status=404, param="model",
-                              code="model_not_found")
+            raise OpenAIError(f"The model `{model}` does not exist.", status=404, param="model", code="model_not_found")
 
     def check_engine(self) -> None:
         try:
@@ -56,8 +55,11 @@ class OpenAIServing:
         room = self.max_model_len - prompt_len
         if max_tokens is None:
             if room < 1:
-                raise bad_request(f"This model's maximum context length is {self.max_model_len} tokens, and the "
-                                  f"prompt has {prompt_len}: no room is left for the completion.", param=param)
+                raise bad_request(
+                    f"This model's maximum context length is {self.max_model_len} tokens, and the "
+                    f"prompt has {prompt_len}: no room is left for the completion.",
+                    param=param,
+                )
             return room
         if max_tokens < 1:
             raise bad_request(f"{param} must be at least 1, got {max_tokens}", param=param)
@@ -65,7 +67,9 @@ class OpenAIServing:
             raise bad_request(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
                 f"{prompt_len + max_tokens} tokens ({prompt_len} in the prompt, {max_tokens} in the completion). "
-                f"Please reduce the length of the prompt or completion.", param=param)
+                f"Please reduce the length of the prompt or completion.",
+                param=param,
+            )
         return max_tokens
 
     # ---- request → SamplingParams --------------------------------------------------------------
@@ -78,15 +82,23 @@ class OpenAIServing:
         except RequestFieldError as e:
             raise bad_request(str(e), param=e.param) from None
 
-    def sampling_params(self, request: SamplingRequest, *, max_tokens: int, logprobs: int | None,
-                        structured_outputs: StructuredOutputsParams | None = None) -> SamplingParams:
+    def sampling_params(
+        self,
+        request: SamplingRequest,
+        *,
+        max_tokens: int,
+        logprobs: int | None,
+        structured_outputs: StructuredOutputsParams | None = None,
+    ) -> SamplingParams:
         """The fields both endpoints share; range errors name the request field."""
         if request.stream_options is not None and not request.stream:
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
         limit = self.engine.info.max_num_seqs
         if request.n > limit:
-            raise bad_request(f"n must be at most {limit} (max_num_seqs: a request's samples run together), "
-                              f"got {request.n}", param="n")
+            raise bad_request(
+                f"n must be at most {limit} (max_num_seqs: a request's samples run together), got {request.n}",
+                param="n",
+            )
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", param="logprobs")
         if request.logit_bias:
@@ -130,13 +142,16 @@ class OpenAIServing:
             text = text[: self.max_log_len]
         logger.info("request %s: prompt %r, params %s", request_id, text, params)
 
-    def generate_all(self, request_id: str, prompts: list[dict], params: list[SamplingParams],
-                     priority: int, user: str | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+    def generate_all(
+        self, request_id: str, prompts: list[dict], params: list[SamplingParams], priority: int, user: str | None = None
+    ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """One engine request per prompt, merged: yields (prompt index, output) as they come."""
         for i, (prompt, p) in enumerate(zip(prompts, params)):
             self.log_request(f"{request_id}-{i}", prompt.get("prompt") or prompt["prompt_token_ids"], p)
-        streams = [self.engine.generate(prompt, p, f"{request_id}-{i}", priority=priority, user=user)
-                   for i, (prompt, p) in enumerate(zip(prompts, params))]
+        streams = [
+            self.engine.generate(prompt, p, f"{request_id}-{i}", priority=priority, user=user)
+            for i, (prompt, p) in enumerate(zip(prompts, params))
+        ]
         return merge_async_iterators(streams)
 
 
@@ -181,8 +196,9 @@ def engine_error(out: RequestOutput) -> OpenAIError | None:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
-    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                     total_tokens=prompt_tokens + completion_tokens)
+    return UsageInfo(
+        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+    )
 
 
 def sse(chunk: BaseModel) -> str:

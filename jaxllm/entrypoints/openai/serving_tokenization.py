@@ -19,8 +19,7 @@ class OpenAIServingTokenization(OpenAIServing):
         if (request.prompt is None) == (request.messages is None):
             raise bad_request("send exactly one of 'prompt' and 'messages'", param="prompt")
         if request.messages is not None:
-            chat = ChatCompletionRequest(messages=request.messages,
-                                         add_generation_prompt=request.add_generation_prompt)
+            chat = ChatCompletionRequest(messages=request.messages, add_generation_prompt=request.add_generation_prompt)
             ids = self.chat.render(chat)["prompt_token_ids"]
         else:
             ids = tokenizer.encode(request.prompt, add_special_tokens=request.add_special_tokens)
