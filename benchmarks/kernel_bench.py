@@ -41,13 +41,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from pallas_kernels.ragged_paged_attention import triton_gpu  # noqa: E402
+from pallas_kernels.ragged_paged_attention.cpu import ragged_paged_attention_cpu  # noqa: E402
 from pallas_kernels.ragged_paged_attention.reference import (  # noqa: E402
     ragged_paged_attention_dense,
     ragged_paged_attention_reference,
 )
-from pallas_kernels.ragged_paged_attention.cpu import ragged_paged_attention_cpu  # noqa: E402
 from pallas_kernels.ragged_paged_attention.testing import make_batch, reference_f64, relative_error  # noqa: E402
-from pallas_kernels.ragged_paged_attention import triton_gpu  # noqa: E402
 from pallas_kernels.ragged_paged_attention.triton_gpu import ragged_paged_attention_triton  # noqa: E402
 
 

@@ -122,9 +122,8 @@ class Offline:
     """`LLM.generate` on the workload."""
 
     def __init__(self, args):
-        from jaxllm.bench.offline import make_prompts
-
         from jaxllm import LLM, SamplingParams
+        from jaxllm.bench.offline import make_prompts
 
         self.llm = LLM(**engine_kwargs(args), progress=False)
         self.prompts = make_prompts(self.llm.get_tokenizer(), args.batch, args.prompt_len)

@@ -12,13 +12,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import jaxllm.sim.calibrate as calibrate
 import jaxllm.sim.simulator as simulator
 from jaxllm.config import SchedulerConfig
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.request import Request
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.sampling_params import SamplingParams
-import jaxllm.sim.calibrate as calibrate
 from jaxllm.sim.calibrate import BUSY_SEED, fit_event_costs, fit_host_overhead, fit_idle_wake
 from jaxllm.sim.costmodel import CostModel, StepShape, fit_cost_model
 from jaxllm.sim.engine_run import run_trace_on_engine

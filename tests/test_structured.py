@@ -12,7 +12,7 @@ import lark
 import pytest
 
 from jaxllm import SamplingParams, StructuredOutputsParams
-from jaxllm.runner.sampler import allowed_token_ids, all_allowed
+from jaxllm.runner.sampler import all_allowed, allowed_token_ids
 
 OBJ = {"type": "object", "additionalProperties": False}
 SCHEMAS = {

@@ -28,7 +28,7 @@ import math
 import os
 import time
 from collections import Counter
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import httpx
@@ -125,7 +125,7 @@ def main(args: argparse.Namespace) -> dict:
         )
     )
     result = {
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "backend": "openai",
         "base_url": base_url,
         "endpoint": ENDPOINT,

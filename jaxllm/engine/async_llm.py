@@ -19,8 +19,8 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
-from jaxllm.engine.args import EngineArgs
 from jaxllm.distributed.dp_client import DataParallelClient
+from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.core_client import EngineCoreClient, InProcessClient
 from jaxllm.metrics.loggers import LOG_INTERVAL_S, LoggingStatLogger
 from jaxllm.metrics.prometheus import PrometheusStatLogger

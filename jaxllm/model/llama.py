@@ -25,9 +25,9 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 import pallas_kernels
-from pallas_kernels import stacked_matmul
 from jaxllm.model.layers import Dtype, Embed, GatedMLP, Linear, RMSNorm, Stacking, apply_rotary, rotary_cos_sin
 from jaxllm.model.registry import ModelArch
+from pallas_kernels import stacked_matmul
 
 
 class StepInputs(NamedTuple):
@@ -39,7 +39,7 @@ class StepInputs(NamedTuple):
     cu_q_lens: Int[Array, " S1"]  # sequence i owns rows cu_q_lens[i]:cu_q_lens[i+1]
     kv_lens: Int[Array, " S"]  # context length of each sequence after this step
     block_tables: Int[Array, "S M"]
-    num_seqs: Int[Array, "1"]
+    num_seqs: Int[Array, " 1"]
     logits_indices: Int[Array, " R"]  # rows whose logits are wanted
 
 

@@ -160,7 +160,7 @@ def _blocks(x: Float[Array, "S V"], block: int, fill: float) -> Float[Array, "S 
     return x.reshape(S, nb, B)
 
 
-def _first(mask: Array) -> Int[Array, "..."]:
+def _first(mask: Array) -> Int[Array, " ..."]:
     """Index of the first True along the last axis (0 when none)."""
     return jnp.argmax(mask, axis=-1).astype(jnp.int32)
 
@@ -217,7 +217,7 @@ def _penalised_masked(logits: Float[Array, "S V"], inp: SamplingInputs) -> Float
         return jax.lax.cond(any_mask, lambda x: _apply_mask(x, inp.allowed), lambda x: x, logits)
 
 
-def _order_key(x: Float[Array, "..."]) -> UInt32[Array, "..."]:
+def _order_key(x: Float[Array, " ..."]) -> UInt32[Array, " ..."]:
     """uint32 keys in the same order as the floats (-inf smallest); equal floats give equal keys (0.0 == -0.0)."""
     x = jnp.where(x == 0, 0.0, x)
     b = jax.lax.bitcast_convert_type(x, jnp.int32)

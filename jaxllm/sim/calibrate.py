@@ -36,7 +36,7 @@ import logging
 import platform
 import time
 from dataclasses import replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import jax
 import numpy as np
@@ -44,8 +44,8 @@ import numpy as np
 from jaxllm.config import SchedulerConfig
 from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.request import Request
-from jaxllm.runner.kv_cache import bytes_per_block
 from jaxllm.engine.scheduler import ScheduledRequest, SchedulerOutput
+from jaxllm.runner.kv_cache import bytes_per_block
 from jaxllm.sim.costmodel import CostModel, StepShape, fit_cost_model
 from jaxllm.sim.engine_run import forced_params, run_trace_on_engine
 from jaxllm.sim.simulator import SimConfig, cost_model_step_time, simulate
@@ -213,7 +213,7 @@ def _engine_description(core) -> dict:
         ),
         "machine": platform.node(),
         "processor": platform.processor() or platform.machine(),
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
     }
 
 
@@ -240,8 +240,8 @@ def calibrate_server(model: CostModel, server_flags: list[str]) -> CostModel:
     meets them (the module docstring, pass 3)."""
     import asyncio
 
-    from jaxllm.bench.server_process import ServerProcess
     from jaxllm.bench.serve import first_model, run
+    from jaxllm.bench.server_process import ServerProcess
 
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     trace, busy = light_trace(model.engine["max_model_len"]), busy_trace(model.engine["max_model_len"])

@@ -225,8 +225,6 @@ class GGUFFile:
 
     def tensor(self, hf_name: str) -> np.ndarray:
         """Dequantized float32 tensor in transformers' `[out, in]` layout."""
-        import gguf
-
         name = hf_name_to_gguf(hf_name)
         if name not in self._tensors:
             raise KeyError(f"{self.path}: tensor {name!r} (for {hf_name}) is missing")

@@ -10,9 +10,10 @@ mesh with its PartitionSpec.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Any, Callable
+from typing import Any
 
 import flax.linen as nn
 import jax

@@ -53,7 +53,7 @@ def _searchsorted(sorted_arr, x):
 def make_tile_plan(
     cu_q_lens: Int[Array, " S1"],
     kv_lens: Int[Array, " S"],
-    num_seqs: Int[Array, "1"],
+    num_seqs: Int[Array, " 1"],
     *,
     num_tokens: int,
     block_q: int,

@@ -62,7 +62,7 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 try:  # Pallas Triton: `CompilerParams` since JAX 0.7, `TritonCompilerParams` before.
     from jax.experimental.pallas import triton as _pltriton
 
-    _TritonParams = getattr(_pltriton, "CompilerParams", None) or getattr(_pltriton, "TritonCompilerParams")
+    _TritonParams = getattr(_pltriton, "CompilerParams", None) or _pltriton.TritonCompilerParams
 except ImportError:  # a JAX without the Triton backend: interpret mode still works
     _pltriton = None
     _TritonParams = None
@@ -233,7 +233,7 @@ class Prepared(NamedTuple):
     """Kernel inputs built from the ragged batch (host-side contract, backend independent)."""
 
     meta: Int[Array, "NT 8"]  # per tile: seq, nrows, pos0, key_lo, key_hi, 0, 0, 0
-    layer: Int[Array, "1"]
+    layer: Int[Array, " 1"]
     block_tables: Int[Array, "S M"]
     q_tiles: Float[Array, "NT Hkv BM D"]  # BM = block_q * next_pow2(group)
     plan: TilePlan
@@ -356,7 +356,7 @@ def ragged_paged_attention_triton(
     kv_lens: Int[Array, " S"],
     block_tables: Int[Array, "S M"],
     cu_q_lens: Int[Array, " S1"],
-    num_seqs: Int[Array, "1"],
+    num_seqs: Int[Array, " 1"],
     *,
     sm_scale: float,
     sliding_window: int | None = None,
