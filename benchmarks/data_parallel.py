@@ -82,7 +82,7 @@ def main() -> None:
         size: {
             "median_output_tok_per_s": statistics.median(r["output_throughput"] for r in rs),
             "ratio_vs_dp%d" % base: statistics.median(
-                r["output_throughput"] / b["output_throughput"] for r, b in zip(rs, runs[base])
+                r["output_throughput"] / b["output_throughput"] for r, b in zip(rs, runs[base], strict=True)
             ),
         }
         for size, rs in runs.items()

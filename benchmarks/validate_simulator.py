@@ -169,7 +169,7 @@ def table(rounds: list[dict], label: str) -> tuple[str, dict]:
             sims = [r["simulated"][name][key] for r in rounds]
             reals = [r["real"][name][key] for r in rounds]
             s, r = statistics.median(sims), statistics.median(reals)
-            paired = [a / b - 1 for a, b in zip(sims, reals)]
+            paired = [a / b - 1 for a, b in zip(sims, reals, strict=True)]
             rows.setdefault(name, {})[key] = {
                 "simulated": s,
                 "real": r,

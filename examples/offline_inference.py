@@ -20,7 +20,7 @@ def main(**engine_args) -> list:
         SamplingParams(temperature=0.8, top_k=40, max_tokens=48, stop=["\n\n"], seed=2),
     ]
     outputs = llm.generate(prompts, params)
-    for question, output in zip(questions, outputs):
+    for question, output in zip(questions, outputs, strict=True):
         completion = output.outputs[0]
         print(
             f"Q: {question}\nA: {completion.text.strip()}\n   ({len(completion.token_ids)} tokens, "

@@ -37,7 +37,7 @@ def main(port: int = 8000, **engine) -> list[str]:
         )
 
         answers = [chat.parse().choices[0].message.content, completion.parse().choices[0].text]
-        for raw, answer in zip((chat, completion), answers):
+        for raw, answer in zip((chat, completion), answers, strict=True):
             print(f"replica {raw.headers[REPLICA_HEADER]}: {answer!r}")
         return answers
     finally:

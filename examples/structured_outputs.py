@@ -46,7 +46,7 @@ def main(llm: LLM | None = None, **engine_args) -> list:
     ]
     params = [SamplingParams(temperature=0, max_tokens=100, structured_outputs=constraint) for _, constraint in asks]
     outputs = llm.generate(prompts, params)
-    for (question, constraint), output in zip(asks, outputs):
+    for (question, constraint), output in zip(asks, outputs, strict=True):
         completion = output.outputs[0]
         print(f"Q: {question}\n   [{constraint.kind}] {completion.text}  (finish_reason={completion.finish_reason})")
     print("parsed:", json.loads(outputs[0].outputs[0].text))

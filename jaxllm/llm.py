@@ -120,7 +120,7 @@ class LLM:
 
         ids = []
         try:
-            for (text, token_ids), p, prio in zip(encoded, params, priorities):
+            for (text, token_ids), p, prio in zip(encoded, params, priorities, strict=True):
                 request_id = str(next(self._ids))
                 self.engine.add_request(request_id, token_ids, p, prompt=text, priority=prio)
                 ids.append(request_id)

@@ -450,7 +450,9 @@ def test_bench_serve_against_a_real_server(real_server, tmp_path):
         "p99_e2el_ms",
     ):
         assert isinstance(saved[key], float) and saved[key] > 0, key
-    assert all(len(itl) == n - 1 for itl, n in zip(saved["itls"], saved["output_lens"]))  # one token per chunk
+    assert all(
+        len(itl) == n - 1 for itl, n in zip(saved["itls"], saved["output_lens"], strict=True)
+    )  # one token per chunk
     for png in ("latency_cdf.png", "throughput.png"):
         assert (tmp_path / "plots" / png).read_bytes()[:4] == b"\x89PNG"
     assert result["model_id"] == "SmolLM2-135M-Instruct"

@@ -109,7 +109,7 @@ def test_greedy_text_equals_offline(server, llm):
 
     url, _ = server
     expected = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
-    for prompt, out in zip(PROMPTS, expected):
+    for prompt, out in zip(PROMPTS, expected, strict=True):
         response = complete(url, prompt, 16)
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["text"] == out.outputs[0].text

@@ -46,7 +46,7 @@ def test_default_model_greedy_matches_transformers(default_model, hf_default_mod
     prompt_lens = [len(s) for s in seqs]
 
     # prefill all prompts in one ragged step; compare the last position's logits with transformers
-    batch = make_step([(s, 0, len(s), t) for s, t in zip(seqs, tables)], block_size, max_blocks)
+    batch = make_step([(s, 0, len(s), t) for s, t in zip(seqs, tables, strict=True)], block_size, max_blocks)
     logits, cache = step_fn({"params": default_model.params}, cache, batch)
     logits = np.asarray(logits)
     ends = np.cumsum(prompt_lens) - 1
@@ -59,7 +59,7 @@ def test_default_model_greedy_matches_transformers(default_model, hf_default_mod
 
     # greedy decode: all sequences one token per step through the paged cache
     for _ in range(NEW_TOKENS - 1):
-        batch = make_step([(s, len(s) - 1, 1, t) for s, t in zip(seqs, tables)], block_size, max_blocks)
+        batch = make_step([(s, len(s) - 1, 1, t) for s, t in zip(seqs, tables, strict=True)], block_size, max_blocks)
         logits, cache = step_fn({"params": default_model.params}, cache, batch)
         for i, s in enumerate(seqs):
             s.append(int(np.asarray(logits)[i].argmax()))

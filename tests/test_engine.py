@@ -41,7 +41,7 @@ def token_ids(outputs):
 def test_default_model_matches_transformers_through_the_engine(llm, hf_default_model):
     tok = llm.get_tokenizer()
     outputs = llm.chat([[{"role": "user", "content": q}] for q in QUESTIONS[:3]], GREEDY, use_tqdm=False)
-    for question, output in zip(QUESTIONS, outputs):
+    for question, output in zip(QUESTIONS[:3], outputs, strict=True):
         assert output.prompt_token_ids == tok.encode(chat_prompt(tok, question), add_special_tokens=False)
         expected = hf_greedy(hf_default_model, output.prompt_token_ids, GREEDY.max_tokens)
         assert output.outputs[0].token_ids == expected, question
@@ -180,7 +180,7 @@ def test_logprobs_equal_the_models_log_softmax(llm, hf_default_model):
     c = output.outputs[0]
     reference = hf_log_softmax(hf_default_model, prompt_ids + c.token_ids)
     total = 0.0
-    for step, (token, entries) in enumerate(zip(c.token_ids, c.logprobs)):
+    for step, (token, entries) in enumerate(zip(c.token_ids, c.logprobs, strict=True)):
         row = reference[len(prompt_ids) - 1 + step]
         assert token in entries and len(entries) in (3, 4)
         for t, lp in entries.items():

@@ -23,7 +23,7 @@ def test_bfloat16_cache_runs_end_to_end(bf16_llm, llm):
     assert runner.num_blocks == 2 * llm.engine.runner.num_blocks  # same bytes, half the size per block
     ours = bf16_llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     ref = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    for o, r in zip(ours, ref):
+    for o, r in zip(ours, ref, strict=True):
         got, want = o.outputs[0].token_ids, r.outputs[0].token_ids
         assert len(got) == GREEDY.max_tokens and o.outputs[0].finish_reason == "length"
         assert got[:4] == want[:4], (o.prompt, got, want)

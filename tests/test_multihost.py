@@ -109,10 +109,10 @@ def test_three_processes_match_one(llm):
 
     procs = start_nodes(free_port())
     results = [p.communicate(timeout=900) for p in procs]
-    for rank, (p, (_, err)) in enumerate(zip(procs, results)):
+    for rank, (p, (_, err)) in enumerate(zip(procs, results, strict=True)):
         assert p.returncode == 0, f"rank {rank} failed:\n{err[-3000:]}"
     expected = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
-    text = "".join(f"### {p}\n{p + o.outputs[0].text}\n\n" for p, o in zip(PROMPTS, expected))
+    text = "".join(f"### {p}\n{p + o.outputs[0].text}\n\n" for p, o in zip(PROMPTS, expected, strict=True))
     assert without_gloo_banner(results[0][0]) == text
     assert without_gloo_banner(results[1][0]) == without_gloo_banner(results[2][0]) == ""  # followers print nothing
 

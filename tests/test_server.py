@@ -86,7 +86,7 @@ def test_completions_n2_stop_seed_logprobs(client):
         lp = choice.logprobs
         assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) > 0
         assert "".join(lp.tokens) == choice.text
-        assert all(len(top) >= 3 and v <= 0 for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+        assert all(len(top) >= 3 and v <= 0 for top, v in zip(lp.top_logprobs, lp.token_logprobs, strict=True))
     assert first.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in first.choices)
 
     stream = client.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})

@@ -114,7 +114,7 @@ def test_request_latency_delays_each_request_into_the_engine():
     config = squeezed_config()
     step_time = cost_model_step_time(COST, config)
     plain, served = (simulate(trace, config, step_time, request_latency_s=d) for d in (0.0, 0.25))
-    for a, b in zip(plain.records, served.records):
+    for a, b in zip(plain.records, served.records, strict=True):
         assert b.ttft == pytest.approx(a.ttft + 0.25) and b.itl == pytest.approx(a.itl)
     assert served.duration == pytest.approx(plain.duration + 0.25)
     with pytest.raises(ValueError, match="request_latency_s"):
@@ -126,7 +126,7 @@ def test_idle_wake_lengthens_only_the_first_step_after_idling():
     step_time = cost_model_step_time(COST, config)
     apart = synthesize(4, request_rate=0.5, input_len=LengthDist(20), output_len=LengthDist(5), seed=3)  # each idle
     plain, woken = (simulate(apart, config, step_time, idle_wake_s=w) for w in (0.0, 0.1))
-    for a, b in zip(plain.records, woken.records):
+    for a, b in zip(plain.records, woken.records, strict=True):
         assert b.ttft == pytest.approx(a.ttft + 0.1) and b.itl == pytest.approx(a.itl)
     together = synthesize(4, request_rate=float("inf"), input_len=LengthDist(20), output_len=LengthDist(5), seed=3)
     plain, woken = (simulate(together, config, step_time, idle_wake_s=w) for w in (0.0, 0.1))

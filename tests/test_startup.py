@@ -116,7 +116,9 @@ def test_converted_weights_are_mapped_by_the_next_load_and_reconverted_when_dama
     converted.wait_for_saves()
     [folder] = (tmp_path / "weights").iterdir()
     mapped = load_model(None, mesh=make_mesh(), dtype="float32")
-    for fresh, saved, reference in zip(*map(jax.tree.leaves, (first.params, mapped.params, default_model.params))):
+    for fresh, saved, reference in zip(
+        *map(jax.tree.leaves, (first.params, mapped.params, default_model.params)), strict=True
+    ):
         assert saved.dtype == reference.dtype and saved.sharding == reference.sharding
         np.testing.assert_array_equal(np.asarray(saved), np.asarray(reference))
         np.testing.assert_array_equal(np.asarray(fresh), np.asarray(reference))
@@ -152,7 +154,7 @@ def test_a_full_disk_costs_only_the_kept_conversion(tmp_path, monkeypatch, caplo
     converted.wait_for_saves()
     assert "could not keep the converted weights" in caplog.text and reserved
     assert not any((tmp_path / "weights").iterdir())
-    for leaf, reference in zip(*map(jax.tree.leaves, (loaded.params, default_model.params))):
+    for leaf, reference in zip(*map(jax.tree.leaves, (loaded.params, default_model.params)), strict=True):
         np.testing.assert_array_equal(np.asarray(leaf), np.asarray(reference))
 
 

@@ -188,7 +188,7 @@ def generated(llm):
     tok = llm.get_tokenizer()
     all_cases = cases()
     outputs = llm.generate([chat(tok, q) for _, q, _, _ in all_cases], [p for _, _, p, _ in all_cases], use_tqdm=False)
-    return [(label, check, o.outputs[0]) for (label, _, _, check), o in zip(all_cases, outputs)]
+    return [(label, check, o.outputs[0]) for (label, _, _, check), o in zip(all_cases, outputs, strict=True)]
 
 
 def test_every_constraint_kind_gives_valid_output_that_ends_with_stop(generated):
@@ -265,7 +265,7 @@ def test_preempted_and_recomputed_constrained_requests_stay_valid(llm):
     prompts = [tok.encode(chat(tok, f"Give me {w} as JSON.")) for w in whats]
     params = [constrained(json=SCHEMAS[w]) for w in whats]
     reference = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    for i, (p, sp) in enumerate(zip(prompts, params)):
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
         engine.add_request(f"preempt-{i}", p, sp)
     finished, preempted = {}, []
     while engine.has_unfinished_requests():

@@ -88,9 +88,11 @@ class BatchedDecoder:
                 out[seq].append(int(np.argmax(logits[row])))
         self.prefill_s = time.perf_counter() - start
         for step in range(1, new_tokens):
-            entries = [(toks[-1], len(p) + step - 1, s, True) for s, (p, toks) in enumerate(zip(prompts, out))]
+            entries = [
+                (toks[-1], len(p) + step - 1, s, True) for s, (p, toks) in enumerate(zip(prompts, out, strict=True))
+            ]
             logits = self._decode(entries)
-            for toks, token in zip(out, logits.argmax(axis=1).tolist()):
+            for toks, token in zip(out, logits.argmax(axis=1).tolist(), strict=True):
                 toks.append(token)
         return out
 

@@ -88,4 +88,4 @@ def retime(
     """The same requests arriving at `request_rate` per second (Poisson for burstiness 1, gamma gaps
     otherwise; inf: all at once), from a generator of their own so lengths never depend on the rate."""
     times = arrival_times(np.random.default_rng([seed, 1]), len(requests), request_rate, burstiness)
-    return [replace(r, arrival_time=float(t)) for r, t in zip(requests, times)]
+    return [replace(r, arrival_time=float(t)) for r, t in zip(requests, times, strict=True)]

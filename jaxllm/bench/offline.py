@@ -166,7 +166,7 @@ def run_peer(
 
 def median_ratio(ours: list[float], theirs: list[float]) -> float | None:
     """Median over rounds of ours/theirs: each round's pair ran back to back, so machine noise cancels."""
-    pairs = [a / b for a, b in zip(ours, theirs) if b]
+    pairs = [a / b for a, b in zip(ours, theirs, strict=True) if b]
     return round(statistics.median(pairs), 3) if pairs else None
 
 

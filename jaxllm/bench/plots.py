@@ -38,7 +38,7 @@ def plot_latency_cdfs(records: list[RequestRecord], path: str | Path, title: str
     """One CDF panel per metric (ms), with the median and p99 marked."""
     fig = Figure(figsize=(10, 7), layout="constrained")
     fig.suptitle(title or "Latency CDFs")
-    for ax, (name, ms) in zip(fig.subplots(2, 2).flat, _samples(records).items()):
+    for ax, (name, ms) in zip(fig.subplots(2, 2).flat, _samples(records).items(), strict=True):
         ax.set_title(_LABELS[name])
         ax.set_xlabel("ms")
         ax.set_ylabel("fraction of samples")

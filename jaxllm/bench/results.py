@@ -143,6 +143,7 @@ def records_from_result(result: dict) -> list[RequestRecord]:
             result["itls"],
             result["latencies"],
             result["errors"],
+            strict=True,
         )
     ]
 

@@ -367,7 +367,7 @@ def report_problems(records: list[RequestRecord], requests: list[TraceRequest]) 
     errors = Counter(r.error for r in records if not r.success)
     for message, count in errors.most_common(10):
         print(f"failed x{count}: {message}")
-    short = sum(1 for r, q in zip(records, requests) if r.success and r.output_len != q.output_len)
+    short = sum(1 for r, q in zip(records, requests, strict=True) if r.success and r.output_len != q.output_len)
     if short:
         print(
             f"warning: {short} completed requests returned a different number of tokens than asked "

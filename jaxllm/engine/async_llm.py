@@ -258,14 +258,14 @@ class AsyncLLM:
 
         They come from the stats that arrived with the outputs already counted, not the cores' latest, so that a
         scrape sees a request's end and the blocks it freed together."""
-        for logger_, stats in zip(self._prometheus, self._scraped_stats):
+        for logger_, stats in zip(self._prometheus, self._scraped_stats, strict=True):
             logger_.record_engine(stats)
 
     async def _log_periodically(self) -> None:
         while True:
             await asyncio.sleep(LOG_INTERVAL_S)
             now = time.monotonic()
-            for stat_logger, stats in zip(self._loggers, self.client.stats()):
+            for stat_logger, stats in zip(self._loggers, self.client.stats(), strict=True):
                 stat_logger.record_engine(stats)
                 stat_logger.log(now)
 

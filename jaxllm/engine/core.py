@@ -301,7 +301,9 @@ class EngineCore:
     def _logprob_dict(self, token: int, result: RunnerOutput, row: int, k: int) -> dict[int, Logprob]:
         entries = {
             int(t): (float(lp), rank)
-            for rank, (t, lp) in enumerate(zip(result.top_token_ids[row][:k], result.top_logprobs[row][:k]), 1)
+            for rank, (t, lp) in enumerate(
+                zip(result.top_token_ids[row][:k], result.top_logprobs[row][:k], strict=True), 1
+            )
         }
         entries.setdefault(token, (float(result.logprobs[row]), int(result.ranks[row])))
         decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)

@@ -123,7 +123,7 @@ def time_sweep(
                 shapes[i], seconds = _time_step(core, layout, warm=round_ == 0)
                 times[i].append(seconds)
                 bar.update()
-    return [(shape, float(np.median(t))) for shape, t in zip(shapes, times)]
+    return [(shape, float(np.median(t))) for shape, t in zip(shapes, times, strict=True)]
 
 
 def engine_pass_trace(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, seed: int = 0):
@@ -259,7 +259,9 @@ def calibrate_server(model: CostModel, server_flags: list[str]) -> CostModel:
     # per step: the event loop streaming to clients shares the CPU with the steps. Never negative: a
     # server faster than the model is the machine's speed drifting between the passes (seen: -2.3 ms
     # here, then the validation's real steps 8 % slower)
-    measured_per_step = float(np.median([r.tpot - s.tpot for r, s in zip(records, simulated(model, trace))]))
+    measured_per_step = float(
+        np.median([r.tpot - s.tpot for r, s in zip(records, simulated(model, trace), strict=True)])
+    )
     per_step = max(measured_per_step, 0.0)
     model = replace(model, bucket_base_s=[b + per_step for b in model.bucket_base_s])
     # per request: the client's TTFT minus the server's own (arrival at its front to the first token out)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
+from itertools import pairwise
 
 from jaxllm.bench.results import RequestRecord
 from jaxllm.sampling_params import SamplingParams
@@ -38,7 +39,7 @@ class EngineRun:
     def durations(self) -> list[float]:
         """Each step's share of the run: start to the next step's start (the last: to its end)."""
         starts = [s.start for s in self.steps]
-        return [b - a for a, b in zip(starts, starts[1:])] + [self.steps[-1].end - self.steps[-1].start]
+        return [b - a for a, b in pairwise(starts)] + [self.steps[-1].end - self.steps[-1].start]
 
     def replay(self, trace: list[TraceRequest]) -> tuple[list[TraceRequest], StepTime]:
         """The trace and a step-time function that make the simulator see this run's clock.

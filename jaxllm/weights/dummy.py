@@ -18,7 +18,7 @@ def dummy_params(arch: ModelArch, dtype, mesh: Mesh, seed: int = 0):
     def make():
         keys = jax.random.split(jax.random.key(seed), len(paths_and_shapes))
         leaves = []
-        for key, (path, shape) in zip(keys, paths_and_shapes):
+        for key, (path, shape) in zip(keys, paths_and_shapes, strict=True):
             noise = INIT_STD * jax.random.normal(key, shape.shape, jnp.float32)
             is_norm = path[-1].key == "weight"  # RMSNorm scales sit near one
             leaves.append((1.0 + noise if is_norm else noise).astype(shape.dtype))

@@ -145,7 +145,7 @@ def host_params_from_hf_tensors(
             except ValueError:
                 value = None
             if value is None or value.shape != layer_shape:
-                got = ", ".join(f"{n} {p.shape}" for n, p in zip(names, parts))
+                got = ", ".join(f"{n} {p.shape}" for n, p in zip(names, parts, strict=True))
                 raise ValueError(
                     f"{source}: tensor shapes {got} do not make {path[-2]} {layer_shape} for {arch.architecture}"
                 ) from None

@@ -34,7 +34,8 @@ class Batch:
         """Bytes of K and V the batch's real rows attend to (one layer)."""
         *_, hkv, d = self.k_cache.shape
         keys = 0
-        for q_len, kv_len in zip(self.q_lens, self.kv_lens):
+        # kv_lens is padded to max_seqs; the batch's real sequences are the first len(q_lens)
+        for q_len, kv_len in zip(self.q_lens, self.kv_lens, strict=False):
             lo = 0 if sliding_window is None else max(0, kv_len - q_len - sliding_window + 1)
             keys += int(kv_len) - lo
         return 2 * keys * hkv * d * self.k_cache.dtype.itemsize
@@ -72,18 +73,18 @@ def make_batch(
     """
     dtype = np.dtype(dtype)
     n = len(q_lens)
-    assert len(kv_lens) == n and all(0 < ql <= kl for ql, kl in zip(q_lens, kv_lens))
+    assert len(kv_lens) == n and all(0 < ql <= kl for ql, kl in zip(q_lens, kv_lens, strict=True))
     max_seqs = max_seqs or n + 2
     num_tokens = num_tokens or sum(q_lens) + 3
     assert max_seqs >= n and num_tokens >= sum(q_lens)
     need_hi = [(kl - 1) // block_size + 1 for kl in kv_lens]  # blocks 0..hi-1 hold the context
     need_lo = [
         0 if sliding_window is None else max(0, kl - ql - sliding_window + 1) // block_size
-        for ql, kl in zip(q_lens, kv_lens)
+        for ql, kl in zip(q_lens, kv_lens, strict=True)
     ]
     max_blocks = max_blocks or max(need_hi) + 2
     assert max_blocks >= max(need_hi)
-    used = sum(hi - lo for lo, hi in zip(need_lo, need_hi))
+    used = sum(hi - lo for lo, hi in zip(need_lo, need_hi, strict=True))
     if num_blocks is None:
         num_blocks = used + spare_blocks
     assert num_blocks > used, f"num_blocks={num_blocks} leaves no spare block for {used} used ones"
@@ -97,7 +98,7 @@ def make_batch(
     tables = np.zeros((max_seqs, max_blocks), np.int32)
     tables[:] = rng.choice(nan_blocks, size=tables.shape) if hostile else 0
     cursor = 0
-    for i, (lo, hi, kl) in enumerate(zip(need_lo, need_hi, kv_lens)):
+    for i, (lo, hi, kl) in enumerate(zip(need_lo, need_hi, kv_lens, strict=True)):
         tables[i, lo:hi] = real_blocks[cursor : cursor + hi - lo]
         cursor += hi - lo
         if hostile:  # stale but finite garbage past the context in the last block

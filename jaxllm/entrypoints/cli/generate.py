@@ -29,7 +29,7 @@ def run(args) -> None:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params, use_tqdm=False)
     else:
         outputs = llm.generate(args.prompts, params, use_tqdm=False)
-    for prompt, output in zip(args.prompts, outputs):
+    for prompt, output in zip(args.prompts, outputs, strict=True):
         if len(args.prompts) > 1:
             print(f"### {prompt}")
         for completion in output.outputs:

@@ -211,7 +211,7 @@ def message_dict(message: ChatMessage) -> dict:
 def chat_logprobs(c: CompletionOutput, k: int) -> ChatLogProbs:
     """OpenAI's chat logprobs: per sampled token, its logprob and the top `k` alternatives."""
     content = []
-    for token, entries in zip(c.token_ids, c.logprobs or []):
+    for token, entries in zip(c.token_ids, c.logprobs or [], strict=True):
         chosen = entries[token]
         top = sorted((e for e in entries.values() if e.rank <= k), key=lambda e: e.rank)
         content.append(

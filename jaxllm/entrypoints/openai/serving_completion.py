@@ -163,7 +163,7 @@ class OpenAIServingCompletion(OpenAIServing):
 def completion_logprobs(c: CompletionOutput, offset: int) -> tuple[CompletionLogProbs, int]:
     """OpenAI's legacy logprobs of `c`'s tokens, text offsets counted from `offset`."""
     result = CompletionLogProbs()
-    for token, entries in zip(c.token_ids, c.logprobs or []):
+    for token, entries in zip(c.token_ids, c.logprobs or [], strict=True):
         chosen: Logprob = entries[token]
         text = chosen.decoded_token or ""
         result.tokens.append(text)

@@ -146,11 +146,11 @@ class OpenAIServing:
         self, request_id: str, prompts: list[dict], params: list[SamplingParams], priority: int, user: str | None = None
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """One engine request per prompt, merged: yields (prompt index, output) as they come."""
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
+        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
             self.log_request(f"{request_id}-{i}", prompt.get("prompt") or prompt["prompt_token_ids"], p)
         streams = [
             self.engine.generate(prompt, p, f"{request_id}-{i}", priority=priority, user=user)
-            for i, (prompt, p) in enumerate(zip(prompts, params))
+            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
         ]
         return merge_async_iterators(streams)
 
