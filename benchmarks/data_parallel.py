@@ -81,7 +81,7 @@ def main() -> None:
     summary = {
         size: {
             "median_output_tok_per_s": statistics.median(r["output_throughput"] for r in rs),
-            "ratio_vs_dp%d" % base: statistics.median(
+            f"ratio_vs_dp{base}": statistics.median(
                 r["output_throughput"] / b["output_throughput"] for r, b in zip(rs, runs[base], strict=True)
             ),
         }

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import platform
@@ -358,10 +359,8 @@ def run_checks(smoke: bool, interpret: bool) -> list[dict]:
         kw = dict(sm_scale=sm_scale, sliding_window=spec.get("window"), soft_cap=spec.get("soft_cap"))
         args = [jnp.asarray(a) for a in batch.args()]
         lay = None if batch.layer is None else jnp.int32(batch.layer)
-        pallas = jax.jit(
-            lambda *a, layer: ragged_paged_attention_triton(*a, layer=layer, interpret=interpret, **kw, **overrides)
-        )
-        ref = jax.jit(lambda *a, layer: ragged_paged_attention_reference(*a, layer=layer, **kw))
+        pallas = jax.jit(functools.partial(ragged_paged_attention_triton, interpret=interpret, **kw, **overrides))
+        ref = jax.jit(functools.partial(ragged_paged_attention_reference, **kw))
         out_p = np.asarray(pallas(*args, layer=lay).astype(jnp.float32))
         out_r = np.asarray(ref(*args, layer=lay).astype(jnp.float32))
         oracle = reference_f64(batch, sm_scale=sm_scale, sliding_window=kw["sliding_window"], soft_cap=kw["soft_cap"])
@@ -520,13 +519,13 @@ def main(argv=None):
         # backends take turns, round by round: on a shared machine load drifts between them
         per_round = max(1, a.reps // a.rounds)
         for _ in range(a.rounds):
-            for row, fn, targs, walls, cpus in timed:
+            for _row, fn, targs, walls, cpus in timed:
                 for _ in range(per_round):
                     c, t = time.process_time(), time.perf_counter()
                     jax.block_until_ready(fn(*targs))
                     walls.append(time.perf_counter() - t)
                     cpus.append(time.process_time() - c)
-        for row, fn, targs, walls, cpus in timed:
+        for row, _fn, _targs, walls, cpus in timed:
             med = statistics.median(walls)
             row.update(
                 {

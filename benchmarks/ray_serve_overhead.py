@@ -93,7 +93,7 @@ def main() -> None:
             times = {(server, route): [] for server in bases for route in paths}
             with httpx.Client(timeout=120) as http:
                 for route, path in paths.items():
-                    for server, base in bases.items():  # warm-up: connections, first compiled step
+                    for base in bases.values():  # warm-up: connections, first compiled step
                         timed(http, base + path, route)
                     for _ in range(args.requests):
                         for server, base in bases.items():

@@ -16,8 +16,8 @@ the engine ready, before the first token), `cpu_s` (CPU seconds of all threads u
 on a shared machine, `cpu_s / cores` is the better guess of a quiet start), the interpreter
 and import time, the engine's phases (`EngineCore.startup_phases`: weights, packed for the CPU
 kernel, and tokenizer, in a thread while kv_cache, step_key and buckets run; waiting_for_weights;
-prepare_weights, what the runner still rearranges), and `generate_s`; then the median of each over the rounds, and the load average. Prints JSON;
-`--output` also writes it.
+prepare_weights, what the runner still rearranges), and `generate_s`; then the median of each
+over the rounds, and the load average. Prints JSON; `--output` also writes it.
 
 `--weights-only` times the reading thread's work alone instead (no compiles beside it):
 `ModelSource.load` of the default model with the step's weight layout, `load_s` and `cpu_s`
@@ -169,7 +169,7 @@ def main() -> None:
     command = (
         "ModelSource.load of the default model"
         if args.weights_only
-        else "jaxllm generate Hello --max-tokens %d %s" % (args.max_tokens, " ".join(args.engine_flags))
+        else f"jaxllm generate Hello --max-tokens {args.max_tokens} {' '.join(args.engine_flags)}"
     )
     result = {
         "command": command,

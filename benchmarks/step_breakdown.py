@@ -129,9 +129,9 @@ def main() -> None:
         cache = allocate_kv_cache(arch, num_blocks + 1, block_size, jnp.float32, make_mesh())
         x = jnp.ones((t, arch.hidden_size), jnp.float32)
         row = {
-            "forward_ms": median_ms(lambda: forward(params, cache, inputs), args.reps),
-            "chain_unrolled_ms": median_ms(lambda: unrolled(x, per_layer), args.reps),
-            "chain_scanned_ms": median_ms(lambda: scanned(x, stacked), args.reps),
+            "forward_ms": median_ms(lambda cache=cache, inputs=inputs: forward(params, cache, inputs), args.reps),
+            "chain_unrolled_ms": median_ms(lambda x=x: unrolled(x, per_layer), args.reps),
+            "chain_scanned_ms": median_ms(lambda x=x: scanned(x, stacked), args.reps),
         }
         row["forward_over_chain"] = round(row["forward_ms"] / row["chain_unrolled_ms"], 2)
         report["decode"][f"T={t}"] = row

@@ -514,4 +514,6 @@ def test_ctrl_c_ends_a_run_with_streams_open(scripted_server, tmp_path):
         assert process.wait(timeout=15) == 130
     except subprocess.TimeoutExpired:
         process.kill()
-        raise AssertionError(f"bench serve still running 15 s after Ctrl-C:\n{process.communicate()[1][-3000:]}")
+        raise AssertionError(
+            f"bench serve still running 15 s after Ctrl-C:\n{process.communicate()[1][-3000:]}"
+        ) from None

@@ -78,14 +78,17 @@ def complete(url: str, prompt: str, max_tokens: int, **extra) -> httpx.Response:
 
 async def many(url: str, n: int, max_tokens: int, on_first_done=None, **extra) -> list[httpx.Response]:
     """`n` concurrent completions; `on_first_done()` runs as soon as the first one has returned."""
-    async with httpx.AsyncClient(timeout=600) as client:
-        body = lambda i: {
+
+    def body(i):
+        return {
             "model": "dp",
-            "prompt": PROMPTS[i % len(PROMPTS)] + f" {i}",  # noqa: E731
+            "prompt": PROMPTS[i % len(PROMPTS)] + f" {i}",
             "max_tokens": max_tokens,
             "temperature": 0,
             **extra,
         }
+
+    async with httpx.AsyncClient(timeout=600) as client:
         tasks = [asyncio.ensure_future(client.post(f"{url}/v1/completions", json=body(i))) for i in range(n)]
         if on_first_done is not None:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)

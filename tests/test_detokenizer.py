@@ -73,7 +73,7 @@ def test_random_ids_match_decode(tok):
     """Arbitrary ids (specials, lone byte tokens, invalid UTF-8) still end up exactly as decode."""
     rng = random.Random(0)
     byte_tokens = [t for t in range(len(tok)) if "\ufffd" in tok.decode([t])]
-    for trial in range(5):
+    for _ in range(5):
         ids = [rng.choice(byte_tokens) if rng.random() < 0.4 else rng.randrange(len(tok)) for _ in range(200)]
         for skip in (True, False):
             d, deltas, _ = stream(tok, ids, skip_special_tokens=skip)

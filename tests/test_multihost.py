@@ -225,7 +225,10 @@ def test_supervisor_replaces_jax_fatal_log_with_one_line(capfd):
     """The parent's stderr filter: a child that dies of JAX's fatal log leaves one line of ours and exit status 3."""
     from jaxllm.distributed import supervisor
 
-    script = f"import os, sys; sys.stderr.write('INFO loading\\r50%\\r100%\\n' + {FATAL_LOG!r}); sys.stderr.flush(); os.abort()"
+    script = (
+        f"import os, sys; sys.stderr.write('INFO loading\\r50%\\r100%\\n' + {FATAL_LOG!r}); "
+        "sys.stderr.flush(); os.abort()"
+    )
     child = subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE)
     status = supervisor._pass_stderr(child.stderr)
     assert child.wait() != 0

@@ -43,7 +43,8 @@ def main():
             )
         }
         print(
-            f"{policy:5s} hit rate {j['prefix_cache_hit_rate']:6.1%}   throughput {j['total_token_throughput']:7.1f} tok/s"
+            f"{policy:5s} hit rate {j['prefix_cache_hit_rate']:6.1%}"
+            f"   throughput {j['total_token_throughput']:7.1f} tok/s"
             f"   makespan {j['duration']:6.0f} s   mean TTFT {j['mean_ttft_ms'] / 1000:6.1f} s"
         )
     fig, (hit, tput) = figure(2, 4.5)

@@ -1,4 +1,4 @@
-"""Batch latency (vLLM's `bench latency`): seconds for one batch of `--batch-size` requests, repeated `--num-iters` times.
+"""Batch latency (vLLM's `bench latency`): seconds for one batch of `--batch-size` requests, `--num-iters` times.
 
 Each iteration is one `LLM.generate` call on `--batch-size` prompts of `--input-len` tokens,
 each asking for exactly `--output-len` greedy tokens (EOS ignored), after

@@ -1,4 +1,4 @@
-"""Serving benchmark: replay a dataset against a running OpenAI-compatible server; TTFT, TPOT, ITL, E2E latency, throughput.
+"""Serving benchmark: replay a dataset against an OpenAI-compatible server; TTFT, TPOT, ITL, E2E latency, throughput.
 
 Each request is a streaming `POST /v1/completions` (`stream_options.include_usage`), sent at its
 arrival time: Poisson arrivals at `--request-rate` (`inf`: all at once), or a trace's own times.

@@ -63,7 +63,7 @@ class WaitingQueue(ABC):
         """
         return candidates[-1]
 
-    def begin_step(self, kv: KVCacheManager) -> None:
+    def begin_step(self, kv: KVCacheManager) -> None:  # noqa: B027 (an optional hook: by default nothing to do)
         """Called before admissions in each step with room for one: reorder here if the order depends on state."""
 
     def can_admit(self, request: Request, running: list[Request], kv: KVCacheManager) -> bool:

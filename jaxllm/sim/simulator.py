@@ -7,8 +7,9 @@ the trace and are forced as a real replay forces them (min_tokens = max_tokens =
 EOS ignored), so every scheduling decision — batching, chunked prefill, preemption, prefix-cache
 hits — is the engine's. Requests arrive when the clock passes their arrival time, between steps,
 as they reach a running engine — `request_latency_s` after they were sent, the serving
-front-end's share (`CostModel.request_latency_s`); latencies count from the send. Nothing is random: the result depends on the trace and the seed
-(which fixes made-up prompt tokens, hence prefix-cache hits) only.
+front-end's share (`CostModel.request_latency_s`); latencies count from the send. Nothing is
+random: the result depends on the trace and the seed (which fixes made-up prompt tokens, hence
+prefix-cache hits) only.
 """
 
 from __future__ import annotations

@@ -104,7 +104,7 @@ def ragged_paged_attention_reference(
     tables = block_tables.astype(jnp.int32)
 
     def body(carry):
-        step, m, l, acc = carry
+        step, m, denom, acc = carry
         w = step * per_step + jnp.arange(per_step, dtype=jnp.int32)
         ok = w < total_items
         tile = jnp.minimum(jnp.searchsorted(item_end, w, side="right").astype(jnp.int32), num_tiles - 1)
@@ -143,15 +143,15 @@ def ragged_paged_attention_reference(
         m_new = m.at[dst].max(m_item)
         alpha = jnp.exp(m - m_new)
         beta = jnp.exp(m_item - m_new[dst])
-        l = (l * alpha).at[dst].add(l_item * beta)
+        denom = (denom * alpha).at[dst].add(l_item * beta)
         acc = (acc * alpha[..., None]).at[dst].add(acc_item * beta[..., None])
-        return step + 1, m_new, l, acc
+        return step + 1, m_new, denom, acc
 
     stats = jnp.full((num_tiles + 1, block_q, num_kv_heads, group), MASK_VALUE, jnp.float32)
     init = (jnp.int32(0), stats, jnp.zeros_like(stats), jnp.zeros((*stats.shape, head_dim), jnp.float32))
-    _, _, l, acc = jax.lax.while_loop(lambda c: c[0] * per_step < total_items, body, init)
+    _, _, denom, acc = jax.lax.while_loop(lambda c: c[0] * per_step < total_items, body, init)
 
-    out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # [NT+1, BQ, Hkv, G, D]
+    out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # [NT+1, BQ, Hkv, G, D]
     out = out[plan.row_tile, plan.row_slot].reshape(num_tokens, num_q_heads, head_dim)
     out = jnp.where(plan.row_real[:, None, None], out, 0.0)
     return out.astype(q.dtype)

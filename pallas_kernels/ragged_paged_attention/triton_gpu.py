@@ -33,9 +33,10 @@ rows times the GQA query heads of one KV head (padded to a power of two) form th
 of the matmuls, so the heads that share a KV head are computed together and each KV block
 is read once per (tile, KV head). The program walks its share of the tile's key range in
 chunks of `chunk_blocks` blocks: block ids come from the block table (indices clamped to
-the tile's last needed block, ids clamped into the cache), K and V are gathered straight from the cache (`[N, B, Hkv, D]` or the
-layer-stacked `[L, N, B, Hkv, D]`, layer read from a scalar input, so the model's scanned
-cache is never sliced), and an online (flash) softmax in float32 accumulates the output.
+the tile's last needed block, ids clamped into the cache), K and V are gathered straight
+from the cache (`[N, B, Hkv, D]` or the layer-stacked `[L, N, B, Hkv, D]`, layer read from
+a scalar input, so the model's scanned cache is never sliced), and an online (flash)
+softmax in float32 accumulates the output.
 Loop bounds come from the tile's key range (`kv_lens`, causality, sliding window), never
 from `max_blocks`. Keys outside that range are zeroed before any dot (they may be NaN) and
 masked to -0.7*f32max; padding rows are masked the same way and their results are dropped.
@@ -154,7 +155,7 @@ def _kernel(
         return x.reshape(chunk, head_dim)
 
     def body(c, carry):
-        acc, m, l = carry
+        acc, m, denom = carry
         block_idx = first_block + c * chunk_blocks + jnp.arange(chunk_blocks, dtype=jnp.int32)
         # Past the tile's last needed block, re-read that block (masked below): no table entry
         # or cache block beyond what the sequence needs is ever touched, whatever it holds.
@@ -175,22 +176,22 @@ def _kernel(
         m_new = jnp.maximum(m, s.max(axis=1))
         p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
         alpha = jnp.exp(m - m_new)
-        l = l * alpha + p.sum(axis=1)
+        denom = denom * alpha + p.sum(axis=1)
         v = jnp.where(key_ok, load(v_ref, blocks), 0).astype(q.dtype)
         pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
-        return acc * alpha[:, None] + pv, m_new, l
+        return acc * alpha[:, None] + pv, m_new, denom
 
     acc = jnp.zeros((block_m, head_dim), jnp.float32)
     m = jnp.full((block_m,), MASK_VALUE, jnp.float32)
-    l = jnp.zeros((block_m,), jnp.float32)
-    acc, m, l = lax.fori_loop(c_lo, c_hi, body, (acc, m, l))
+    denom = jnp.zeros((block_m,), jnp.float32)
+    acc, m, denom = lax.fori_loop(c_lo, c_hi, body, (acc, m, denom))
     if num_kv_splits == 1:
-        o_ref[...] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+        o_ref[...] = (acc / jnp.where(denom > 0, denom, 1.0)[:, None]).astype(o_ref.dtype)
     else:
         m_ref, l_ref = stat_refs
         o_ref[...] = acc
         m_ref[...] = m
-        l_ref[...] = l
+        l_ref[...] = denom
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,7 +283,7 @@ def launch(
     soft_cap: float | None = None,
     interpret: bool = False,
 ):
-    """The pallas_call: grid (tile, kv_head, kv_split). Returns (acc,) or (acc, m, l) per split."""
+    """The pallas_call: grid (tile, kv_head, kv_split). Returns (acc,) or (acc, m, denom) per split."""
     num_tiles, num_kv_heads, block_m, head_dim = prep.q_tiles.shape
     grid = (num_tiles, num_kv_heads, cfg.num_kv_splits)
 
@@ -335,10 +336,10 @@ def finish(outs, plan: TilePlan, *, q_shape, group: int, block_q: int, dtype):
     """Merge KV splits (flash decoding) and scatter tile rows back to [T, Hq, D]."""
     num_tokens, num_q_heads, head_dim = q_shape
     if len(outs) == 3:
-        acc, m, l = outs
+        acc, m, denom = outs
         m_all = m.max(axis=0)
         w = jnp.exp(m - m_all[None])
-        l_all = (l * w).sum(axis=0)
+        l_all = (denom * w).sum(axis=0)
         out = (acc * w[..., None]).sum(axis=0) / jnp.where(l_all > 0, l_all, 1.0)[..., None]
     else:
         out = outs[0][0]

@@ -53,8 +53,9 @@ def run(args) -> None:
     )
     if args.server:
         print(
-            f"server: +{fit['server_overhead_per_step_s'] * 1e3:.1f} ms per step, {model.request_latency_s * 1e3:.1f} ms "
-            f"per request, {event_costs(fit, 'server')}; mean TTFT error {fit['server_mean_ttft_rel_error']:.1%}, "
+            f"server: +{fit['server_overhead_per_step_s'] * 1e3:.1f} ms per step, "
+            f"{model.request_latency_s * 1e3:.1f} ms per request, {event_costs(fit, 'server')}; "
+            f"mean TTFT error {fit['server_mean_ttft_rel_error']:.1%}, "
             f"mean TPOT error {fit['server_mean_tpot_rel_error']:.1%} on {fit['server_requests']} requests"
         )
     print(f"wrote {args.out}")
