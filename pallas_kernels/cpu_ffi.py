@@ -23,7 +23,18 @@ import jax
 
 logger = logging.getLogger(__name__)
 
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-std=c++17", "-shared", "-fPIC", "-fopenmp"]
+FLAGS = ["-O3", "-ffast-math", "-std=c++17", "-shared", "-fPIC", "-fopenmp"]
+HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # shared by the kernels (cpu_simd.h: vector width per target)
+
+
+def march() -> str:
+    """The target the kernels are compiled for: `$JAXLLM_CPU_MARCH`, default "native" (this CPU); e.g.
+    "x86-64-v3" builds the AVX2 code and "x86-64-v2" the SSE one on any x86 machine, to test and time them."""
+    return os.environ.get("JAXLLM_CPU_MARCH") or "native"
+
+
+def flags() -> list[str]:
+    return [*FLAGS, f"-march={march()}"]
 
 
 def _cpu_id() -> str:
@@ -50,7 +61,8 @@ def build(source: Path) -> Path:
         b"\0".join(
             [
                 source.read_bytes(),
-                " ".join(FLAGS).encode(),
+                *(h.read_bytes() for h in HEADERS),
+                " ".join(flags()).encode(),
                 jaxlib.__version__.encode(),
                 _cpu_id().encode(),
                 compiler.encode(),
@@ -63,7 +75,7 @@ def build(source: Path) -> Path:
     lib.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         tmp_lib = Path(tmp) / lib.name
-        cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(source), "-o", str(tmp_lib)]
+        cmd = [compiler, *flags(), f"-I{jax.ffi.include_dir()}", str(source), "-o", str(tmp_lib)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")

@@ -20,25 +20,51 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
+#if defined(__AVX512BF16__)
 #include <immintrin.h>
+#endif
 #include <omp.h>
 
+#include "../cpu_simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
+using jaxllm_simd::kLanes;
+using jaxllm_simd::kVecRegs;
+using jaxllm_simd::Load;
+using jaxllm_simd::LoadU;
+using jaxllm_simd::Store;
+using jaxllm_simd::VecF;
+using jaxllm_simd::VecU;
+
 // Fewer rows of x than this: one thread. Such a matmul is bound by reading the weights, which one
 // core streams at about the machine's memory bandwidth, and waking an OpenMP team costs more than
 // a second core saves: ~50-100 us a call on a VM, ~6 ms of a 22 ms T=1 decode step (measured,
 // benchmarks/NOTES.md lever 15). From 16 rows up the arithmetic pays for the team.
 constexpr int64_t kMinTeamRows = 16;
-constexpr int64_t kStreamRows = 4;         // up to this many rows of x: the streaming regime (measured crossover)
-constexpr int64_t kPanel = 32;             // columns of w per packed panel (two vectors of 16 floats)
-constexpr int kTileRows = 8;               // rows of x per register tile: 16 accumulators
+constexpr int64_t kStreamRows = 4;  // up to this many rows of x: the streaming regime (measured crossover)
+constexpr int64_t kPanel = 32;      // columns of w per packed panel, on every target (PANEL in __init__.py)
+
+// A register tile is kTileRows rows of x by kTileVecs vectors of columns (kTileCols), its outputs held
+// in kTileRows x kTileVecs accumulators; a panel is kPanel / kTileCols such tiles side by side. Rows
+// fill the registers left after the panel's row (kTileVecs vectors, two of them per vector for
+// bfloat16 widened in registers) and a broadcast of x, at most 8: AVX-512 8 x 32 columns (16
+// accumulators), AVX2 6 x 16 (12: the 6x16 float32 kernel of BLIS and llama.cpp), NEON 8 x 8.
+constexpr int kTileVecs = 2;
+constexpr int kTileCols = kTileVecs * kLanes;
+static_assert(kPanel % kTileCols == 0, "a panel is whole tiles");
+constexpr int TileRowsFor(int weight_regs) {
+  return std::min(8, (kVecRegs - weight_regs - 2) / kTileVecs);
+}
+// bfloat16 weights take twice the registers where they are widened (no bfloat16 dot product)
+template <typename X, typename W>
+constexpr int kTileRows = TileRowsFor(sizeof(W) == 2 && std::is_same_v<X, float> ? 2 * kTileVecs : kTileVecs);
 
 // How many threads to split `items` ways (K rows, panels) for a matmul of `rows` rows of x.
 int TeamSize(int64_t rows, int64_t items) {
@@ -46,93 +72,113 @@ int TeamSize(int64_t rows, int64_t items) {
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), items)));
 }
 
-typedef float Vec16 __attribute__((vector_size(64)));  // AVX-512 register; split by the compiler elsewhere
-typedef uint32_t Vec16u __attribute__((vector_size(64)));
-
-inline Vec16 Load(const float* p) {
-  Vec16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-// One step of k of a register tile, float32: x[r, k] times the panel's row b (kPanel floats),
-// added to each row's two accumulators.
+// One step of k of a register tile: x's ROWS rows at this k (`x`, rows `ldx` apart) times the panel's
+// row b (the tile's kTileCols columns), added to each row's accumulators. Float32 weights: x float32.
 template <int ROWS>
-__attribute__((always_inline)) inline void Step(const float* x, int64_t k_dim, int64_t k, const float* b,
-                                                Vec16* lo, Vec16* hi) {
-  const Vec16 b0 = Load(b), b1 = Load(b + 16);
+__attribute__((always_inline)) inline void Step(const float* x, int64_t ldx, const float* b, VecF (*acc)[kTileVecs]) {
+  VecF bv[kTileVecs];
+#pragma GCC unroll 4
+  for (int v = 0; v < kTileVecs; ++v) bv[v] = Load(b + v * kLanes);
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r) {
-    const float a = x[r * k_dim + k];
-    lo[r] += a * b0;
-    hi[r] += a * b1;
+    const float a = x[r * ldx];
+#pragma GCC unroll 4
+    for (int v = 0; v < kTileVecs; ++v) acc[r][v] += a * bv[v];
   }
 }
 
-// bfloat16: x holds each row's K as pairs (one 32-bit word: k even in the low half, odd in the high
-// half), the panel's row b the weights' matching pairs ([kPanel, 2]); one step covers two of K.
+// bfloat16 weights: the panel's row b holds pairs of K ([columns, 2]), so one step covers two of K.
 // Same outputs as the float32 step on the bfloat16 values, to float32 rounding.
+#if defined(__AVX512BF16__)
+// With the bfloat16 dot product: x holds each row's K as pairs too (one 32-bit word: k even in the
+// low half, odd in the high half), multiplied pair by pair with vdpbf16ps.
 template <int ROWS>
-__attribute__((always_inline)) inline void Step(const uint32_t* x, int64_t k_pairs, int64_t k, const uint16_t* b,
-                                                Vec16* lo, Vec16* hi) {
-#ifdef __AVX512BF16__
-  const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b), b1 = (__m512bh)_mm512_loadu_si512(b + 32);
+__attribute__((always_inline)) inline void Step(const uint32_t* x, int64_t ldx, const uint16_t* b,
+                                                VecF (*acc)[kTileVecs]) {
+  static_assert(kLanes == 16, "vdpbf16ps takes 512-bit vectors here");
+  __m512bh bv[kTileVecs];
+  for (int v = 0; v < kTileVecs; ++v) bv[v] = (__m512bh)_mm512_loadu_si512(b + v * 2 * kLanes);
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r) {
-    const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * k_pairs + k]));
-    lo[r] = (Vec16)_mm512_dpbf16_ps((__m512)lo[r], a, b0);
-    hi[r] = (Vec16)_mm512_dpbf16_ps((__m512)hi[r], a, b1);
+    const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * ldx]));
+    for (int v = 0; v < kTileVecs; ++v) acc[r][v] = (VecF)_mm512_dpbf16_ps((__m512)acc[r][v], a, bv[v]);
   }
-#else  // a bfloat16 is the top half of a float32: widen each half of a pair by shifting or masking
-  Vec16u u0, u1;
-  std::memcpy(&u0, b, sizeof u0);
-  std::memcpy(&u1, b + 32, sizeof u1);
-  const Vec16 b0e = (Vec16)(u0 << 16), b0o = (Vec16)(u0 & 0xffff0000u);
-  const Vec16 b1e = (Vec16)(u1 << 16), b1o = (Vec16)(u1 & 0xffff0000u);
-#pragma GCC unroll 8
-  for (int r = 0; r < ROWS; ++r) {
-    const uint32_t pair = x[r * k_pairs + k], even_bits = pair << 16, odd_bits = pair & 0xffff0000u;
-    float even, odd;
-    std::memcpy(&even, &even_bits, sizeof even);
-    std::memcpy(&odd, &odd_bits, sizeof odd);
-    lo[r] += even * b0e + odd * b0o;
-    hi[r] += even * b1e + odd * b1o;
-  }
-#endif
 }
-
-// y[r, 0:kPanel] = x[r, :] @ panel for r < ROWS; panel is `k_steps` contiguous rows of kPanel
-// columns (float32, or bfloat16 pairs: see Step). With `next` (the next panel's first row, rows
-// `next_stride` elements apart), its rows are prefetched along the way.
-template <int ROWS, typename X, typename W>
-inline void Tile(const X* x, int64_t k_steps, const W* panel, float* y, int64_t ldy, const W* next,
-                 int64_t next_stride) {
-  constexpr int64_t kRow = kPanel * sizeof(X) / sizeof(W);  // W elements per step of k (128 bytes)
-  Vec16 lo[ROWS], hi[ROWS];
+using Bf16X = uint32_t;  // what the bfloat16 tile reads x as
+#else
+// Without it: x widened to float32 beforehand (WidenRows), the weights widened in registers (a
+// bfloat16 is the top half of a float32: the even of a pair shifted up, the odd masked), then
+// two FMAs per pair.
+template <int ROWS>
+__attribute__((always_inline)) inline void Step(const float* x, int64_t ldx, const uint16_t* b,
+                                                VecF (*acc)[kTileVecs]) {
+  VecF even[kTileVecs], odd[kTileVecs];
+#pragma GCC unroll 4
+  for (int v = 0; v < kTileVecs; ++v) {
+    const VecU u = LoadU(b + v * 2 * kLanes);
+    even[v] = (VecF)(u << 16);
+    odd[v] = (VecF)(u & 0xffff0000u);
+  }
 #pragma GCC unroll 8
-  for (int r = 0; r < ROWS; ++r) lo[r] = hi[r] = Vec16{};
+  for (int r = 0; r < ROWS; ++r) {
+    const float a_even = x[r * ldx], a_odd = x[r * ldx + 1];
+#pragma GCC unroll 4
+    for (int v = 0; v < kTileVecs; ++v) acc[r][v] += a_even * even[v] + a_odd * odd[v];
+  }
+}
+using Bf16X = float;
+#endif
+
+// Per step of k, in elements: of a panel's row (128 bytes: kPanel floats or kPanel pairs of
+// bfloat16), of one column in it, and of a row of x.
+template <typename X, typename W>
+constexpr int64_t kRowElems = kPanel * (sizeof(W) == 2 ? 2 : 1);
+template <typename X, typename W>
+constexpr int64_t kColElems = sizeof(W) == 2 ? 2 : 1;
+template <typename X, typename W>
+constexpr int64_t kXElems = sizeof(W) == 2 && std::is_same_v<X, float> ? 2 : 1;  // widened bfloat16 pairs
+
+// y[r, 0:kTileCols] = x[r, :] @ tile for r < ROWS; `tile` is a panel's columns [c, c + kTileCols), its
+// `k_steps` rows kRowElems apart; x's rows are `ldx` elements apart. With `next` (the next panel's
+// first row, rows `next_stride` elements apart), its rows are prefetched along the way.
+template <int ROWS, typename X, typename W>
+inline void Tile(const X* x, int64_t ldx, int64_t k_steps, const W* tile, float* y, int64_t ldy, const W* next,
+                 int64_t next_stride) {
+  VecF acc[ROWS][kTileVecs];
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r)
+    for (int v = 0; v < kTileVecs; ++v) acc[r][v] = VecF{};
   for (int64_t k = 0; k < k_steps; ++k) {
     if (next) {
       const char* row = reinterpret_cast<const char*>(next + k * next_stride);
       __builtin_prefetch(row);
       __builtin_prefetch(row + 64);
     }
-    Step<ROWS>(x, k_steps, k, panel + k * kRow, lo, hi);
+    Step<ROWS>(x + k * kXElems<X, W>, ldx, tile + k * kRowElems<X, W>, acc);
   }
 #pragma GCC unroll 8
-  for (int r = 0; r < ROWS; ++r) {
-    std::memcpy(y + r * ldy, &lo[r], sizeof(Vec16));
-    std::memcpy(y + r * ldy + 16, &hi[r], sizeof(Vec16));
+  for (int r = 0; r < ROWS; ++r)
+    for (int v = 0; v < kTileVecs; ++v) Store(y + r * ldy + v * kLanes, acc[r][v]);
+}
+
+template <int ROWS, typename X, typename W>
+void TileRemainder(int rows, const X* x, int64_t ldx, int64_t k_steps, const W* tile, float* y, int64_t ldy,
+                   const W* next, int64_t next_stride) {
+  if constexpr (ROWS > 0) {
+    if (rows == ROWS) return Tile<ROWS, X, W>(x, ldx, k_steps, tile, y, ldy, next, next_stride);
+    TileRemainder<ROWS - 1, X, W>(rows, x, ldx, k_steps, tile, y, ldy, next, next_stride);
   }
 }
 
-template <int ROWS = kTileRows, typename X, typename W>
-void TileRemainder(int rows, const X* x, int64_t k_dim, const W* panel, float* y, int64_t ldy, const W* next,
-                   int64_t next_stride) {
-  if constexpr (ROWS > 0) {
-    if (rows == ROWS) return Tile<ROWS, X, W>(x, k_dim, panel, y, ldy, next, next_stride);
-    TileRemainder<ROWS - 1, X, W>(rows, x, k_dim, panel, y, ldy, next, next_stride);
-  }
+// y[0:rows, 0:kPanel] = x[0:rows] @ panel (rows <= kTileRows<X, W>), tile by tile across the panel;
+// the first tile prefetches `next` (see Tile).
+template <typename X, typename W>
+inline void PanelRows(int rows, const X* x, int64_t k_steps, const W* panel, float* y, int64_t ldy, const W* next,
+                      int64_t next_stride) {
+  const int64_t ldx = k_steps * kXElems<X, W>;
+  for (int c = 0; c < kPanel; c += kTileCols)
+    TileRemainder<kTileRows<X, W>>(rows, x, ldx, k_steps, panel + c * kColElems<X, W>, y + c, ldy,
+                                   c == 0 ? next : nullptr, next_stride);
 }
 
 // One thread (rows < kMinTeamRows): streams w's rows front to back, x's rows accumulated side by side.
@@ -160,18 +206,18 @@ void Panels(const float* xp, int64_t rows, int64_t k_dim, const float* wl, int64
     // threshold and every call would map it and page-fault on it afresh
     static thread_local std::vector<float> panel;
     if (panel.size() < static_cast<size_t>(k_dim) * kPanel) panel.resize(static_cast<size_t>(k_dim) * kPanel);
-    float edge[kTileRows * kPanel];  // a last panel narrower than kPanel is computed here, then copied out
+    float edge[kTileRows<float, float> * kPanel];  // a last panel narrower than kPanel is computed here, then copied out
     for (int64_t p = panels * id / team; p < panels * (id + 1) / team; ++p) {
       const int64_t c0 = p * kPanel, cols = std::min(kPanel, n - c0);
       for (int64_t k = 0; k < k_dim; ++k) std::memcpy(panel.data() + k * kPanel, wl + k * n + c0, sizeof(float) * cols);
-      for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
-        const int tile = static_cast<int>(std::min<int64_t>(kTileRows, rows - r0));
+      for (int64_t r0 = 0; r0 < rows; r0 += kTileRows<float, float>) {
+        const int tile = static_cast<int>(std::min<int64_t>(kTileRows<float, float>, rows - r0));
         const float* x = xp + r0 * k_dim;
         const float* next = r0 == 0 && c0 + kPanel < n ? wl + c0 + kPanel : nullptr;  // while the first tile runs
         if (cols == kPanel) {
-          TileRemainder(tile, x, k_dim, panel.data(), y + r0 * n + c0, n, next, n);
+          PanelRows(tile, x, k_dim, panel.data(), y + r0 * n + c0, n, next, n);
         } else {
-          TileRemainder(tile, x, k_dim, panel.data(), edge, kPanel, next, n);
+          PanelRows(tile, x, k_dim, panel.data(), edge, kPanel, next, n);
           for (int r = 0; r < tile; ++r) std::memcpy(y + (r0 + r) * n + c0, edge + r * kPanel, sizeof(float) * cols);
         }
       }
@@ -185,8 +231,7 @@ void Panels(const float* xp, int64_t rows, int64_t k_dim, const float* wl, int64
 // more GFLOP per CPU-second than `Panels` at 64 rows, 1.06x at 512). `k_steps`: K, or K / 2 pairs.
 template <typename X, typename W>
 void PackedPanels(const X* xp, int64_t rows, int64_t k_steps, const W* wp, int64_t n, float* y) {
-  constexpr int64_t row_size = kPanel * sizeof(X) / sizeof(W);  // W elements per step of k, as in Tile
-  const int64_t panels = n / kPanel, panel_size = k_steps * row_size;
+  const int64_t panels = n / kPanel, panel_size = k_steps * kRowElems<X, W>;
   const int threads = TeamSize(rows, panels);
 #pragma omp parallel num_threads(threads)
   {
@@ -195,13 +240,25 @@ void PackedPanels(const X* xp, int64_t rows, int64_t k_steps, const W* wp, int64
     for (int64_t p = panels * id / team; p < end; ++p) {
       const W* panel = wp + p * panel_size;
       const W* next = p + 1 < end ? panel + panel_size : nullptr;
-      for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
-        const int tile = static_cast<int>(std::min<int64_t>(kTileRows, rows - r0));
-        TileRemainder(tile, xp + r0 * k_steps, k_steps, panel, y + r0 * n + p * kPanel, n, r0 == 0 ? next : nullptr,
-                      row_size);
+      for (int64_t r0 = 0; r0 < rows; r0 += kTileRows<X, W>) {
+        const int tile = static_cast<int>(std::min<int64_t>(kTileRows<X, W>, rows - r0));
+        PanelRows(tile, xp + r0 * k_steps * kXElems<X, W>, k_steps, panel, y + r0 * n + p * kPanel, n, r0 == 0 ? next : nullptr,
+                  kRowElems<X, W>);
       }
     }
   }
+}
+
+// x's bfloat16 values as float32, in a buffer reused across calls (see Step: the tile without a
+// bfloat16 dot product reads x widened)
+[[maybe_unused]] const float* WidenRows(const uint16_t* x, int64_t size) {
+  static thread_local std::vector<float> wide;
+  if (wide.size() < static_cast<size_t>(size)) wide.resize(size);
+  for (int64_t i = 0; i < size; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(x[i]) << 16;
+    std::memcpy(wide.data() + i, &bits, sizeof bits);
+  }
+  return wide.data();
 }
 
 // `packed`: w as `pack` (__init__.py) lays it out, read by PackedPanels whatever the row count.
@@ -223,8 +280,12 @@ ffi::Error Impl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> layer,
   if (packed && n % kPanel != 0) return ffi::Error::InvalidArgument("stacked_matmul_cpu: packed N must divide by 32");
   float* y = out->typed_data();
   if (bf16) {
-    PackedPanels(static_cast<const uint32_t*>(x.untyped_data()), rows, k_dim / 2,
-                 static_cast<const uint16_t*>(w.untyped_data()) + l * k_dim * n, n, y);
+    const auto* w16 = static_cast<const uint16_t*>(w.untyped_data()) + l * k_dim * n;
+#if defined(__AVX512BF16__)
+    PackedPanels(static_cast<const Bf16X*>(x.untyped_data()), rows, k_dim / 2, w16, n, y);
+#else
+    PackedPanels(WidenRows(static_cast<const uint16_t*>(x.untyped_data()), rows * k_dim), rows, k_dim / 2, w16, n, y);
+#endif
     return ffi::Error::Success();
   }
   const float* xp = x.typed_data<float>();
