@@ -8,7 +8,7 @@
 // Work units, spread over the cores with OpenMP, longest first:
 // - one query row (head_dim a multiple of 16, at most 256; G <= 8): all heads, over its keys
 //   or, for a row long enough to unbalance the cores, over one slice of them (flash-decoding:
-//   the slices' softmax states are merged afterwards). Keys are scored 16 at a time with vector
+//   the slices' softmax states are merged afterwards). Keys are scored a vector's width at a time with vector
 //   FMAs and a transpose-add reduction (`attend_group`). A prefill chunk's rows are units of
 //   their own too, each over its causal prefix: its sequence's blocks are re-read from cache
 //   (measured 1.5-2x faster than the row-by-row tile below on prefill and mixed batches).
@@ -26,6 +26,7 @@
 
 #include <omp.h>
 
+#include "../cpu_simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -149,50 +150,24 @@ void attend_tile(const float* q, const T* k_layer, const T* v_layer, const int32
   }
 }
 
-// --- Decode: one query row per unit, 16 keys at a time -------------------------------------
+// --- Decode: one query row per unit, kGroup keys at a time ----------------------------------
 //
 // A unit that scores one row (every decode sequence) takes this path when head_dim is a
-// multiple of 16. For each KV head and each group of up to 16 keys of a block it forms, per
-// query head, 16 vectors of partial dot products (one per key, FMAs over head_dim) and folds
-// them with a transpose-add tree into one vector holding the 16 scores: 45 shuffle/add ops per
-// 16 scores instead of 16 horizontal sums (~128 ops). Values accumulate from the same 16 rows
-// with the G heads' accumulators kept in registers per 16-float chunk. Rows past a group's
+// multiple of 16. kGroup is the target's float32 lanes (16 on AVX-512, 8 on AVX2, 4 on NEON; see
+// cpu_simd.h). For each KV head and each group of up to kGroup keys of a block it forms, per query
+// head, kGroup vectors of partial dot products (one per key, FMAs over head_dim) and folds them
+// with a transpose-add tree into one vector holding the kGroup scores (`LaneSums`: 45 shuffle/add
+// ops per 16 scores instead of 16 horizontal sums, ~128 ops). Values accumulate from the same rows
+// with the G heads' accumulators kept in registers per vector of head_dim. Rows past a group's
 // last valid key re-read its last valid row and get probability 0, so no unused (possibly
 // NaN) cache row is ever read. Blocks are prefetched ahead (`Prefetch`); without that the
 // scattered blocks, not the arithmetic, set the speed.
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef uint16_t u16x16 __attribute__((vector_size(32)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-constexpr int kGroup = 16;
+using jaxllm_simd::kLanes;
+using jaxllm_simd::Load;
+using jaxllm_simd::VecF;
+constexpr int kGroup = kLanes;        // keys scored at a time: one vector of scores
 constexpr int64_t kMaxHeadDim = 256;  // the decode path's limit (bfloat16 keys widened on the stack)
-
-inline f32x16 load16(const float* p) {
-  f32x16 r;
-  std::memcpy(&r, p, sizeof r);
-  return r;
-}
-inline f32x16 load16(const uint16_t* p) {  // bfloat16 -> float32: widen and shift into the high half
-  u16x16 r;
-  std::memcpy(&r, p, sizeof r);
-  return (f32x16)(__builtin_convertvector(r, u32x16) << 16);
-}
-
-// The 16 lane-sums of p[0..15], lane t = sum of p[t]: four levels of (two shuffles, one add).
-inline f32x16 reduce16(const f32x16* p) {
-  f32x16 a[8], b[4], c[2];
-  for (int i = 0; i < 8; ++i)  // [p(2i) halves summed | p(2i+1) halves summed]
-    a[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  for (int i = 0; i < 4; ++i)  // 4 lanes per key
-    b[i] = __builtin_shufflevector(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-           __builtin_shufflevector(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  for (int i = 0; i < 2; ++i)  // 2 lanes per key
-    c[i] = __builtin_shufflevector(b[2 * i], b[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-           __builtin_shufflevector(b[2 * i], b[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-  return __builtin_shufflevector(c[0], c[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         __builtin_shufflevector(c[0], c[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
 
 // Prefetches the lines of a block kPrefetch ahead a few at a time, spread over the current
 // block's compute. Measured (benchmarks/NOTES.md): one burst of the whole block's prefetches per
@@ -217,23 +192,23 @@ struct HeadState {  // one KV head's G query heads: scaled queries, running max/
   float* acc;       // [G, D]
 };
 
-// Keys k[min(t, nk - 1) * k_stride], values likewise, t < 16; FULL: nk == 16.
+// Keys k[min(t, nk - 1) * k_stride], values likewise, t < kGroup; FULL: nk == kGroup.
 template <bool FULL, typename TK, typename TV>
 inline void attend_group(const HeadState& st, const TK* k, int64_t k_stride, const TV* v, int64_t v_stride, int nk,
                          int64_t G, int64_t D, float soft_cap, Prefetch& pf) {
-  alignas(64) float p[8 * kGroup];  // probabilities [G, 16] (G <= 8 here; see the caller)
-  const int64_t C = D / 16;
+  alignas(64) float p[8 * kGroup];  // probabilities [G, kGroup] (G <= 8 here; see the caller)
+  const int64_t C = D / kLanes;
   auto row = [&](int t) { return FULL ? t : std::min(t, nk - 1); };
   for (int64_t g = 0; g < G; ++g) {
     pf.step();
-    f32x16 part[kGroup] = {};
+    VecF part[kGroup] = {};
     for (int64_t c = 0; c < C; ++c) {
-      const f32x16 qv = load16(st.q + g * D + c * 16);
+      const VecF qv = Load(st.q + g * D + c * kLanes);
 #pragma GCC unroll 16
-      for (int t = 0; t < kGroup; ++t) part[t] += qv * load16(k + row(t) * k_stride + c * 16);
+      for (int t = 0; t < kGroup; ++t) part[t] += qv * Load(k + row(t) * k_stride + c * kLanes);
     }
     alignas(64) float s[kGroup];
-    const f32x16 sv = reduce16(part);
+    const VecF sv = jaxllm_simd::LaneSums(part);
     std::memcpy(s, &sv, sizeof s);
     if (soft_cap > 0.f)
       for (int t = 0; t < kGroup; ++t) s[t] = soft_cap * std::tanh(s[t] / soft_cap);
@@ -256,20 +231,20 @@ inline void attend_group(const HeadState& st, const TK* k, int64_t k_stride, con
   }
   for (int64_t c = 0; c < C; ++c) {
     pf.step();
-    f32x16 vr[kGroup];
+    VecF vr[kGroup];
 #pragma GCC unroll 16
-    for (int t = 0; t < kGroup; ++t) vr[t] = load16(v + row(t) * v_stride + c * 16);
+    for (int t = 0; t < kGroup; ++t) vr[t] = Load(v + row(t) * v_stride + c * kLanes);
     for (int64_t g = 0; g < G; ++g) {
-      f32x16 a = load16(st.acc + g * D + c * 16);
+      VecF a = Load(st.acc + g * D + c * kLanes);
       const float* pg = p + g * kGroup;
 #pragma GCC unroll 16
       for (int t = 0; t < kGroup; ++t) a += pg[t] * vr[t];
-      std::memcpy(st.acc + g * D + c * 16, &a, sizeof a);
+      jaxllm_simd::Store(st.acc + g * D + c * kLanes, a);
     }
   }
 }
 
-// bfloat16 rows: widen the group's 16 key rows once into float32 (L1-resident) rather than once
+// bfloat16 rows: widen the group's key rows once into float32 (L1-resident) rather than once
 // per query head; value rows are widened as they are read (once each anyway).
 template <bool FULL>
 inline void attend_group_bf16(const HeadState& st, const uint16_t* k, const uint16_t* v, int64_t stride, int nk,
@@ -277,10 +252,7 @@ inline void attend_group_bf16(const HeadState& st, const uint16_t* k, const uint
   alignas(64) float kf[kGroup * kMaxHeadDim];
   for (int t = 0; t < kGroup; ++t) {
     const uint16_t* row = k + (FULL ? t : std::min(t, nk - 1)) * stride;
-    for (int64_t c = 0; c < D; c += 16) {
-      const f32x16 x = load16(row + c);
-      std::memcpy(kf + t * D + c, &x, sizeof x);
-    }
+    for (int64_t c = 0; c < D; c += kLanes) jaxllm_simd::Store(kf + t * D + c, Load(row + c));
   }
   attend_group<FULL>(st, kf, D, v, stride, nk, G, D, soft_cap, pf);
 }
@@ -315,8 +287,8 @@ void attend_decode(const float* q_row, const T* k_layer, const T* v_layer, const
 
   const int64_t blk_lo = key_lo / B, blk_hi = std::min<int64_t>((key_hi - 1) / B, sh.max_blocks - 1);
   const int64_t block_elems = B * Hkv * D, stride = Hkv * D;
-  // Prefetch: the block kPrefetch ahead, spread over this block's (Hkv x (G + D/16)) steps
-  const int64_t lines = block_elems * sizeof(T) / 64, steps = Hkv * (G + D / 16) * ((B + kGroup - 1) / kGroup);
+  // Prefetch: the block kPrefetch ahead, spread over this block's (Hkv x (G + D / kLanes)) steps
+  const int64_t lines = block_elems * sizeof(T) / 64, steps = Hkv * (G + D / kLanes) * ((B + kGroup - 1) / kGroup);
   Prefetch pf;
   auto target = [&](int64_t b) {
     pf.finish();
@@ -426,7 +398,7 @@ void run(const float* q, const T* k, const T* v, const int32_t* kv_lens, const i
     if (!whole.decode() || threads == 1 || whole.key_hi - whole.key_lo <= slice_keys) continue;
     split_rows.push_back(whole.row);
     split_first.push_back(slots);
-    // slices start on block boundaries, so a 16-key group never spans two slices' blocks
+    // slices start on block boundaries, so a group of keys never spans two slices' blocks
     for (int64_t lo = whole.key_lo, first = 1; lo < whole.key_hi; first = 0) {
       const int64_t hi = std::min(whole.key_hi, (lo + slice_keys) / B * B);
       const Unit piece{whole.seq, whole.row, 1, whole.pos, lo, hi, slots++, hi - lo};
