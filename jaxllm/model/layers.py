@@ -14,7 +14,7 @@ gate/up) pieces for its own heads or columns, and no shard ever needs another's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import flax.linen as nn
 import jax
@@ -27,6 +27,12 @@ from pallas_kernels.stacked_matmul import packed_matmul, packed_rows, stacked_ma
 
 Dtype = Any
 INIT_STD = 0.02
+
+
+def partitioned_param(module: nn.Module, name: str, init, spec: tuple, shape: tuple, dtype: Dtype) -> Array:
+    """`module.param` with `init` partitioned by `spec`: the array itself (flax unboxes the `Partitioned`
+    box its typing returns)."""
+    return cast(Array, module.param(name, nn.with_partitioning(init, spec), shape, dtype))
 
 
 @dataclass(frozen=True)
@@ -46,8 +52,8 @@ class Stacking:
     def param(self, module: nn.Module, name: str, init, spec: tuple, shape: tuple, dtype: Dtype) -> Array:
         """The module's parameter as stored: `[L, *shape]` when stacked."""
         if self.num_layers is None:
-            return module.param(name, nn.with_partitioning(init, spec), shape, dtype)
-        return module.param(name, nn.with_partitioning(init, (None, *spec)), (self.num_layers, *shape), dtype)
+            return partitioned_param(module, name, init, spec, shape, dtype)
+        return partitioned_param(module, name, init, (None, *spec), (self.num_layers, *shape), dtype)
 
     def at(self, value: Array, layer) -> Array:
         """A small parameter's value for the running layer."""
@@ -118,9 +124,11 @@ class Embed(nn.Module):
     packed: bool = False
 
     def setup(self):
-        self.embedding = self.param(
+        self.embedding = partitioned_param(
+            self,
             "embedding",
-            nn.with_partitioning(nn.initializers.normal(INIT_STD), ("model", None)),
+            nn.initializers.normal(INIT_STD),
+            ("model", None),
             (self.vocab_size, self.features),
             self.dtype,
         )

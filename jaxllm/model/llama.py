@@ -16,7 +16,7 @@ Layers run one of two ways (`scan_layers`):
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Generic, NamedTuple, TypeVar
 
 import flax.linen as nn
 import jax
@@ -29,18 +29,21 @@ from jaxllm.model.layers import Dtype, Embed, GatedMLP, Linear, RMSNorm, Stackin
 from jaxllm.model.registry import ModelArch
 from pallas_kernels import stacked_matmul
 
+# A step's input arrays: numpy as the host fills them, jax arrays inside the compiled step
+ArrayT = TypeVar("ArrayT", Array, np.ndarray)
 
-class StepInputs(NamedTuple):
+
+class StepInputs(NamedTuple, Generic[ArrayT]):
     """The flattened ragged batch of one engine step (docs/design.md, "One engine step")."""
 
-    token_ids: Int[Array, " T"]
-    positions: Int[Array, " T"]
-    slot_mapping: Int[Array, " T"]  # cache slot of each token's K/V; padding → a scratch slot
-    cu_q_lens: Int[Array, " S1"]  # sequence i owns rows cu_q_lens[i]:cu_q_lens[i+1]
-    kv_lens: Int[Array, " S"]  # context length of each sequence after this step
-    block_tables: Int[Array, "S M"]
-    num_seqs: Int[Array, " 1"]
-    logits_indices: Int[Array, " R"]  # rows whose logits are wanted
+    token_ids: Int[ArrayT, " T"]
+    positions: Int[ArrayT, " T"]
+    slot_mapping: Int[ArrayT, " T"]  # cache slot of each token's K/V; padding → a scratch slot
+    cu_q_lens: Int[ArrayT, " S1"]  # sequence i owns rows cu_q_lens[i]:cu_q_lens[i+1]
+    kv_lens: Int[ArrayT, " S"]  # context length of each sequence after this step
+    block_tables: Int[ArrayT, "S M"]
+    num_seqs: Int[ArrayT, " 1"]
+    logits_indices: Int[ArrayT, " R"]  # rows whose logits are wanted
 
 
 class KVCache(NamedTuple):
@@ -55,7 +58,7 @@ class Attention(nn.Module):
     stacking: Stacking = Stacking()
 
     @nn.compact
-    def __call__(self, x, cache: KVCache, layer, batch: StepInputs, cos, sin):
+    def __call__(self, x, cache: KVCache, layer, batch: StepInputs[Array], cos, sin):
         a, st = self.arch, self.stacking
         num_tokens = x.shape[0]
         # one matmul for q, k and v: per KV head, its group of q heads, then its k, then its v
@@ -106,7 +109,7 @@ class DecoderLayer(nn.Module):
     stacking: Stacking = Stacking()
 
     @nn.compact
-    def __call__(self, carry, batch: StepInputs, cos, sin):
+    def __call__(self, carry, batch: StepInputs[Array], cos, sin):
         hidden, cache, layer = carry
         eps, st = self.arch.rms_norm_eps, self.stacking
         attn_out, cache = Attention(self.arch, self.dtype, self.attention_backend, st, name="self_attn")(
@@ -163,7 +166,7 @@ class CausalLM(nn.Module):
         return jax.tree_util.tree_map_with_path(leaf, params)
 
     @nn.compact
-    def __call__(self, cache: KVCache, batch: StepInputs) -> tuple[Float[Array, "R V"], KVCache]:
+    def __call__(self, cache: KVCache, batch: StepInputs[Array]) -> tuple[Float[Array, "R V"], KVCache]:
         a = self.arch
         head_packed = self.packs_head()
         embed = Embed(

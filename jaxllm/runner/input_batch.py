@@ -53,7 +53,9 @@ class InputBatch:
         self._history_rows: set[int] = set()  # rows to clear before reuse
         self._masked_rows: set[int] = set()
 
-    def fill(self, out: SchedulerOutput, bucket: Bucket, grammar=None) -> tuple[StepInputs, SamplingInputs]:
+    def fill(
+        self, out: SchedulerOutput, bucket: Bucket, grammar=None
+    ) -> tuple[StepInputs[np.ndarray], SamplingInputs[np.ndarray]]:
         T, S = bucket.num_tokens, bucket.num_seqs
         bs = self.block_size
         self._reset_sampling_rows(S)

@@ -36,7 +36,7 @@ random number per vocabulary entry: ~70 ms at [64, 49152] on CPU).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import NamedTuple
+from typing import Generic, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -51,20 +51,24 @@ CDF_BLOCK = 256  # vocabulary entries per block of the inverse-CDF draw (and of 
 BISECT_UNROLL = 2  # bisection steps per loop iteration: full unrolling compiles slowly, none runs ~2x slower
 
 
-class SamplingInputs(NamedTuple):
-    temperature: Float[Array, " S"]  # 0 → greedy (argmax after penalties and mask)
-    top_k: Int[Array, " S"]  # 0 → off
-    top_p: Float[Array, " S"]  # 1 → off
-    min_p: Float[Array, " S"]  # 0 → off
-    repetition_penalty: Float[Array, " S"]  # 1 → off; applies to tokens in prompt or output
-    presence_penalty: Float[Array, " S"]  # 0 → off; output tokens only
-    frequency_penalty: Float[Array, " S"]  # 0 → off; output tokens only
-    seeds: Int[Array, " S"]  # per-request seed (int32)
-    steps: Int[Array, " S"]  # number of tokens the request has generated so far
-    history: Int[Array, "S P"]  # prompt then output token ids, -1 padded (filled only for rows using penalties)
-    prompt_lens: Int[Array, " S"]  # how many leading history entries are prompt
-    allowed: UInt32[Array, "S W"]  # bit t%32 of word t//32 set → token t may be sampled (all ones: no mask)
-    num_logprobs: Int[Array, " S"]  # top logprobs wanted (-1: none)
+# A step's input arrays: numpy as the host fills them, jax arrays inside the compiled step
+ArrayT = TypeVar("ArrayT", Array, np.ndarray)
+
+
+class SamplingInputs(NamedTuple, Generic[ArrayT]):
+    temperature: Float[ArrayT, " S"]  # 0 → greedy (argmax after penalties and mask)
+    top_k: Int[ArrayT, " S"]  # 0 → off
+    top_p: Float[ArrayT, " S"]  # 1 → off
+    min_p: Float[ArrayT, " S"]  # 0 → off
+    repetition_penalty: Float[ArrayT, " S"]  # 1 → off; applies to tokens in prompt or output
+    presence_penalty: Float[ArrayT, " S"]  # 0 → off; output tokens only
+    frequency_penalty: Float[ArrayT, " S"]  # 0 → off; output tokens only
+    seeds: Int[ArrayT, " S"]  # per-request seed (int32)
+    steps: Int[ArrayT, " S"]  # number of tokens the request has generated so far
+    history: Int[ArrayT, "S P"]  # prompt then output token ids, -1 padded (filled only for rows using penalties)
+    prompt_lens: Int[ArrayT, " S"]  # how many leading history entries are prompt
+    allowed: UInt32[ArrayT, "S W"]  # bit t%32 of word t//32 set → token t may be sampled (all ones: no mask)
+    num_logprobs: Int[ArrayT, " S"]  # top logprobs wanted (-1: none)
 
 
 class SamplerOutput(NamedTuple):
@@ -119,7 +123,7 @@ def allowed_token_ids(row_words: np.ndarray, vocab_size: int) -> np.ndarray:
     return np.flatnonzero(bits.reshape(-1)[:vocab_size])
 
 
-def neutral_inputs(num_seqs: int, vocab_size: int, history_len: int = 1) -> SamplingInputs:
+def neutral_inputs(num_seqs: int, vocab_size: int, history_len: int = 1) -> SamplingInputs[np.ndarray]:
     """Numpy `SamplingInputs` whose every row is neutral: greedy, no penalties, no mask, no logprobs."""
     i32, f32 = np.int32, np.float32
     return SamplingInputs(
@@ -178,7 +182,7 @@ def _argmax(x: Float[Array, "S V"]) -> Int[Array, " S"]:
     return blk * xb.shape[2] + _first(inner == m)
 
 
-def _apply_penalties(logits: Float[Array, "S V"], inp: SamplingInputs) -> Float[Array, "S V"]:
+def _apply_penalties(logits: Float[Array, "S V"], inp: SamplingInputs[Array]) -> Float[Array, "S V"]:
     S, V = logits.shape
     hist = inp.history.astype(jnp.int32)
     valid = (hist >= 0) & (hist < V)
@@ -205,7 +209,7 @@ def _apply_mask(logits: Float[Array, "S V"], allowed: UInt32[Array, "S W"]) -> F
     return jnp.where(bits != 0, logits, _NEG_INF)
 
 
-def _penalised_masked(logits: Float[Array, "S V"], inp: SamplingInputs) -> Float[Array, "S V"]:
+def _penalised_masked(logits: Float[Array, "S V"], inp: SamplingInputs[Array]) -> Float[Array, "S V"]:
     """Stages b and c, each skipped when no row uses it."""
     any_penalty = (
         jnp.any(inp.repetition_penalty != 1) | jnp.any(inp.frequency_penalty != 0) | jnp.any(inp.presence_penalty != 0)
@@ -309,7 +313,9 @@ def _truncation(
     )
 
 
-def _scaled_threshold(z: Float[Array, "S V"], inp: SamplingInputs) -> tuple[Float[Array, "S V"], UInt32[Array, " S"]]:
+def _scaled_threshold(
+    z: Float[Array, "S V"], inp: SamplingInputs[Array]
+) -> tuple[Float[Array, "S V"], UInt32[Array, " S"]]:
     """Stage e before the draw: (z / temperature, key threshold): a row keeps the tokens whose
     `_order_key` is >= its threshold (min_p, top_k, top_p). Greedy rows are scaled by 1."""
     t = inp.temperature.astype(jnp.float32)
@@ -331,7 +337,7 @@ def _keep(x: Float[Array, "S V"], key: UInt32[Array, " S"]) -> Float[Array, "S V
     return jnp.where(_order_key(x) >= key[:, None], x, _NEG_INF)
 
 
-def processed_logits(logits: Float[Array, "S V"], inputs: SamplingInputs) -> Float[Array, "S V"]:
+def processed_logits(logits: Float[Array, "S V"], inputs: SamplingInputs[Array]) -> Float[Array, "S V"]:
     """The logits a row samples from (-inf where excluded); greedy rows: the penalised, masked logits."""
     z = _penalised_masked(logits.astype(jnp.float32), inputs)
     x, key = _scaled_threshold(z, inputs)
@@ -390,13 +396,13 @@ def _top_logprobs(logits, m, log_sum, token_ids, sampled_logprob):
     return ranks, top_ids.astype(jnp.int32), top_vals
 
 
-def sample(logits: Float[Array, "S V"], inputs: SamplingInputs) -> SamplerOutput:
+def sample(logits: Float[Array, "S V"], inputs: SamplingInputs[Array]) -> SamplerOutput:
     """One token per row, with its raw logprob, rank and the top MAX_LOGPROBS raw logprobs (see module doc)."""
     with jax.named_scope("sampler"):
         return _sample(logits, inputs)
 
 
-def _sample(logits: Float[Array, "S V"], inputs: SamplingInputs) -> SamplerOutput:
+def _sample(logits: Float[Array, "S V"], inputs: SamplingInputs[Array]) -> SamplerOutput:
     logits = logits.astype(jnp.float32)
     S, V = logits.shape
     m, log_sum = _raw_logprobs(logits)

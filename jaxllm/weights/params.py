@@ -28,7 +28,7 @@ Params = Any
 GetTensor = Callable[[str], np.ndarray]
 
 
-def _tiny_inputs(arch: ModelArch, dtype) -> tuple[KVCache, StepInputs]:
+def _tiny_inputs(arch: ModelArch, dtype) -> tuple[KVCache, StepInputs[jax.Array]]:
     i32 = jnp.int32
     cache = jnp.zeros((arch.num_layers, 2, 1, arch.num_kv_heads, arch.head_dim), dtype)
     batch = StepInputs(
