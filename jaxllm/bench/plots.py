@@ -75,7 +75,8 @@ def plot_throughput(
     bin_s = bin_s or max(float(times.max()) / 60, 0.1)
     counts, edges = np.histogram(times, bins=np.arange(0.0, times.max() + 2 * bin_s, bin_s))
     ax.stairs(counts / bin_s, edges, fill=True, alpha=0.6, label=f"output tokens/s ({bin_s:.2g} s bins)")
-    events = sorted([(r.start - t0, 1) for r in done] + [(r.start + r.latency - t0, -1) for r in done])
+    spans = [(r.start - t0, r.start + r.latency - t0) for r in done if r.latency is not None]
+    events = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
     in_flight = ax.twinx()
     in_flight.step(
         [t for t, _ in events],

@@ -109,7 +109,8 @@ def _peaks(done: list[RequestRecord]) -> dict:
     if not times.size:
         return {"max_output_tokens_per_s": 0.0, "max_concurrent_requests": 0}
     per_second = np.bincount((times - min(r.start for r in done)).astype(int))
-    events = sorted([(r.start, 1) for r in done] + [(r.start + r.latency, -1) for r in done])
+    spans = [(r.start, r.start + r.latency) for r in done if r.latency is not None]
+    events = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
     return {
         "max_output_tokens_per_s": float(per_second.max()),
         "max_concurrent_requests": int(np.max(np.cumsum([delta for _, delta in events]))),

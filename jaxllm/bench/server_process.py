@@ -70,11 +70,17 @@ class ServerProcess:
     def __exit__(self, *exc) -> None:
         self.stop()
 
+    def _started(self) -> subprocess.Popen:
+        if self.process is None:
+            raise RuntimeError("the server is not started: use `with ServerProcess(...) as server`")
+        return self.process
+
     def _wait_healthy(self) -> None:
+        process = self._started()
         deadline = time.monotonic() + self.startup_timeout
         while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"jaxllm serve exited with {self.process.returncode}:\n{self.log_tail()}")
+            if process.poll() is not None:
+                raise RuntimeError(f"jaxllm serve exited with {process.returncode}:\n{self.log_tail()}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"jaxllm serve not healthy within {self.startup_timeout:g} s:\n{self.log_tail()}")
             try:
@@ -115,7 +121,7 @@ class ServerProcess:
 
     def rss_bytes(self) -> int:
         """Resident memory of the server and its child processes (Linux /proc)."""
-        pids, total = [self.process.pid], 0
+        pids, total = [self._started().pid], 0
         while pids:
             pid = pids.pop()
             try:
@@ -123,7 +129,8 @@ class ServerProcess:
                 children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
             except FileNotFoundError:
                 continue
-            total += int(re.search(r"VmRSS:\s+(\d+) kB", status)[1]) * 1024
+            if (rss := re.search(r"VmRSS:\s+(\d+) kB", status)) is not None:  # none for a zombie
+                total += int(rss[1]) * 1024
             pids += [int(c) for c in children]
         return total
 

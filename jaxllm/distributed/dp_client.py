@@ -25,6 +25,8 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterable
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 
 from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.core_client import DeadHandler, EngineInfo, OutputHandler, apply_command, failed_output
@@ -103,8 +105,8 @@ def _replica_main(index: int, args: EngineArgs, env: dict[str, str], conn, progr
 @dataclasses.dataclass
 class _Replica:
     index: int
-    process: multiprocessing.Process
-    conn: object
+    process: BaseProcess
+    conn: Connection
     stats: dict
     in_flight: dict[str, tuple] = dataclasses.field(default_factory=dict)  # id → (prompt ids, params)
     routed_since_push: int = 0  # requests sent after the last pushed counts
@@ -151,7 +153,7 @@ class DataParallelClient:
         atexit.register(self.shutdown)  # before multiprocessing terminates its daemons, so no "replica died"
 
     def _wait_ready(self) -> EngineInfo:
-        info = None
+        info: EngineInfo | None = None
         for replica in self.replicas:
             if not replica.conn.poll(READY_TIMEOUT_S):
                 raise RuntimeError(f"engine replica {replica.index} did not start within {READY_TIMEOUT_S:.0f}s")
@@ -165,6 +167,7 @@ class DataParallelClient:
                 raise ValueError(f"engine replica {replica.index}: {message[1]}")
             _, info, replica.stats = message
         logger.info("%d data-parallel engine replicas ready", len(self.replicas))
+        assert info is not None  # there are replicas (at least 2)
         return info
 
     # ---- the interface -------------------------------------------------------------------

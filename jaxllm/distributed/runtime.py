@@ -88,7 +88,10 @@ def _barrier(name: str, timeout: float) -> None:
     """Wait until every node gets here (JAX's coordination-service barrier, no collective involved)."""
     from jax._src import distributed
 
-    distributed.global_state.client.wait_at_barrier(name, int(timeout * 1000))
+    client = distributed.global_state.client
+    if client is None:
+        raise RuntimeError("jax.distributed is not initialized")
+    client.wait_at_barrier(name, int(timeout * 1000))
 
 
 def agree_min(value: int) -> int:

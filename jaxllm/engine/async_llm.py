@@ -54,6 +54,7 @@ class RequestStream:
     async def get(self) -> RequestOutput:
         await self.ready.wait()
         self.ready.clear()
+        assert self.latest is not None  # `put` sets it before the event
         return self.latest
 
     def shape(self, out: RequestOutput) -> RequestOutput | None:

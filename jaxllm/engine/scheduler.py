@@ -10,12 +10,17 @@ be recomputed. `update()` applies the sampled tokens and the token-level stop ru
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from jaxllm.config import SchedulerConfig
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.policy import make_waiting_queue
 from jaxllm.engine.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    import numpy as np
 
 
 @dataclass
@@ -152,7 +157,7 @@ class Scheduler:
 
     # ---- after the step ----------------------------------------------------------------
 
-    def update(self, out: SchedulerOutput, sampled: list[int]) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: Sequence[int] | np.ndarray) -> list[Request]:
         """Advance each scheduled request; append the sampled token where one was due.
 
         Returns the requests that received a token (finished ones included).
@@ -179,7 +184,7 @@ class Scheduler:
         if request.num_output_tokens >= params.min_tokens:
             if not params.ignore_eos and token in request.eos_token_ids:
                 return RequestStatus.FINISHED_STOPPED
-            if token in params.stop_token_ids:
+            if params.stop_token_ids and token in params.stop_token_ids:
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
         if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:

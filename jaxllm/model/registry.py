@@ -50,6 +50,8 @@ class RopeConfig:
 
 def _llama3_inv_freq(inv_freq: np.ndarray, rope: RopeConfig) -> np.ndarray:
     old_len = rope.original_max_position_embeddings
+    if old_len is None:  # arch_from_hf_config refuses such a config first
+        raise ValueError("llama3 rope scaling needs original_max_position_embeddings")
     low_wavelen = old_len / rope.low_freq_factor
     high_wavelen = old_len / rope.high_freq_factor
     wavelen = 2 * math.pi / inv_freq

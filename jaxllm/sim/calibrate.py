@@ -116,11 +116,13 @@ def time_sweep(
     from tqdm.auto import tqdm
 
     times: list[list[float]] = [[] for _ in points]
-    shapes: list[StepShape | None] = [None] * len(points)
+    shapes: list[StepShape] = []  # each point's, from the first round (every round has the same)
     with tqdm(total=repeats * len(points), desc="Timing steps", disable=not progress, unit="step") as bar:
         for round_ in range(repeats):
             for i, layout in enumerate(points):
-                shapes[i], seconds = _time_step(core, layout, warm=round_ == 0)
+                shape, seconds = _time_step(core, layout, warm=round_ == 0)
+                if round_ == 0:
+                    shapes.append(shape)
                 times[i].append(seconds)
                 bar.update()
     return [(shape, float(np.median(t))) for shape, t in zip(shapes, times, strict=True)]
@@ -272,8 +274,9 @@ def calibrate_server(model: CostModel, server_flags: list[str]) -> CostModel:
     model, fit = fit_event_costs(model, trace, records, busy, busy_records)
 
     check = simulated(model, trace)
-    ttft_err = abs(sum(s.ttft for s in check) - sum(r.ttft for r in records)) / sum(r.ttft for r in records)
-    tpot_err = abs(sum(s.tpot for s in check) - sum(r.tpot for r in records)) / sum(r.tpot for r in records)
+    real_ttft, real_tpot = sum(_measured(r.ttft) for r in records), sum(_measured(r.tpot) for r in records)
+    ttft_err = abs(sum(_measured(s.ttft) for s in check) - real_ttft) / real_ttft
+    tpot_err = abs(sum(_measured(s.tpot) for s in check) - real_tpot) / real_tpot
     model.fit.update(
         {
             "server_requests": len(records),
@@ -327,6 +330,13 @@ def fit_idle_wake(model: CostModel, trace, records) -> tuple[CostModel, int]:
     idle = [i for i, s in enumerate(sim) if all(p.start + p.latency <= s.start for p in sim[:i])]
     wake = max(float(np.median([records[i].ttft - sim[i].ttft for i in idle])), 0.0) if idle else 0.0
     return replace(model, idle_wake_s=wake), len(idle)
+
+
+def _measured(value: float | None) -> float:
+    """A calibration request's TTFT or TPOT: every one has both (it succeeded, with at least 2 tokens)."""
+    if value is None:
+        raise ValueError("a calibration request has no TTFT or TPOT (it failed, or has fewer than 2 tokens)")
+    return value
 
 
 def simulated(model: CostModel, trace, seed: int = 0) -> list:

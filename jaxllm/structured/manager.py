@@ -23,10 +23,14 @@ import os
 import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jaxllm.structured.tokenizer import llguidance_tokenizer, tokenizer_problem
+
+if TYPE_CHECKING:
+    from llguidance import LLExecutor, LLMatcher
 
 CACHE_SIZE = 256  # compiled grammars kept (LRU)
 # llguidance's batch executor fills masks on ~80 % of the cores; with 2 cores or fewer that is one
@@ -43,10 +47,10 @@ class StructuredOutputManager:
         self.eos_token_ids = tuple(eos_token_ids)
         self._pool = ThreadPoolExecutor(max_workers or min(4, os.cpu_count() or 1), thread_name_prefix="jaxllm-grammar")
         self._tokenizer: Future | None = None  # the LLTokenizer, built on first use
-        self._executor = None  # llguidance's batch mask executor, made on first use (PARALLEL_FILL)
+        self._executor: LLExecutor | None = None  # llguidance's batch mask executor, made on first use (PARALLEL_FILL)
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._pending: dict[str, tuple[list, Future]] = {}  # group id → (its requests, compiled matcher)
-        self._matchers: dict[str, object] = {}  # request id → its LLMatcher
+        self._matchers: dict[str, LLMatcher] = {}  # request id → its LLMatcher
         self.fill_seconds = 0.0  # host time filling masks (cost accounting: benchmarks/structured_cost.py)
         self.advance_seconds = 0.0  # host time advancing matchers
         self.num_masks = 0
@@ -67,16 +71,16 @@ class StructuredOutputManager:
             self._tokenizer = self._pool.submit(
                 llguidance_tokenizer, self._hf_tokenizer, self.vocab_size, self.eos_token_ids
             )
-        future = self._pool.submit(self._compile, params.llguidance_grammar)
+        future = self._pool.submit(self._compile, self._tokenizer, params.llguidance_grammar)
         self._cache[key] = future
         while len(self._cache) > CACHE_SIZE:
             self._cache.popitem(last=False)
         return future
 
-    def _compile(self, grammar: str):
+    def _compile(self, tokenizer: Future, grammar: str) -> LLMatcher:
         import llguidance
 
-        matcher = llguidance.LLMatcher(self._tokenizer.result(), grammar, log_level=0)
+        matcher = llguidance.LLMatcher(tokenizer.result(), grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"the grammar does not compile for this tokenizer: {matcher.get_error()}")
         return matcher
@@ -87,7 +91,7 @@ class StructuredOutputManager:
         Ready groups have their matchers from here on; failed ones are forgotten (their failure
         stays cached: the same grammar fails the same way).
         """
-        done = []
+        done: list[tuple[list, str | None]] = []
         for group_id, (requests, future) in list(self._pending.items()):
             if not future.done():
                 continue

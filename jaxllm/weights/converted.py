@@ -95,7 +95,9 @@ class _Writer:
     them and renames the folder into place, so that it appears whole or not at all."""
 
     def __init__(self, folder: Path):
-        self.folder, self.files, self.partial = folder, [], None
+        self.folder = folder
+        self.files: list[np.memmap] = []  # the mapped .npy files, flushed by `keep`
+        self.partial: Path | None = None  # the folder being written, renamed into place by `keep`
         try:
             folder.parent.mkdir(parents=True, exist_ok=True)
             self.partial = Path(tempfile.mkdtemp(dir=folder.parent, suffix=".partial"))
@@ -128,7 +130,8 @@ class _Writer:
         self.partial, self.files = None, []
 
     def keep(self) -> None:
-        if self.partial is None:
+        partial = self.partial
+        if partial is None:
             return
 
         def flush():
@@ -136,7 +139,7 @@ class _Writer:
                 for array in self.files:
                     array.flush()
                 shutil.rmtree(self.folder, ignore_errors=True)
-                os.replace(self.partial, self.folder)
+                os.replace(partial, self.folder)
             except OSError as e:
                 self._give_up(e)
 

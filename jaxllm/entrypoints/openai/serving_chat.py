@@ -111,6 +111,8 @@ class OpenAIServingChat(OpenAIServing):
                 if (error := engine_error(out)) is not None:
                     raise error
                 final = out
+        if final is None:
+            raise RuntimeError("the engine ended the request without an output")
         choices = []
         for c in final.outputs:
             calls, finish_reason = read_tool_calls(tool_call, c.text, c.finish_reason)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import aclosing
+from typing import cast
 
 from jaxllm.entrypoints.openai.errors import bad_request, not_supported
 from jaxllm.entrypoints.openai.protocol import (
@@ -21,7 +22,7 @@ from jaxllm.entrypoints.openai.serving_engine import (
     sse,
     usage,
 )
-from jaxllm.outputs import CompletionOutput, Logprob
+from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 
@@ -56,9 +57,13 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def prompts(self, request: CompletionRequest) -> list[dict]:
         """Every prompt as {"prompt": text, "prompt_token_ids": ids}, checked against the model's limits."""
-        raw = request.prompt
-        if isinstance(raw, str) or (raw and isinstance(raw[0], int)):
-            raw = [raw]
+        raw: list[str] | list[list[int]]
+        if isinstance(request.prompt, str):
+            raw = [request.prompt]
+        elif request.prompt and isinstance(request.prompt[0], int):
+            raw = [cast(list[int], request.prompt)]  # one prompt of token ids (mypy cannot narrow by an item)
+        else:
+            raw = cast(list[str] | list[list[int]], request.prompt)
         if not raw:
             raise bad_request("prompt must not be empty", param="prompt")
         tokenizer = self.engine.tokenizer
@@ -78,7 +83,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return prompts
 
     async def full_response(self, request, request_id, prompts, outputs) -> CompletionResponse:
-        finals = [None] * len(prompts)
+        finals: list[RequestOutput | None] = [None] * len(prompts)
         async with aclosing(outputs):
             async for i, out in outputs:
                 if (error := engine_error(out)) is not None:
@@ -86,6 +91,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 finals[i] = out
         choices, generated = [], 0
         for i, out in enumerate(finals):
+            if out is None:
+                raise RuntimeError(f"prompt {i}: the engine ended its request without an output")
             echo = (out.prompt or "") if request.echo else ""
             for c in out.outputs:
                 generated += len(c.token_ids)
@@ -109,7 +116,7 @@ class OpenAIServingCompletion(OpenAIServing):
         continuous = include_usage and request.stream_options.continuous_usage_stats
         prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
         generated = [0] * (len(prompts) * n)
-        offsets = [None] * (len(prompts) * n)  # characters streamed per choice; None: nothing yet
+        offsets: list[int | None] = [None] * (len(prompts) * n)  # characters streamed per choice; None: nothing yet
         first = CompletionResponse(id=request_id, model=model, choices=[])
         try:
             async with aclosing(outputs):
@@ -120,14 +127,15 @@ class OpenAIServingCompletion(OpenAIServing):
                     for c in out.outputs:
                         index = i * n + c.index
                         text = c.text
-                        if offsets[index] is None:
-                            offsets[index] = 0
+                        offset = offsets[index]
+                        if offset is None:
+                            offset = 0
                             if request.echo:
                                 text = (out.prompt or "") + text
                         logprobs = None
                         if request.logprobs is not None:
-                            logprobs, _ = completion_logprobs(c, offsets[index] + len(text) - len(c.text))
-                        offsets[index] += len(text)
+                            logprobs, _ = completion_logprobs(c, offset + len(text) - len(c.text))
+                        offsets[index] = offset + len(text)
                         generated[index] += len(c.token_ids)
                         chunk = CompletionResponse(
                             id=request_id,
