@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.core import EngineCore
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from jaxllm.distributed.dp_client import DataParallelEngine
 
 PromptType = str | dict[str, Any]
 
@@ -24,6 +27,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, *, progress: bool = True, **engine_args):
         args = EngineArgs(model=model, **engine_args)
+        self.engine: EngineCore | DataParallelEngine
         if args.data_parallel_size > 1:  # one engine-core process per replica
             from jaxllm.distributed.dp_client import DataParallelEngine
 

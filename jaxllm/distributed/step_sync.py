@@ -48,7 +48,8 @@ class Payloads:
         for bucket in runner.buckets:
             inputs, sampling = runner.batch.fill(SchedulerOutput(step=-1), bucket)
             heavy = {name: np.array(getattr(sampling, name)) for name in HEAVY}
-            light = sampling._replace(**{name: None for name in HEAVY})
+            # None: the heavy leaves left out of the pytree (the light layout), not arrays
+            light = sampling._replace(**{name: None for name in HEAVY})  # type: ignore[arg-type]
             self.layouts.append({full: self._layout((inputs, sampling if full else light)) for full in (True, False)})
             self.defaults.append(heavy)
 

@@ -11,11 +11,12 @@ import os
 import sys
 import threading
 import time
+from typing import NoReturn
 
 EXIT_STATUS = 3
 
 
-def die(message: str) -> None:
+def die(message: str) -> NoReturn:
     """One line on stderr, then exit at once: a thread blocked in a collective cannot be unwound."""
     sys.stderr.write(f"jaxllm: error: {message}\n")
     sys.stderr.flush()

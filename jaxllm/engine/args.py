@@ -88,7 +88,8 @@ class EngineArgs:
             if f.type == "bool":
                 group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
             else:
-                kind = {"int": int, "int | None": int, "float": float}.get(f.type, str)
+                # f.type is the annotation's text (from __future__ import annotations)
+                kind = {"int": int, "int | None": int, "float": float}.get(str(f.type), str)
                 group.add_argument(flag, type=kind, default=f.default, metavar=f.name.upper())
         parser.add_argument("--model", default=None, help="model path or HF repo (default: SmolLM2-135M-Instruct)")
 

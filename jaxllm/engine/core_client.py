@@ -182,7 +182,7 @@ class InProcessClient:
 
     def _apply_commands(self, block: bool) -> list[RequestOutput]:
         """Apply every queued command; wait for the first one if `block` (the engine is idle)."""
-        outputs = []
+        outputs: list[RequestOutput] = []
         while True:
             try:
                 kind, payload = self._commands.get(block=block)

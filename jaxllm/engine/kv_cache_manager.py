@@ -10,6 +10,7 @@ hit again until it is evicted, least recently freed first.
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 
 from jaxllm.engine.request import Request
 
@@ -118,7 +119,7 @@ class KVCacheManager:
 
     # ---- allocation --------------------------------------------------------------------
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()) -> bool:
         """Make the request's table cover its computed tokens, `computed_blocks` and `num_new_tokens` more.
 
         Returns False, changing nothing, when the pool is too small.

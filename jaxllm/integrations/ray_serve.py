@@ -25,6 +25,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from ray import serve
@@ -41,7 +42,10 @@ logger = logging.getLogger("ray.serve")  # Ray writes it to the replica's log
 class JaxLLMDeployment:
     """One replica: an `AsyncLLM` and the OpenAI app of `jaxllm serve` over it."""
 
-    async def __init__(self, engine_args: EngineArgs, served_model_name: str | None = None, api_key: str | None = None):
+    # Ray Serve awaits an async constructor; mypy allows only `-> None` on __init__
+    async def __init__(  # type: ignore[misc]
+        self, engine_args: EngineArgs, served_model_name: str | None = None, api_key: str | None = None
+    ):
         import jax
 
         from jaxllm.engine.async_llm import AsyncLLM
@@ -131,7 +135,7 @@ def build_app(
     if engine_args is None or isinstance(engine_args, dict):
         settings = dict(engine_args or {})
         options = {k: settings.pop(k) for k in list(settings) if k in DEPLOYMENT_OPTIONS}
-        keywords = dict(
+        keywords: dict[str, Any] = dict(
             num_replicas=num_replicas,
             autoscaling_config=autoscaling_config,
             num_cpus=num_cpus,
@@ -165,7 +169,7 @@ def app_builder(args: dict[str, Any]) -> serve.Application:
     return build_app(args)
 
 
-DEPLOYMENT_OPTIONS = {
+DEPLOYMENT_OPTIONS: dict[str, Callable[[str], Any] | None] = {  # option → its parser (None: taken as given)
     "num_replicas": int,
     "autoscaling_config": json.loads,
     "num_cpus": float,
@@ -210,7 +214,8 @@ def _parse_field(field: dataclasses.Field, value: Any) -> Any:
         if value.lower() not in ("true", "false", "1", "0"):
             raise ValueError(f"{field.name} must be true or false, got {value!r}")
         return value.lower() in ("true", "1")
-    kind = {"int": int, "int | None": int, "float": float}.get(field.type, str)
+    # field.type is the annotation's text (from __future__ import annotations)
+    kind = {"int": int, "int | None": int, "float": float}.get(str(field.type), str)
     try:
         return kind(value)
     except ValueError:

@@ -40,7 +40,7 @@ class OutputStatsTracker:
     """Remembers, per unfinished request, how many tokens it had and when its last ones came."""
 
     def __init__(self):
-        self._seen: dict[str, tuple[int, float]] = {}  # request id → (tokens so far, time of the last)
+        self._seen: dict[str, tuple[int, float | None]] = {}  # request id → (tokens so far, time of the last)
 
     def observe(self, outputs: list[RequestOutput], now: float) -> IterationStats:
         stats = IterationStats()

@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TypedDict
 
 import numpy as np
 
@@ -75,6 +76,13 @@ def bucket_tokens(num_tokens: int, max_num_batched_tokens: int) -> int:
     return min(size, max_num_batched_tokens)
 
 
+class EventCosts(TypedDict):
+    """`simulate()`'s keyword arguments for the per-request and per-wake-up costs."""
+
+    request_latency_s: float
+    idle_wake_s: float
+
+
 @dataclass
 class CostModel:
     bucket_tokens: list[int]  # measured buckets (token counts), ascending
@@ -107,7 +115,7 @@ class CostModel:
             + (self.per_prefill_step_s if shape.num_tokens > shape.num_seqs else 0.0)
         )
 
-    def event_costs(self) -> dict[str, float]:
+    def event_costs(self) -> EventCosts:
         """`simulate()`'s per-request and per-wake-up costs from this model."""
         return {"request_latency_s": self.request_latency_s, "idle_wake_s": self.idle_wake_s}
 

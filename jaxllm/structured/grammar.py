@@ -8,12 +8,15 @@ the same text against the model's tokenizer (see `manager.py`).
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions  # in the type stubs only
 
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
-def json_options(whitespace_pattern: str | None) -> dict:
+def json_options(whitespace_pattern: str | None) -> JsonCompileOptions:
     """Compact JSON (`,` and `:` with no whitespace) unless a whitespace pattern is given.
 
     Flexible whitespace lets a small model emit whitespace forever, so it is opt-in.

@@ -63,9 +63,8 @@ MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 try:  # Pallas Triton: `CompilerParams` since JAX 0.7, `TritonCompilerParams` before.
     from jax.experimental.pallas import triton as _pltriton
 
-    _TritonParams = getattr(_pltriton, "CompilerParams", None) or _pltriton.TritonCompilerParams
+    _TritonParams = getattr(_pltriton, "CompilerParams", None) or getattr(_pltriton, "TritonCompilerParams", None)
 except ImportError:  # a JAX without the Triton backend: interpret mode still works
-    _pltriton = None
     _TritonParams = None
 
 
@@ -209,9 +208,9 @@ def resolve_config(q_shape, cache_shape, tables_shape, **overrides) -> KernelCon
     num_tokens, num_q_heads, head_dim = q_shape
     block_size, num_kv_heads = cache_shape[-3], cache_shape[-2]
     max_seqs, max_blocks = tables_shape
-    cfg = default_config(num_tokens, max_seqs, num_q_heads, num_kv_heads, block_size, max_blocks)
-    cfg.update({k: v for k, v in overrides.items() if v is not None})
-    cfg = KernelConfig(**cfg)
+    fields = default_config(num_tokens, max_seqs, num_q_heads, num_kv_heads, block_size, max_blocks)
+    fields.update({k: v for k, v in overrides.items() if v is not None})
+    cfg = KernelConfig(**fields)
     group_p = _next_pow2(num_q_heads // num_kv_heads)
     for name, val in (
         ("block_q", cfg.block_q),

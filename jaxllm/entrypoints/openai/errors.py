@@ -10,9 +10,12 @@ from __future__ import annotations
 import json
 import re
 from http import HTTPStatus
+from typing import TypeVar
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ValidationError
+
+M = TypeVar("M", bound=BaseModel)
 
 TYPES = {
     400: "invalid_request_error",
@@ -81,7 +84,7 @@ def from_value_error(e: ValueError) -> OpenAIError:
     return bad_request(message)
 
 
-def parse_request(model: type[BaseModel], body: bytes) -> BaseModel:
+def parse_request(model: type[M], body: bytes) -> M:
     if not body:
         raise OpenAIError("the request body is empty; send a JSON object", code="invalid_json")
     try:

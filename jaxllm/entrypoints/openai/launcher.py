@@ -39,7 +39,8 @@ def serve_http(
         port=port,
         log_level=log_level,
         lifespan="off",
-        timeout_graceful_shutdown=timeout_graceful_shutdown,
+        # uvicorn types it int, but waits with asyncio.timeout, which takes a float
+        timeout_graceful_shutdown=timeout_graceful_shutdown,  # type: ignore[arg-type]
     )
     try:
         GracefulServer(config, engine).run()
