@@ -23,9 +23,7 @@ layers with the whole cache as loop state, and slicing a layer out of it would c
 
 from __future__ import annotations
 
-
 import jax
-import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
 from pallas_kernels.ragged_paged_attention import cpu
@@ -43,7 +41,7 @@ def ragged_paged_attention(
     kv_lens: Int[Array, " S"],
     block_tables: Int[Array, "S M"],
     cu_q_lens: Int[Array, " S1"],
-    num_seqs: Int[Array, "1"],
+    num_seqs: Int[Array, " 1"],
     *,
     sm_scale: float,
     sliding_window: int | None = None,

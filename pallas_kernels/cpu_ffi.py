@@ -1,9 +1,11 @@
 """Building and registering jaxllm's C++ CPU kernels (XLA FFI custom calls).
 
-Each kernel is one C++ file compiled on first use with the system compiler into a cache
-directory (`$JAXLLM_CACHE/kernels`, `$JAXLLM_CACHE` defaulting to `~/.cache/jaxllm` as everywhere in jaxllm), keyed by the source, the compiler
-flags, jaxlib's version and the CPU, then registered with XLA under a target name. Without a
-compiler `register` returns False (with a warning) and callers keep their jnp path.
+Each kernel is one C++ file (and the headers beside this module) compiled on first use with the
+system compiler for `-march=$JAXLLM_CPU_MARCH` (default native) into a cache directory
+(`$JAXLLM_CACHE/kernels`, `$JAXLLM_CACHE` defaulting to `~/.cache/jaxllm` as everywhere in jaxllm),
+keyed by the sources, the compiler flags and target, jaxlib's version and the CPU, then registered
+with XLA under a target name. Without a compiler `register` returns False (with a warning) and
+callers keep their jnp path.
 """
 
 from __future__ import annotations
@@ -37,6 +39,31 @@ def flags() -> list[str]:
     return [*FLAGS, f"-march={march()}"]
 
 
+@functools.cache
+def isa() -> str:
+    """The vector ISA the kernels are built for (cpu_simd.h's choice), from the compiler's own macros for
+    `-march=march()`: "AVX-512+BF16", "AVX-512", "AVX2+FMA", "NEON", "SSE" or "generic"."""
+    compiler = _compiler()
+    if not compiler:
+        return "no compiler"
+    done = subprocess.run(
+        [compiler, f"-march={march()}", "-dM", "-E", "-x", "c++", "-"], input="", capture_output=True, text=True
+    )
+    macros = set(line.split()[1] for line in done.stdout.splitlines() if line.startswith("#define "))
+    if "__AVX512F__" in macros:
+        return "AVX-512+BF16" if "__AVX512BF16__" in macros else "AVX-512"
+    if "__AVX2__" in macros:
+        return "AVX2+FMA" if "__FMA__" in macros else "AVX2"
+    for macro, name in (("__AVX__", "AVX"), ("__aarch64__", "NEON"), ("__SSE2__", "SSE")):
+        if macro in macros:
+            return name
+    return "generic"
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+
+
 def _cpu_id() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -45,7 +72,7 @@ def _cpu_id() -> str:
         return platform.processor()
 
 
-def _cache_dir() -> Path:
+def cache_dir() -> Path:
     root = os.environ.get("JAXLLM_CACHE") or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "jaxllm"
     return Path(root) / "kernels"
 
@@ -54,7 +81,7 @@ def build(source: Path) -> Path:
     """The shared library of `source`, compiled now unless this machine already has it."""
     import jaxlib
 
-    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    compiler = _compiler()
     if not compiler:
         raise RuntimeError("no C++ compiler (set CXX)")
     key = hashlib.sha256(
@@ -69,7 +96,7 @@ def build(source: Path) -> Path:
             ]
         )
     ).hexdigest()[:16]
-    lib = _cache_dir() / f"{source.parent.name}-{source.stem}-{key}.so"
+    lib = cache_dir() / f"{source.parent.name}-{source.stem}-{key}.so"
     if lib.exists():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)

@@ -48,6 +48,7 @@ class Stacking:
 
     num_layers: int | None = None
     matmul_backend: str = "auto"
+    kernel_max_rows: int | None = None  # "cpu_packed": XLA's dot above this many rows (stacked_matmul's)
 
     def param(self, module: nn.Module, name: str, init, spec: tuple, shape: tuple, dtype: Dtype) -> Array:
         """The module's parameter as stored: `[L, *shape]` when stacked."""
@@ -65,7 +66,7 @@ class Stacking:
         """`x @ kernel` for the running layer, contracting x's last axis with the kernel's input axis."""
         if self.num_layers is None:
             return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
-        return stacked_matmul(x, kernel, layer, backend=self.matmul_backend)
+        return stacked_matmul(x, kernel, layer, backend=self.matmul_backend, kernel_max_rows=self.kernel_max_rows)
 
 
 class Linear(nn.Module):
@@ -88,7 +89,10 @@ class Linear(nn.Module):
         in_spec = "model" if self.shard_axis is None else None
         init, st = nn.initializers.normal(INIT_STD), self.stacking
         kernel = st.param(self, "kernel", init, (in_spec, *out_spec), (x.shape[-1], *self.out_shape), self.dtype)
-        y = packed_matmul(x, kernel) if self.packed else st.matmul(x.astype(self.dtype), kernel, layer)
+        if self.packed:
+            y = packed_matmul(x, kernel, kernel_max_rows=st.kernel_max_rows)
+        else:
+            y = st.matmul(x.astype(self.dtype), kernel, layer)
         if self.bias:
             y = y + st.at(st.param(self, "bias", init, out_spec, self.out_shape, self.dtype), layer)
         return y
@@ -122,6 +126,7 @@ class Embed(nn.Module):
     features: int
     dtype: Dtype
     packed: bool = False
+    kernel_max_rows: int | None = None  # packed: XLA's dot above this many rows (stacked_matmul's)
 
     def setup(self):
         self.embedding = partitioned_param(
@@ -140,7 +145,7 @@ class Embed(nn.Module):
 
     def attend(self, x: Float[Array, "S H"]) -> Float[Array, "S V"]:
         if self.packed:
-            return packed_matmul(x, self.embedding)
+            return packed_matmul(x, self.embedding, kernel_max_rows=self.kernel_max_rows)
         # E @ x.T reads the embedding's contiguous rows; x @ E.T makes XLA (CPU) copy E transposed per step
         return (self.embedding @ x.astype(self.embedding.dtype).T).T
 

@@ -134,6 +134,7 @@ class CausalLM(nn.Module):
     attention_backend: str = "auto"
     scan_layers: bool = True
     matmul_backend: str = "auto"  # pallas_kernels.stacked_matmul's, for the scanned layers
+    matmul_kernel_max_rows: int | None = None  # "cpu_packed": XLA's dot above this many rows (the self-check's)
 
     def packs_head(self) -> bool:
         """Whether "cpu_packed" reads the LM head (tied embedding or lm_head) packed too: whole panels, and an
@@ -165,12 +166,20 @@ class CausalLM(nn.Module):
 
         return jax.tree_util.tree_map_with_path(leaf, params)
 
+    def layer_stacking(self, num_layers: int | None) -> Stacking:
+        return Stacking(num_layers, self.matmul_backend, self.matmul_kernel_max_rows)
+
     @nn.compact
     def __call__(self, cache: KVCache, batch: StepInputs[Array]) -> tuple[Float[Array, "R V"], KVCache]:
         a = self.arch
         head_packed = self.packs_head()
         embed = Embed(
-            a.vocab_size, a.hidden_size, self.dtype, head_packed and a.tie_word_embeddings, name="embed_tokens"
+            a.vocab_size,
+            a.hidden_size,
+            self.dtype,
+            head_packed and a.tie_word_embeddings,
+            self.matmul_kernel_max_rows,
+            name="embed_tokens",
         )
         hidden = embed(batch.token_ids).astype(self.dtype)
         cos, sin = rotary_cos_sin(a, batch.positions, self.dtype)
@@ -183,7 +192,7 @@ class CausalLM(nn.Module):
                 split_rngs={"params": False},
                 in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
                 length=a.num_layers,
-            )(a, self.dtype, self.attention_backend, Stacking(a.num_layers, self.matmul_backend), name="layers")
+            )(a, self.dtype, self.attention_backend, self.layer_stacking(a.num_layers), name="layers")
             carry, _ = layers(carry, batch, cos, sin)
         else:
             for i in range(a.num_layers):
@@ -195,7 +204,7 @@ class CausalLM(nn.Module):
         if a.tie_word_embeddings:
             logits = embed.attend(hidden)
         else:
-            logits = Linear(
-                (a.vocab_size,), shard_axis=0, dtype=self.dtype, bias=False, packed=head_packed, name="lm_head"
-            )(hidden)
+            stacking, packed = self.layer_stacking(None), head_packed
+            head = Linear((a.vocab_size,), 0, self.dtype, False, stacking, packed, name="lm_head")
+            logits = head(hidden)
         return logits.astype(jnp.float32), cache

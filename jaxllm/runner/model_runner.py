@@ -26,13 +26,14 @@ from jaxllm.engine.scheduler import SchedulerOutput
 from jaxllm.model import CausalLM, KVCache, StepInputs
 from jaxllm.parallel.mesh import replicated
 from jaxllm.runner.buckets import Bucket, make_buckets, pick_bucket
+from jaxllm.runner.cpu_kernels import kernel_choice
 from jaxllm.runner.executable_cache import ExecutableCache, abstract_signature, environment_fingerprint, fingerprint
 from jaxllm.runner.input_batch import InputBatch
 from jaxllm.runner.kv_cache import allocate_kv_cache, num_kv_blocks
 from jaxllm.runner.sampler import SamplerOutput, SamplingInputs, sample
 from jaxllm.weights import Layout, LoadedModel
 from jaxllm.weights.params import unstack_layers
-from pallas_kernels import stacked_matmul
+from pallas_kernels import cpu_ffi, stacked_matmul
 
 logger = logging.getLogger(__name__)
 
@@ -79,22 +80,33 @@ class StepStats:
 def step_model(arch, config: EngineConfig, dtype, mesh: Mesh) -> CausalLM:
     """The model the step runs: attention and matmul backends, and the dtype it computes in, for this platform."""
     scan, attention = config.model.scan_layers, config.model.attention_backend
-    matmul, compute_dtype = "auto", dtype
+    matmul, compute_dtype, kernel_max_rows = "auto", dtype, None
     if mesh.size > 1 and jax.default_backend() == "cpu":  # the C++ kernels have no partitioning rules:
         attention = "reference" if attention == "auto" else attention  # XLA would all-gather the cache
         matmul = "reference"  # and the weights
-    elif (
-        scan
-        and jax.default_backend() == "cpu"
-        and jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16)
-        and stacked_matmul.available()
-    ):
-        # the loader (`weight_layout`) or set_params packs the matmul weights for it. bfloat16 weights: the kernel rounds x to
-        # bfloat16 for its dot product, and the rest of the step (norms, rotary, residual, SwiGLU)
-        # runs in float32, which XLA's CPU backend runs 3-4x faster than bfloat16 (benchmarks/NOTES.md
-        # lever 13) and which is the more accurate
-        matmul, compute_dtype = "cpu_packed", jnp.float32
-    return CausalLM(arch, compute_dtype, attention, scan_layers=scan, matmul_backend=matmul)
+    elif jax.default_backend() == "cpu":
+        # which C++ kernels run where they beat XLA (the machine's self-check, `JAXLLM_CPU_KERNELS`); an
+        # explicit attention_backend wins over both
+        packable = scan and jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16)
+        choice = kernel_choice(arch, config, dtype, matmul=packable)
+        if attention == "auto":
+            attention = "cpu" if choice.attention else "reference"
+        if choice.matmul:
+            # the loader (`weight_layout`) or set_params packs the matmul weights for it. bfloat16 weights: the
+            # kernel rounds x to bfloat16 for its dot product, and the rest of the step (norms, rotary, residual,
+            # SwiGLU) runs in float32, which XLA's CPU backend runs 3-4x faster than bfloat16 (benchmarks/NOTES.md
+            # lever 13) and which is the more accurate
+            matmul, compute_dtype, kernel_max_rows = "cpu_packed", jnp.float32, choice.matmul_max_rows
+        else:
+            matmul = "reference"  # XLA's dot ("auto" would take the unpacked kernel)
+    return CausalLM(
+        arch,
+        compute_dtype,
+        attention,
+        scan_layers=scan,
+        matmul_backend=matmul,
+        matmul_kernel_max_rows=kernel_max_rows,
+    )
 
 
 def weight_layout(arch, config: EngineConfig, dtype, mesh: Mesh) -> Layout | None:
@@ -164,11 +176,11 @@ class ModelRunner:
 
     def _step_key(self, attention: str) -> str:
         """Everything but the shapes that decides the step's graph (see executable_cache.py)."""
-        kernels = (False, False)
+        kernels: tuple = (False, False)
         if jax.default_backend() == "cpu":  # build and register the C++ kernels now: a loaded executable calls them
             from pallas_kernels.ragged_paged_attention import cpu
 
-            kernels = (cpu.available(), stacked_matmul.available())
+            kernels = (cpu.available(), stacked_matmul.available(), cpu_ffi.march())
         model, devices = self.model, [d.id for d in self.mesh.devices.flat]
         return fingerprint(
             environment_fingerprint(),
@@ -177,6 +189,7 @@ class ModelRunner:
             attention,
             model.scan_layers,
             model.matmul_backend,
+            model.matmul_kernel_max_rows,
             kernels,
             self.mesh.shape,
             devices,

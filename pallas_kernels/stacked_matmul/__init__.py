@@ -82,10 +82,14 @@ def packed_rows(w, index: Int[Array, " T"]):
     return jnp.reshape(rows, (index.shape[0], k))
 
 
-def packed_matmul(x: Float[Array, "T K"], w) -> Float[Array, "T N"]:
-    """`x @ W` in float32 for `w = pack_matrix(W)` (or `pack_matrix(W.T, transposed=True)`), through the kernel."""
+def packed_matmul(x: Float[Array, "T K"], w, *, kernel_max_rows: int | None = None) -> Float[Array, "T N"]:
+    """`x @ W` in float32 for `w = pack_matrix(W)` (or `pack_matrix(W.T, transposed=True)`): through the kernel,
+    or XLA's dot on the packed layout for more than `kernel_max_rows` rows (see `stacked_matmul`)."""
     k = x.shape[-1]
-    return stacked_matmul_cpu(x.astype(w.dtype), jnp.reshape(w, (1, k, w.size // k)), 0, packed=True)
+    stack = jnp.reshape(w, (1, k, w.size // k))
+    if kernel_max_rows is not None and x.shape[0] > kernel_max_rows:
+        return stacked_matmul_packed_xla(x, stack, 0)
+    return stacked_matmul_cpu(x.astype(w.dtype), stack, 0, packed=True)
 
 
 def kernel_applies(x, w) -> bool:
@@ -93,13 +97,24 @@ def kernel_applies(x, w) -> bool:
 
 
 def stacked_matmul(
-    x: Float[Array, "T K"], w: Float[Array, "L K *N"], layer: Int[Array, ""] | int, *, backend: str = "auto"
+    x: Float[Array, "T K"],
+    w: Float[Array, "L K *N"],
+    layer: Int[Array, ""] | int,
+    *,
+    backend: str = "auto",
+    kernel_max_rows: int | None = None,
 ) -> Float[Array, " T *N"]:
-    """`x @ w[layer]`, contracting x's last axis with the layer's first."""
+    """`x @ w[layer]`, contracting x's last axis with the layer's first. `kernel_max_rows` ("cpu_packed"):
+    above that many rows of x, XLA's dot on the packed layout instead of the kernel (where the machine's
+    self-check, `pallas_kernels.cpu_choice`, found XLA faster); None: the kernel for every row count."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "cpu_packed" and packable(w):
-        return stacked_matmul_cpu(x.astype(w.dtype), w, layer, packed=True).astype(jnp.result_type(x, w))
+        if kernel_max_rows is not None and x.shape[0] > kernel_max_rows:
+            out = stacked_matmul_packed_xla(x, w, layer)
+        else:
+            out = stacked_matmul_cpu(x.astype(w.dtype), w, layer, packed=True)
+        return out.astype(jnp.result_type(x, w))
     if backend == "cpu" or (backend in ("auto", "cpu_packed") and kernel_applies(x, w)):
         return stacked_matmul_cpu(x, w, layer)
     return stacked_matmul_reference(x, w, layer)
@@ -109,6 +124,17 @@ def stacked_matmul_reference(x, w, layer):
     one = jax.lax.dynamic_index_in_dim(w, layer, axis=0, keepdims=False)
     out = jax.lax.dot_general(x.astype(w.dtype), one, (((x.ndim - 1,), (0,)), ((), ())))
     return out.astype(jnp.result_type(x, w))
+
+
+def stacked_matmul_packed_xla(x, w, layer):
+    """`x @ W[layer]` in float32 by XLA's dot reading `w = pack(W)` as it is (`[N / 32, K, 32]` panels, bfloat16
+    `[N / 32, K / 2, 32, 2]`), so a step that prefers XLA for some row counts needs no second, unpacked copy."""
+    one = jax.lax.dynamic_index_in_dim(w, layer, axis=0, keepdims=False)
+    k, n, pair = one.shape[0], math.prod(one.shape[1:]), _pair(w.dtype)
+    panels = jnp.reshape(one, (n // PANEL, k // pair, PANEL, pair))
+    xs = jnp.reshape(x.astype(w.dtype), (x.shape[0], k // pair, pair))
+    out = jnp.einsum("tqj,pqcj->tpc", xs, panels, preferred_element_type=jnp.float32)
+    return out.reshape(x.shape[0], *w.shape[2:])
 
 
 def stacked_matmul_cpu(x, w, layer, *, packed: bool = False):

@@ -1,0 +1,198 @@
+"""Which C++ CPU kernels a step runs on this machine: a short self-check against XLA, cached per machine.
+
+The kernels are compiled for one target (`cpu_ffi.march()`); a CPU, or a target, where they lose to
+XLA's own path on some shapes must not run them there. `choose` times, on the model's own shapes:
+- the stacked matmul kernel against XLA's dot on the same packed weights
+  (`stacked_matmul.stacked_matmul_packed_xla`, so either choice reads one copy of the weights), each
+  projection of a layer, at a few row counts (decode rows, a prefill chunk). The kernel serves every
+  row count up to the last one from which on it stops winning (`matmul_max_rows`; None: all of them).
+- the attention kernel (with its KV write) against the jnp reference on a decode batch and a
+  prefill chunk, kept where it is the faster in total.
+It costs a few seconds once: the decision is stored beside the kernels, keyed by the kernel
+libraries (source, flags, target, CPU, jaxlib), the shapes and XLA_FLAGS. `JAXLLM_CPU_KERNELS`
+overrides it: "on" (the kernels wherever they apply, no timing), "off" (XLA only), "auto" (default).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import os
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import cpu_ffi, stacked_matmul
+from pallas_kernels.ragged_paged_attention import cpu as attention_cpu
+
+logger = logging.getLogger(__name__)
+
+MODES = ("auto", "on", "off")
+FORMAT = 1  # bump when the timed cases or the decision rule change: stored decisions are then retaken
+MAX_WEIGHT_ELEMENTS = 8 << 20  # a larger projection is timed on its first columns (the ratio is what counts)
+
+
+def mode() -> str:
+    """`$JAXLLM_CPU_KERNELS`: "auto" (default), "on" or "off"."""
+    value = os.environ.get("JAXLLM_CPU_KERNELS", "auto").strip().lower() or "auto"
+    if value not in MODES:
+        raise ValueError(f"JAXLLM_CPU_KERNELS must be one of {MODES}, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionShape:
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    kv_dtype: str
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelChoice:
+    """`matmul`: the stacked matmul kernel serves the step's projections, for x of at most
+    `matmul_max_rows` rows (None: every row count; above it XLA's dot on the packed weights).
+    `attention`: the C++ attention kernel and KV write, else the jnp reference."""
+
+    matmul: bool
+    matmul_max_rows: int | None
+    attention: bool
+    mode: str
+    target: str  # what the kernels were compiled for: "AVX2+FMA (-march=native)"
+    timings_ms: dict = dataclasses.field(default_factory=dict, compare=False)
+
+    def describe(self) -> str:
+        if not self.matmul:
+            matmul = "off"
+        elif self.matmul_max_rows is None:
+            matmul = "on"
+        else:
+            matmul = f"on for rows <= {self.matmul_max_rows}"
+        attention = "on" if self.attention else "off"
+        return f"CPU kernels ({self.mode}): matmul {matmul}, attention {attention}; {self.target}"
+
+
+def _median_ms(fn, *args, reps: int = 5) -> float:
+    jax.block_until_ready(fn(*args))  # compile and warm
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def _time_matmuls(shapes, dtype, row_counts, rng) -> dict[int, tuple[float, float]]:
+    """Per row count: (kernel ms, XLA ms) for one x @ W of every shape."""
+    weights = []
+    for k, n in shapes:
+        n = max(stacked_matmul.PANEL, min(n, MAX_WEIGHT_ELEMENTS // k // stacked_matmul.PANEL * stacked_matmul.PANEL))
+        w = rng.standard_normal((1, k, n), np.float32).astype(jnp.dtype(dtype))
+        weights.append(jnp.asarray(stacked_matmul.pack(w)))
+
+    def chain(xs, ws, *, xla):
+        run = stacked_matmul.stacked_matmul_packed_xla if xla else stacked_matmul.stacked_matmul
+        kw = {} if xla else {"backend": "cpu_packed"}
+        return [run(x, w, 0, **kw) for x, w in zip(xs, ws, strict=True)]
+
+    kernel, xla = jax.jit(functools.partial(chain, xla=False)), jax.jit(functools.partial(chain, xla=True))
+    out = {}
+    for rows in row_counts:
+        xs = [jnp.asarray(rng.standard_normal((rows, k), np.float32), dtype) for k, _ in shapes]
+        out[rows] = (_median_ms(kernel, xs, weights), _median_ms(xla, xs, weights))
+    return out
+
+
+def _time_attention(shape: AttentionShape, chunk: int, rng) -> dict[str, tuple[float, float]]:
+    """(kernel ms, reference ms) on a decode batch (8 rows, 512 keys each) and a prefill chunk."""
+    from pallas_kernels import ragged_paged_attention, write_kv
+    from pallas_kernels.ragged_paged_attention.testing import make_batch
+
+    def step(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs, slots, *, backend):
+        new = q[:, : shape.kv_heads].astype(jnp.float32)  # rows to write: any values of the right shape
+        k_cache, v_cache = write_kv(k_cache, v_cache, new, new, slots, backend=backend)
+        args = (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
+        return ragged_paged_attention(*args, sm_scale=shape.head_dim**-0.5, backend=backend)
+
+    out = {}
+    cases = {"decode": ([1] * 8, [512] * 8), "prefill": ([chunk], [chunk])}
+    for name, (q_lens, kv_lens) in cases.items():
+        b = make_batch(
+            rng,
+            q_lens,
+            kv_lens,
+            num_q_heads=shape.q_heads,
+            num_kv_heads=shape.kv_heads,
+            head_dim=shape.head_dim,
+            block_size=shape.block_size,
+            dtype=jnp.dtype(shape.kv_dtype),
+            hostile=False,
+        )
+        args = (b.q.astype(np.float32), *b.args()[1:], np.arange(len(b.q), dtype=np.int32))
+        kernel = jax.jit(functools.partial(step, backend="cpu"))
+        reference = jax.jit(functools.partial(step, backend="reference"))
+        out[name] = (_median_ms(kernel, *args), _median_ms(reference, *args))
+    return out
+
+
+def _stored(key: str) -> dict | None:
+    try:
+        return json.loads((cpu_ffi.cache_dir() / "choices" / f"{key}.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _store(key: str, record: dict) -> None:
+    path = cpu_ffi.cache_dir() / "choices" / f"{key}.json"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(record, indent=1))
+        os.replace(tmp, path)
+    except OSError as e:  # a read-only cache: the choice is retaken next start
+        logger.warning("could not store the CPU kernel choice: %s", e)
+
+
+@functools.cache
+def choose(
+    matmul_shapes: tuple[tuple[int, int], ...], dtype: str, max_rows: int, attention: AttentionShape | None
+) -> KernelChoice:
+    """The kernels a step of these shapes runs: `matmul_shapes` (K, N) of a layer's packed projections in
+    `dtype` ("float32" or "bfloat16"), up to `max_rows` rows of x; `attention`: the model's heads and cache
+    (None: no attention kernel wanted). Self-checked under "auto" (see the module's docstring)."""
+    how = mode()
+    target = f"{cpu_ffi.isa()} (-march={cpu_ffi.march()})"
+    matmul_ok = bool(matmul_shapes) and stacked_matmul.available()
+    attention_ok = attention is not None and attention_cpu.available()
+    if how != "auto" or not (matmul_ok or attention_ok):
+        on = how != "off"
+        return KernelChoice(matmul_ok and on, None, attention_ok and on, how, target)
+    row_counts = sorted({r for r in (1, 8, 64, max_rows) if r <= max_rows})
+    libs = [cpu_ffi.build(stacked_matmul.SOURCE).name, cpu_ffi.build(attention_cpu.SOURCE).name]
+    parts = [FORMAT, libs, matmul_shapes, dtype, row_counts, dataclasses.astuple(attention) if attention else None]
+    parts += [os.environ.get("XLA_FLAGS", ""), jax.__version__, os.cpu_count()]
+    key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
+    record = _stored(key)
+    if record is None:
+        started = time.perf_counter()
+        rng = np.random.default_rng(0)
+        matmul = _time_matmuls(matmul_shapes, dtype, row_counts, rng) if matmul_ok else {}
+        attn = _time_attention(attention, min(max_rows, 256), rng) if attention_ok and attention else {}
+        record = {"matmul": {str(r): t for r, t in matmul.items()}, "attention": attn}
+        record["seconds"] = round(time.perf_counter() - started, 2)
+        _store(key, record)
+        logger.info("CPU kernel self-check took %.1fs", record["seconds"])
+    wins = [int(r) for r, (kernel, xla) in record["matmul"].items() if kernel <= xla]
+    losses = [int(r) for r, (kernel, xla) in record["matmul"].items() if kernel > xla]
+    max_kernel_rows = None if not losses else max((r for r in wins if r < min(losses)), default=0)
+    attn_times = record["attention"].values()
+    attention_on = attention_ok and sum(k for k, _ in attn_times) <= sum(r for _, r in attn_times)
+    timings = {"matmul": record["matmul"], "attention": record["attention"]}
+    return KernelChoice(matmul_ok and max_kernel_rows != 0, max_kernel_rows, attention_on, how, target, timings)
