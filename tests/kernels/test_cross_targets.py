@@ -1,0 +1,88 @@
+"""The C++ kernels on a target with no machine here: ARM64 (NEON), cross-compiled and run under qemu-user.
+
+`cross/harness.cc` includes both kernel sources and checks their values (stacked matmul: streamed,
+panels, packed float32 and bfloat16; ragged paged attention: float32 and bfloat16 caches) against a
+float64 oracle of its own. It runs natively (so the harness itself is checked) and, built with
+Debian's aarch64 cross compiler, under qemu-aarch64; every kernel source also builds for aarch64 as
+a shared object, as `cpu_ffi.py` builds it. CI installs the tools with `.ci/install_cross_tools.sh`.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import jax
+import pytest
+
+from pallas_kernels import cpu_ffi
+
+HARNESS = Path(__file__).with_name("cross") / "harness.cc"
+KERNELS = sorted(Path(cpu_ffi.__file__).parent.glob("*/*.cc"))
+CROSS_CXX, QEMU, ARM_MARCH = "aarch64-linux-gnu-g++", "qemu-aarch64", "armv8-a"
+HAVE_CROSS = bool(shutil.which(CROSS_CXX) and shutil.which(QEMU))
+MISSING = f"no {CROSS_CXX} or {QEMU}: run .ci/install_cross_tools.sh (apt: g++-aarch64-linux-gnu qemu-user)"
+# skipped without the tools, except in CI, which installs them: there the NEON path must not go silently unchecked
+needs_cross = pytest.mark.skipif(not HAVE_CROSS and os.environ.get("CI") != "true", reason=MISSING)
+
+
+def executable_flags(march: str) -> list[str]:
+    """The kernels' compiler flags (cpu_ffi.py), for an executable rather than a shared object."""
+    return [f for f in cpu_ffi.FLAGS if f not in ("-shared", "-fPIC")] + [f"-march={march}"]
+
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    """Every build this module checks, started at once (seconds each, all in the compiler): name -> (cmd, output)."""
+    out = tmp_path_factory.mktemp("cross")
+    native_cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    assert native_cxx, "no C++ compiler (a test requirement, as for the kernels themselves)"
+    specs = {"native": (native_cxx, [*executable_flags(cpu_ffi.march()), str(HARNESS)], out / "harness")}
+    if HAVE_CROSS:
+        specs["aarch64"] = (CROSS_CXX, [*executable_flags(ARM_MARCH), "-static", str(HARNESS)], out / "harness-arm")
+        for source in KERNELS:  # exactly as cpu_ffi.build would, for aarch64
+            so = out / f"{source.parent.name}-aarch64.so"
+            specs[source.parent.name] = (CROSS_CXX, [*cpu_ffi.FLAGS, f"-march={ARM_MARCH}", str(source)], so)
+    jobs = {}
+    for name, (cxx, args, target) in specs.items():
+        cmd = [cxx, *args, f"-I{jax.ffi.include_dir()}", "-o", str(target)]
+        log = out / f"{name}.log"
+        with open(log, "w") as f:
+            jobs[name] = (subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT), cmd, log, target)
+    yield jobs
+    for proc, *_ in jobs.values():
+        proc.kill()  # only if a test failed before waiting for it
+
+
+def build(builds, name: str) -> Path:
+    assert name in builds, MISSING
+    proc, cmd, log, target = builds[name]
+    assert proc.wait() == 0, f"{' '.join(cmd)} failed:\n{log.read_text()[-3000:]}"
+    return target
+
+
+def run_harness(cmd: list[str]) -> str:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    print(done.stdout)  # one line per case: shown by pytest on failure
+    assert done.returncode == 0 and done.stdout.rstrip().endswith(" 0 failed"), done.stdout[-3000:] + done.stderr
+    return done.stdout
+
+
+def test_harness_natively(builds):
+    run_harness([str(build(builds, "native"))])
+
+
+@needs_cross
+def test_harness_on_aarch64_under_qemu(builds):
+    out = run_harness([QEMU, str(build(builds, "aarch64"))])
+    assert out.startswith("isa NEON,"), f"the aarch64 build did not use NEON: {out.splitlines()[0]}"
+
+
+@needs_cross
+@pytest.mark.parametrize("kernel", [k.parent.name for k in KERNELS])
+def test_kernel_compiles_for_aarch64(builds, kernel):
+    with open(build(builds, kernel), "rb") as f:
+        header = f.read(20)
+    assert header[:4] == b"\x7fELF" and int.from_bytes(header[18:20], "little") == 183, "not an aarch64 ELF object"
