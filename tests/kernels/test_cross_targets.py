@@ -35,7 +35,7 @@ def executable_flags(march: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
-    """Every build this module checks, started at once (seconds each, all in the compiler): name -> (cmd, output)."""
+    """Every build this module checks, started at once (seconds each, all in the compiler); `build` waits for one."""
     out = tmp_path_factory.mktemp("cross")
     native_cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     assert native_cxx, "no C++ compiler (a test requirement, as for the kernels themselves)"
