@@ -3,7 +3,8 @@
 
 Matmul: a jitted `[n, n] @ [n, n]` in float32 and bfloat16 under XLA, median of `--reps` runs,
 and through jaxllm's own CPU kernel on packed weights (`pallas_kernels.stacked_matmul`,
-"cpu_packed"), which beats XLA's dot here; `matmul_{dtype}_gflops`, the ceiling, is the faster.
+"cpu_packed"), with the target it was built for (`kernel_target`) and its ratio to XLA's dot
+(`matmul_{dtype}_kernel_over_xla`); `matmul_{dtype}_gflops`, the ceiling, is the faster.
 Memory: a jitted sum over a `--mem-mib` float32 array (reads every byte once, writes nothing),
 and numpy's copy of the same array for comparison. Prints one JSON object.
 
@@ -40,19 +41,25 @@ def ceilings(n: int = 2048, reps: int = 7, mem_mib: int = 1024) -> dict:
     out = {"load_average": [round(x, 2) for x in os.getloadavg()]}
     for dtype in ("float32", "bfloat16"):
         x = a.astype(dtype)
-        seconds = median_seconds(lambda: matmul(x, x).block_until_ready(), reps)
+        seconds = median_seconds(lambda x=x: matmul(x, x).block_until_ready(), reps)
         out[f"matmul_{dtype}_gflops"] = round(2 * n**3 / seconds / 1e9, 1)
         out[f"matmul_{dtype}_xla_gflops"] = out[f"matmul_{dtype}_gflops"]
     if jax.default_backend() == "cpu":
         from pallas_kernels import stacked_matmul
 
         if stacked_matmul.available():
+            from pallas_kernels import cpu_ffi
+
+            out["kernel_target"] = f"{cpu_ffi.isa()} (-march={cpu_ffi.march()})"
             kernel = jax.jit(lambda x, w: stacked_matmul.stacked_matmul(x, w, 0, backend="cpu_packed"))
             for dtype in ("float32", "bfloat16"):
                 x = a.astype(dtype)
                 packed = stacked_matmul.pack(x[None])
-                seconds = median_seconds(lambda: kernel(x, packed).block_until_ready(), reps)
+                seconds = median_seconds(lambda x=x, packed=packed: kernel(x, packed).block_until_ready(), reps)
                 out[f"matmul_{dtype}_kernel_gflops"] = round(2 * n**3 / seconds / 1e9, 1)
+                out[f"matmul_{dtype}_kernel_over_xla"] = round(
+                    out[f"matmul_{dtype}_kernel_gflops"] / out[f"matmul_{dtype}_xla_gflops"], 2
+                )
                 out[f"matmul_{dtype}_gflops"] = max(out[f"matmul_{dtype}_gflops"], out[f"matmul_{dtype}_kernel_gflops"])
     host = np.ones(mem_mib * 2**20 // 4, np.float32)
     device = jnp.asarray(host)

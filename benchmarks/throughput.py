@@ -10,6 +10,11 @@ every token costs 2 x the model's matmul parameters in FLOPs, and every decode s
 weights once plus each sequence's K/V so far. Start-up is `LLM()` in a fresh process, with an
 empty and then a warm compilation cache.
 
+`--kernels auto on off` runs one jaxllm engine per `JAXLLM_CPU_KERNELS` setting in the same rounds
+(the first is "jaxllm"; the others are compared with it like peers, as `jaxllm-kernels-MODE`).
+`--emulate-isa avx2` reruns the script with the kernels built for x86-64-v3 and XLA, PyTorch and
+oneDNN held to AVX2: an AVX2 machine's figures on an AVX-512 one, for jaxllm and the peers alike.
+
     python benchmarks/throughput.py --batches 1 16 64 256 --rounds 3 --out benchmarks/results/throughput_cpu.json
 """
 
@@ -24,11 +29,20 @@ import sys
 import tempfile
 
 import numpy as np
-
 from machine_ceilings import ceilings
 
 from jaxllm.bench import offline
 from jaxllm.bench.throughput import jaxllm_run
+
+# what --emulate-isa sets, before JAX or PyTorch starts (in this process and in the peers' it spawns)
+EMULATE = {
+    "avx2": {
+        "JAXLLM_CPU_MARCH": "x86-64-v3",
+        "XLA_FLAGS": "--xla_cpu_max_isa=AVX2",
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+    }
+}
 
 
 def engine_args(args) -> dict:
@@ -40,9 +54,11 @@ def engine_args(args) -> dict:
     )
 
 
-def fitted_engine(args):
+def fitted_engine(args, kernels: str = "auto"):
     """`LLM()` with a KV cache that holds every sequence of the largest batch whole: a peer that allocates
-    its own cache per sequence is not preempted either (CPU's default budget, 2 GiB, holds ~45k tokens)."""
+    its own cache per sequence is not preempted either (CPU's default budget, 2 GiB, holds ~45k tokens).
+    `kernels`: `JAXLLM_CPU_KERNELS` while the engine picks its step (auto, on, off)."""
+    os.environ["JAXLLM_CPU_KERNELS"] = kernels
     from jaxllm import LLM
     from jaxllm.runner.kv_cache import bytes_per_block
 
@@ -110,14 +126,19 @@ def main() -> None:
     ap.add_argument("--peers", nargs="*", default=sorted(offline.PEERS), choices=sorted(offline.PEERS))
     ap.add_argument("--peer-threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--skip-startup", action="store_true")
+    ap.add_argument("--kernels", nargs="+", default=["auto"], choices=["auto", "on", "off"])
+    ap.add_argument("--emulate-isa", choices=sorted(EMULATE), default=None)
     ap.add_argument("--out", default=None, help="JSON file for the whole report")
     args = ap.parse_args()
+    if args.emulate_isa and any(os.environ.get(k) != v for k, v in EMULATE[args.emulate_isa].items()):
+        os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, **EMULATE[args.emulate_isa]})
 
     report = {
         "workload": {k: getattr(args, k) for k in ("batches", "input_len", "output_len", "rounds")},
         "machine": offline.machine_info(),
         "ceilings": ceilings(),
         "engine_args": engine_args(args),
+        "emulate_isa": args.emulate_isa and EMULATE[args.emulate_isa],
     }
     print(json.dumps(report["ceilings"]), file=sys.stderr)
     if not args.skip_startup:
@@ -125,16 +146,23 @@ def main() -> None:
             report["startup"] = {"cold_cache": startup(args, cache), "warm_cache": startup(args, cache)}
         print(json.dumps(report["startup"]), file=sys.stderr)
 
-    llm = fitted_engine(args)
+    names = ["jaxllm", *(f"jaxllm-kernels-{mode}" for mode in args.kernels[1:])]
+    engines = {name: fitted_engine(args, mode) for name, mode in zip(names, args.kernels, strict=True)}
+    report["cpu_kernels"] = {name: offline.cpu_kernel_info(llm) for name, llm in engines.items()}
+    llm = engines["jaxllm"]
     loaded = llm.engine.runner.loaded
     arch = loaded.arch
     prompts = offline.make_prompts(llm.get_tokenizer(), max(args.batches), args.input_len)
-    for batch in args.batches:  # run each batch's prefill and decode buckets once: a round-0 step pays first-run costs
-        offline.run_batch(llm, prompts[:batch], 2)
+    for engine in engines.values():  # each batch's prefill and decode buckets once: round 0 pays first-run costs
+        for batch in args.batches:
+            offline.run_batch(engine, prompts[:batch], 2)
+    others = [name for name in engines if name != "jaxllm"]
     runs = []
     for index in range(args.rounds):
         for batch in args.batches:
-            row = {"round": index, "batch": batch, "jaxllm": jaxllm_run(llm, prompts[:batch], args.output_len)}
+            row = {"round": index, "batch": batch}
+            for name, engine in engines.items():
+                row[name] = jaxllm_run(engine, prompts[:batch], args.output_len)
             for peer in args.peers:
                 row[peer] = offline.run_peer(
                     peer, prompts[:batch], args.output_len, num_iters=1, warmup_iters=1, threads=args.peer_threads
@@ -152,7 +180,7 @@ def main() -> None:
             "host_ms_per_step": round(statistics.median(r["jaxllm"]["host_ms_per_step"] for r in rows), 2),
             "roofline": roofline(arch, loaded.dtype, batch, args.input_len, args.output_len, report["ceilings"]),
         }
-        for peer in args.peers:
+        for peer in [*others, *args.peers]:
             ok = [
                 (r["jaxllm"]["output_tokens_per_second"], r[peer]["output_tokens_per_second"])
                 for r in rows

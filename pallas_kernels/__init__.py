@@ -23,6 +23,9 @@ layers with the whole cache as loop state, and slicing a layer out of it would c
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import jax
 from jaxtyping import Array, Float, Int
 
@@ -58,22 +61,22 @@ def ragged_paged_attention(
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     check_inputs(q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, layer)
     platform = jax.default_backend()
-    kw = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, layer=layer)
     args = (q, k_cache, v_cache, kv_lens, block_tables, cu_q_lens, num_seqs)
     if backend == "auto":
         if platform == "gpu":
             backend = "pallas" if _triton_supports(q, k_cache, layer) else "reference"
         else:
             backend = "cpu" if _cpu_kernel_serves(k_cache) else "reference"
-    if backend == "cpu":
-        return ragged_paged_attention_cpu(*args, **kw)
+    if backend == "pallas" and platform == "tpu":
+        raise NotImplementedError("no Pallas TPU kernel yet: use backend='reference' on TPU")
+    kernel: Callable[..., Array]
     if backend == "pallas":
-        if platform == "tpu":
-            raise NotImplementedError("no Pallas TPU kernel yet: use backend='reference' on TPU")
         from pallas_kernels.ragged_paged_attention.triton_gpu import ragged_paged_attention_triton
 
-        return ragged_paged_attention_triton(*args, **kw, interpret=platform != "gpu")
-    return ragged_paged_attention_reference(*args, **kw)
+        kernel = functools.partial(ragged_paged_attention_triton, interpret=platform != "gpu")
+    else:
+        kernel = ragged_paged_attention_cpu if backend == "cpu" else ragged_paged_attention_reference
+    return kernel(*args, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, layer=layer)
 
 
 def _cpu_kernel_serves(k_cache) -> bool:
@@ -105,7 +108,7 @@ def write_kv(
     if backend == "cpu" or (backend == "auto" and _cpu_kernel_serves(k_cache)):
         return cpu.write_kv_cpu(k_cache, v_cache, k, v, slot_mapping, layer)
     block_size = k_cache.shape[-3]
-    index = (slot_mapping // block_size, slot_mapping % block_size)
+    index: tuple = (slot_mapping // block_size, slot_mapping % block_size)
     if layer is not None:
         index = (layer, *index)
     k_cache = k_cache.at[index].set(k.astype(k_cache.dtype))

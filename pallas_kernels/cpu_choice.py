@@ -98,9 +98,9 @@ def _time_matmuls(shapes, dtype, row_counts, rng) -> dict[int, tuple[float, floa
         weights.append(jnp.asarray(stacked_matmul.pack(w)))
 
     def chain(xs, ws, *, xla):
-        run = stacked_matmul.stacked_matmul_packed_xla if xla else stacked_matmul.stacked_matmul
-        kw = {} if xla else {"backend": "cpu_packed"}
-        return [run(x, w, 0, **kw) for x, w in zip(xs, ws, strict=True)]
+        if xla:
+            return [stacked_matmul.stacked_matmul_packed_xla(x, w, 0) for x, w in zip(xs, ws, strict=True)]
+        return [stacked_matmul.stacked_matmul_cpu(x, w, 0, packed=True) for x, w in zip(xs, ws, strict=True)]
 
     kernel, xla = jax.jit(functools.partial(chain, xla=False)), jax.jit(functools.partial(chain, xla=True))
     out = {}
@@ -160,14 +160,19 @@ def _store(key: str, record: dict) -> None:
         logger.warning("could not store the CPU kernel choice: %s", e)
 
 
-@functools.cache
 def choose(
     matmul_shapes: tuple[tuple[int, int], ...], dtype: str, max_rows: int, attention: AttentionShape | None
 ) -> KernelChoice:
     """The kernels a step of these shapes runs: `matmul_shapes` (K, N) of a layer's packed projections in
     `dtype` ("float32" or "bfloat16"), up to `max_rows` rows of x; `attention`: the model's heads and cache
     (None: no attention kernel wanted). Self-checked under "auto" (see the module's docstring)."""
-    how = mode()
+    return _choose(matmul_shapes, dtype, max_rows, attention, mode())
+
+
+@functools.cache
+def _choose(
+    matmul_shapes: tuple[tuple[int, int], ...], dtype: str, max_rows: int, attention: AttentionShape | None, how: str
+) -> KernelChoice:
     target = f"{cpu_ffi.isa()} (-march={cpu_ffi.march()})"
     matmul_ok = bool(matmul_shapes) and stacked_matmul.available()
     attention_ok = attention is not None and attention_cpu.available()

@@ -177,6 +177,20 @@ def write_json(result: dict, path: str | None) -> None:
         print(f"results written to {path}")
 
 
+def cpu_kernel_info(llm) -> dict | None:
+    """The C++ CPU kernels the engine's step runs (None off the CPU): the choice in words, and from the
+    self-check the kernel's speed-up over XLA's path per timed case (>1: the kernel is faster)."""
+    choice = llm.engine.runner.cpu_kernels
+    if choice is None:
+        return None
+    speedups = {
+        f"{what}_{case}": round(xla / kernel, 2)
+        for what, cases in choice.timings_ms.items()
+        for case, (kernel, xla) in cases.items()
+    }
+    return {"choice": choice.describe(), "target": choice.target, "kernel_over_xla": speedups}
+
+
 def machine_info() -> dict:
     import platform
 

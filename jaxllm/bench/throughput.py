@@ -39,7 +39,7 @@ def jaxllm_run(llm, prompts: list[list[int]], output_len: int) -> dict:
     stats = llm.engine.runner.stats
     before = stats.snapshot()
     elapsed = offline.run_batch(llm, prompts, output_len)
-    steps, device_s, pack_s = (a - b for a, b in zip(stats.snapshot(), before))
+    steps, device_s, pack_s = (a - b for a, b in zip(stats.snapshot(), before, strict=True))
     num_prompts, input_len = len(prompts), len(prompts[0])
     return {
         "elapsed_time": round(elapsed, 4),
@@ -72,6 +72,7 @@ def main(args: argparse.Namespace) -> dict:
         rounds.append(row)
         print(_round_line(row, peers))
     result = summarize(args, rounds, peers)
+    result["cpu_kernels"] = offline.cpu_kernel_info(llm)
     print(format_result(result))
     offline.write_json(result, args.output_json)
     if args.plot:
@@ -103,7 +104,7 @@ def summarize(args: argparse.Namespace, rounds: list[dict], peers: list[str]) ->
     comparison = {}
     for peer in peers:
         theirs = [_peer_tok_s(r[peer]) for r in rounds]
-        ok = [(o["output_tokens_per_second"], t) for o, t in zip(ours, theirs) if t]
+        ok = [(o["output_tokens_per_second"], t) for o, t in zip(ours, theirs, strict=True) if t]
         comparison[peer] = {
             "output_tokens_per_second": round(statistics.median(t for _, t in ok), 2) if ok else None,
             "ratio": offline.median_ratio([a for a, _ in ok], [b for _, b in ok]),
@@ -125,7 +126,8 @@ def _round_line(row: dict, peers: list[str]) -> str:
 
 def format_result(result: dict) -> str:
     lines = [
-        f"Throughput: {result['requests_per_second']:.2f} requests/s, {result['tokens_per_second']:.2f} total tokens/s, "
+        f"Throughput: {result['requests_per_second']:.2f} requests/s, "
+        f"{result['tokens_per_second']:.2f} total tokens/s, "
         f"{result['output_tokens_per_second']:.2f} output tokens/s",
         f"Steps: {result['num_steps']:.0f}, device {result['device_ms_per_step']:.2f} ms/step, "
         f"host {result['host_ms_per_step']:.2f} ms/step (input packing {result['input_packing_ms_per_step']:.2f})",

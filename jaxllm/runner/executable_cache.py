@@ -80,6 +80,7 @@ def _source_digest() -> bytes:
 
     digest = hashlib.sha256()
     for package in (jaxllm, pallas_kernels):
+        assert package.__file__ is not None  # regular packages, not namespace ones
         root = Path(package.__file__).parent
         for path in sorted(root.rglob("*")):
             parts = path.relative_to(root).parts
@@ -121,6 +122,7 @@ class ExecutableCache:
         self.folder = Path(folder) if folder else None
 
     def _path(self, key: str) -> Path:
+        assert self.folder is not None, "no folder: nothing is stored or found"
         return self.folder / f"{key}.bin"
 
     def load(self, key: str, devices):
@@ -153,9 +155,10 @@ class ExecutableCache:
     def store(self, key: str, compiled) -> None:
         try:
             blob = pickle.dumps(serialize_executable.serialize(compiled))
-            self.folder.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile(dir=self.folder, suffix=".partial", delete=False) as f:
+            path = self._path(key)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".partial", delete=False) as f:
                 f.write(blob)
-            os.replace(f.name, self._path(key))  # atomic: a concurrent reader never sees half a file
+            os.replace(f.name, path)  # atomic: a concurrent reader never sees half a file
         except Exception as e:  # a read-only or full disk costs the next start its compile, nothing else
             logger.warning("could not store the compiled step %s: %s", key, e)

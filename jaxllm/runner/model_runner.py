@@ -13,12 +13,15 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import Array
 from jax.sharding import Mesh
 
 from jaxllm.config import EngineConfig
@@ -34,13 +37,14 @@ from jaxllm.runner.sampler import SamplerOutput, SamplingInputs, sample
 from jaxllm.weights import Layout, LoadedModel
 from jaxllm.weights.params import unstack_layers
 from pallas_kernels import cpu_ffi, stacked_matmul
+from pallas_kernels.cpu_choice import KernelChoice
 
 logger = logging.getLogger(__name__)
 
 _compilations = 0
 
 
-def _count_compilation(event: str, duration: float, **kwargs) -> None:
+def _count_compilation(event: str, duration_secs: float, **kwargs: str | int) -> None:
     global _compilations
     if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
         _compilations += 1
@@ -77,19 +81,25 @@ class StepStats:
         return self.steps, self.device_s, self.pack_s
 
 
+def cpu_kernel_choice(arch, config: EngineConfig, dtype, mesh: Mesh) -> KernelChoice | None:
+    """Which C++ kernels a step on this platform runs, where they beat XLA (the machine's self-check,
+    `JAXLLM_CPU_KERNELS`); None off the CPU, and on a CPU mesh (the kernels have no partitioning rules)."""
+    if jax.default_backend() != "cpu" or mesh.size > 1:
+        return None
+    packable = config.model.scan_layers and jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16)
+    return kernel_choice(arch, config, dtype, matmul=packable)
+
+
 def step_model(arch, config: EngineConfig, dtype, mesh: Mesh) -> CausalLM:
     """The model the step runs: attention and matmul backends, and the dtype it computes in, for this platform."""
     scan, attention = config.model.scan_layers, config.model.attention_backend
     matmul, compute_dtype, kernel_max_rows = "auto", dtype, None
+    choice = cpu_kernel_choice(arch, config, dtype, mesh)
     if mesh.size > 1 and jax.default_backend() == "cpu":  # the C++ kernels have no partitioning rules:
         attention = "reference" if attention == "auto" else attention  # XLA would all-gather the cache
         matmul = "reference"  # and the weights
-    elif jax.default_backend() == "cpu":
-        # which C++ kernels run where they beat XLA (the machine's self-check, `JAXLLM_CPU_KERNELS`); an
-        # explicit attention_backend wins over both
-        packable = scan and jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16)
-        choice = kernel_choice(arch, config, dtype, matmul=packable)
-        if attention == "auto":
+    elif choice is not None:
+        if attention == "auto":  # an explicit attention_backend wins over the choice
             attention = "cpu" if choice.attention else "reference"
         if choice.matmul:
             # the loader (`weight_layout`) or set_params packs the matmul weights for it. bfloat16 weights: the
@@ -141,6 +151,7 @@ class ModelRunner:
             self.block_size,
         )
         self.model = step_model(arch, config, loaded.dtype, mesh)
+        self.cpu_kernels = cpu_kernel_choice(arch, config, loaded.dtype, mesh)  # for reports (cached: no 2nd check)
         self.set_params(loaded.params, laid_out=loaded.laid_out)
         loaded.params = None  # the runner owns the weights now (the stacked copy can go)
         self._executables = ExecutableCache(executable_dir)
@@ -151,8 +162,8 @@ class ModelRunner:
         # its row count, which buckets with as many rows share (the sampler is ~80 % of a step's compile time)
         self._forward_fn = jax.jit(self._named(self._forward, "forward"), donate_argnums=(1,))
         self._sample_fn = jax.jit(self._named(sample, "sample"))
-        self._compiled: dict[Bucket, object] = {}
-        self._samplers: dict[int, object] = {}  # rows → sampler
+        self._compiled: dict[Bucket, jax.stages.Compiled] = {}
+        self._samplers: dict[int, jax.stages.Compiled] = {}  # rows → sampler
         self.compile_seconds = 0.0
         self.num_executables = self.loaded_executables = 0  # how many there are, and came from the cache
         self.stats = StepStats()
@@ -171,7 +182,7 @@ class ModelRunner:
         self.params = params
 
     def _forward(self, params, cache: KVCache, inputs: StepInputs):
-        logits, cache = self.model.apply({"params": params}, cache, inputs)
+        logits, cache = cast(tuple[Array, KVCache], self.model.apply({"params": params}, cache, inputs))
         return jax.lax.with_sharding_constraint(logits, replicated(self.mesh)), cache  # as the sampler takes them
 
     def _step_key(self, attention: str) -> str:
@@ -215,7 +226,7 @@ class ModelRunner:
     def _executable_jobs(self) -> dict[tuple, tuple]:
         """Every executable a step may call, not yet made: ("forward", bucket) and ("sample", rows) → (the
         jitted function, its abstract arguments)."""
-        jobs = {}
+        jobs: dict[tuple[str, Bucket | int], tuple[Callable, tuple]] = {}
         for bucket in self.buckets:
             inputs, sampling = self._abstract_inputs(bucket)
             if bucket not in self._compiled:
