@@ -4,6 +4,9 @@ import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+# the C++ kernels wherever they apply, as the self-check's "on": every test runs the same paths on every
+# machine, whatever its timings say (tests/kernels/test_cpu_choice.py tests the self-check itself)
+os.environ.setdefault("JAXLLM_CPU_KERNELS", "on")
 
 import pytest  # noqa: E402
 

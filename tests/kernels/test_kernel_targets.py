@@ -1,15 +1,19 @@
-"""The C++ kernels on a target with no machine here: ARM64 (NEON), cross-compiled and run under qemu-user.
+"""The C++ kernels built for every target they have code for, checked against a float64 oracle.
 
 `cross/harness.cc` includes both kernel sources and checks their values (stacked matmul: streamed,
-panels, packed float32 and bfloat16; ragged paged attention: float32 and bfloat16 caches) against a
-float64 oracle of its own. It runs natively (so the harness itself is checked) and, built with
-Debian's aarch64 cross compiler, under qemu-aarch64; every kernel source also builds for aarch64 as
-a shared object, as `cpu_ffi.py` builds it. CI installs the tools with `.ci/install_cross_tools.sh`.
+panels, packed float32 and bfloat16; ragged paged attention: float32 and bfloat16 caches, NaN in
+every block and row a sequence does not own) against a float64 oracle of its own. On x86-64 it is
+built for this CPU (`-march=native`), for x86-64-v3 (the AVX2 code) and x86-64-v2 (the SSE code),
+so every machine checks the paths its own CPU would not take; for ARM64 (NEON), which has no machine
+here, with Debian's aarch64 cross compiler, run under qemu-aarch64; every kernel source also builds
+for aarch64 as a shared object, as `cpu_ffi.py` builds it. CI installs the tools with
+`.ci/install_cross_tools.sh`.
 """
 
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import subprocess
 from pathlib import Path
@@ -23,6 +27,8 @@ HARNESS = Path(__file__).with_name("cross") / "harness.cc"
 KERNELS = sorted(Path(cpu_ffi.__file__).parent.glob("*/*.cc"))
 CROSS_CXX, QEMU, ARM_MARCH = "aarch64-linux-gnu-g++", "qemu-aarch64", "armv8-a"
 HAVE_CROSS = bool(shutil.which(CROSS_CXX) and shutil.which(QEMU))
+# x86-64 targets any x86-64 machine runs, and the vector code cpu_simd.h picks for each
+X86_TARGETS = {"x86-64-v3": "AVX2+FMA", "x86-64-v2": "SSE"} if platform.machine() == "x86_64" else {}
 MISSING = f"no {CROSS_CXX} or {QEMU}: run .ci/install_cross_tools.sh (apt: g++-aarch64-linux-gnu qemu-user)"
 # skipped without the tools, except in CI, which installs them: there the NEON path must not go silently unchecked
 needs_cross = pytest.mark.skipif(not HAVE_CROSS and os.environ.get("CI") != "true", reason=MISSING)
@@ -40,6 +46,8 @@ def builds(tmp_path_factory):
     native_cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     assert native_cxx, "no C++ compiler (a test requirement, as for the kernels themselves)"
     specs = {"native": (native_cxx, [*executable_flags(cpu_ffi.march()), str(HARNESS)], out / "harness")}
+    for march in X86_TARGETS:
+        specs[march] = (native_cxx, [*executable_flags(march), str(HARNESS)], out / f"harness-{march}")
     if HAVE_CROSS:
         specs["aarch64"] = (CROSS_CXX, [*executable_flags(ARM_MARCH), "-static", str(HARNESS)], out / "harness-arm")
         for source in KERNELS:  # exactly as cpu_ffi.build would, for aarch64
@@ -72,6 +80,12 @@ def run_harness(cmd: list[str]) -> str:
 
 def test_harness_natively(builds):
     run_harness([str(build(builds, "native"))])
+
+
+@pytest.mark.parametrize("march", sorted(X86_TARGETS))
+def test_harness_for_each_x86_target(builds, march):
+    out = run_harness([str(build(builds, march))])
+    assert out.startswith(f"isa {X86_TARGETS[march]},"), f"{march} built other code: {out.splitlines()[0]}"
 
 
 @needs_cross
