@@ -66,9 +66,16 @@ constexpr int TileRowsFor(int weight_regs) {
 template <typename X, typename W>
 constexpr int kTileRows = TileRowsFor(sizeof(W) == 2 && std::is_same_v<X, float> ? 2 * kTileVecs : kTileVecs);
 
-// How many threads to split `items` ways (K rows, panels) for a matmul of `rows` rows of x.
-int TeamSize(int64_t rows, int64_t items) {
-  if (rows < kMinTeamRows) return 1;
+// How many threads to split `items` ways (panels) for a matmul of `rows` rows of x reading `bytes` of
+// weights: few rows and a small matrix, one (see kMinTeamRows); a larger matrix (qkv, the MLP, the LM
+// head) is streamed by the team even for one row: one core reads memory at about half what two do on
+// some machines (16.8 against 30 GB/s on a 2-core Zen 2), and the team's wake-up (~50-100 us on a VM)
+// is then the smaller cost. Measured there, the default model's T=1 matmul chain: 47.9 ms with one
+// thread, 28.2 ms from 2 MB up, 26.4 ms from 1 MB up; 2 MB keeps o_proj (1.3 MB) on one thread, where
+// a core that streams fast (34-36 GB/s on the Zen 4 of lever 15) would lose more to the wake-up.
+constexpr int64_t kMinTeamBytes = int64_t{2} << 20;
+int TeamSize(int64_t rows, int64_t items, int64_t bytes) {
+  if (rows < kMinTeamRows && bytes < kMinTeamBytes) return 1;
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), items)));
 }
 
@@ -138,21 +145,31 @@ constexpr int64_t kColElems = sizeof(W) == 2 ? 2 : 1;
 template <typename X, typename W>
 constexpr int64_t kXElems = sizeof(W) == 2 && std::is_same_v<X, float> ? 2 : 1;  // widened bfloat16 pairs
 
+// Rows of the next panel to fetch into cache while a tile runs: `count` rows `stride` elements apart
+// from `first`, spread evenly over the tile's steps of k (a burst of them stalls on the core's few
+// outstanding misses; spread out, the weights arrive from memory while the tile computes).
+template <typename W>
+struct Ahead {
+  const W* first = nullptr;
+  int64_t count = 0, stride = 0;
+};
+
 // y[r, 0:kTileCols] = x[r, :] @ tile for r < ROWS; `tile` is a panel's columns [c, c + kTileCols), its
-// `k_steps` rows kRowElems apart; x's rows are `ldx` elements apart. With `next` (the next panel's
-// first row, rows `next_stride` elements apart), its rows are prefetched along the way.
+// `k_steps` rows kRowElems apart; x's rows are `ldx` elements apart; `ahead` is prefetched on the way.
 template <int ROWS, typename X, typename W>
-inline void Tile(const X* x, int64_t ldx, int64_t k_steps, const W* tile, float* y, int64_t ldy, const W* next,
-                 int64_t next_stride) {
+inline void Tile(const X* x, int64_t ldx, int64_t k_steps, const W* tile, float* y, int64_t ldy, Ahead<W> ahead) {
   VecF acc[ROWS][kTileVecs];
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r)
     for (int v = 0; v < kTileVecs; ++v) acc[r][v] = VecF{};
+  const int64_t every = ahead.count ? std::max<int64_t>(1, k_steps / ahead.count) : 0;
+  int64_t fetched = 0, fetch_at = 0;
   for (int64_t k = 0; k < k_steps; ++k) {
-    if (next) {
-      const char* row = reinterpret_cast<const char*>(next + k * next_stride);
+    if (k == fetch_at && fetched < ahead.count) {
+      const char* row = reinterpret_cast<const char*>(ahead.first + fetched++ * ahead.stride);
       __builtin_prefetch(row);
       __builtin_prefetch(row + 64);
+      fetch_at += every;
     }
     Step<ROWS>(x + k * kXElems<X, W>, ldx, tile + k * kRowElems<X, W>, acc);
   }
@@ -163,22 +180,22 @@ inline void Tile(const X* x, int64_t ldx, int64_t k_steps, const W* tile, float*
 
 template <int ROWS, typename X, typename W>
 void TileRemainder(int rows, const X* x, int64_t ldx, int64_t k_steps, const W* tile, float* y, int64_t ldy,
-                   const W* next, int64_t next_stride) {
+                   Ahead<W> ahead) {
   if constexpr (ROWS > 0) {
-    if (rows == ROWS) return Tile<ROWS, X, W>(x, ldx, k_steps, tile, y, ldy, next, next_stride);
-    TileRemainder<ROWS - 1, X, W>(rows, x, ldx, k_steps, tile, y, ldy, next, next_stride);
+    if (rows == ROWS) return Tile<ROWS, X, W>(x, ldx, k_steps, tile, y, ldy, ahead);
+    TileRemainder<ROWS - 1, X, W>(rows, x, ldx, k_steps, tile, y, ldy, ahead);
   }
 }
 
 // y[0:rows, 0:kPanel] = x[0:rows] @ panel (rows <= kTileRows<X, W>), tile by tile across the panel;
-// the first tile prefetches `next` (see Tile).
+// the first tile prefetches `ahead`.
 template <typename X, typename W>
-inline void PanelRows(int rows, const X* x, int64_t k_steps, const W* panel, float* y, int64_t ldy, const W* next,
-                      int64_t next_stride) {
+inline void PanelRows(int rows, const X* x, int64_t k_steps, const W* panel, float* y, int64_t ldy, Ahead<W> ahead) {
   const int64_t ldx = k_steps * kXElems<X, W>;
-  for (int c = 0; c < kPanel; c += kTileCols)
-    TileRemainder<kTileRows<X, W>>(rows, x, ldx, k_steps, panel + c * kColElems<X, W>, y + c, ldy,
-                                   c == 0 ? next : nullptr, next_stride);
+  for (int c = 0; c < kPanel; c += kTileCols) {
+    TileRemainder<kTileRows<X, W>>(rows, x, ldx, k_steps, panel + c * kColElems<X, W>, y + c, ldy, ahead);
+    ahead = {};
+  }
 }
 
 // One thread (rows < kMinTeamRows): streams w's rows front to back, x's rows accumulated side by side.
@@ -198,7 +215,7 @@ void Stream(const float* xp, int64_t rows, int64_t k_dim, const float* wl, int64
 
 void Panels(const float* xp, int64_t rows, int64_t k_dim, const float* wl, int64_t n, float* y) {
   const int64_t panels = (n + kPanel - 1) / kPanel;
-  const int threads = TeamSize(rows, panels);
+  const int threads = TeamSize(rows, panels, k_dim * n * static_cast<int64_t>(sizeof(float)));
 #pragma omp parallel num_threads(threads)
   {
     const int id = omp_get_thread_num(), team = omp_get_num_threads();
@@ -213,11 +230,12 @@ void Panels(const float* xp, int64_t rows, int64_t k_dim, const float* wl, int64
       for (int64_t r0 = 0; r0 < rows; r0 += kTileRows<float, float>) {
         const int tile = static_cast<int>(std::min<int64_t>(kTileRows<float, float>, rows - r0));
         const float* x = xp + r0 * k_dim;
-        const float* next = r0 == 0 && c0 + kPanel < n ? wl + c0 + kPanel : nullptr;  // while the first tile runs
+        // the next panel's rows, straight from w, while the first tile runs
+        const Ahead<float> ahead = r0 == 0 && c0 + kPanel < n ? Ahead<float>{wl + c0 + kPanel, k_dim, n} : Ahead<float>{};
         if (cols == kPanel) {
-          PanelRows(tile, x, k_dim, panel.data(), y + r0 * n + c0, n, next, n);
+          PanelRows(tile, x, k_dim, panel.data(), y + r0 * n + c0, n, ahead);
         } else {
-          PanelRows(tile, x, k_dim, panel.data(), edge, kPanel, next, n);
+          PanelRows(tile, x, k_dim, panel.data(), edge, kPanel, ahead);
           for (int r = 0; r < tile; ++r) std::memcpy(y + (r0 + r) * n + c0, edge + r * kPanel, sizeof(float) * cols);
         }
       }
@@ -232,7 +250,8 @@ void Panels(const float* xp, int64_t rows, int64_t k_dim, const float* wl, int64
 template <typename X, typename W>
 void PackedPanels(const X* xp, int64_t rows, int64_t k_steps, const W* wp, int64_t n, float* y) {
   const int64_t panels = n / kPanel, panel_size = k_steps * kRowElems<X, W>;
-  const int threads = TeamSize(rows, panels);
+  const int64_t tiles = (rows + kTileRows<X, W> - 1) / kTileRows<X, W>;
+  const int threads = TeamSize(rows, panels, panels * panel_size * static_cast<int64_t>(sizeof(W)));
 #pragma omp parallel num_threads(threads)
   {
     const int id = omp_get_thread_num(), team = omp_get_num_threads();
@@ -240,10 +259,13 @@ void PackedPanels(const X* xp, int64_t rows, int64_t k_steps, const W* wp, int64
     for (int64_t p = panels * id / team; p < end; ++p) {
       const W* panel = wp + p * panel_size;
       const W* next = p + 1 < end ? panel + panel_size : nullptr;
-      for (int64_t r0 = 0; r0 < rows; r0 += kTileRows<X, W>) {
-        const int tile = static_cast<int>(std::min<int64_t>(kTileRows<X, W>, rows - r0));
-        PanelRows(tile, xp + r0 * k_steps * kXElems<X, W>, k_steps, panel, y + r0 * n + p * kPanel, n, r0 == 0 ? next : nullptr,
-                  kRowElems<X, W>);
+      for (int64_t r0 = 0, tile = 0; r0 < rows; r0 += kTileRows<X, W>, ++tile) {
+        const int n_rows = static_cast<int>(std::min<int64_t>(kTileRows<X, W>, rows - r0));
+        // each row tile prefetches its share of the next panel (the first tile's reads come from memory, the
+        // others' from cache: spread over all of them, the next panel is in cache when its first tile starts)
+        const int64_t lo = k_steps * tile / tiles, hi = k_steps * (tile + 1) / tiles;
+        const Ahead<W> ahead = next ? Ahead<W>{next + lo * kRowElems<X, W>, hi - lo, kRowElems<X, W>} : Ahead<W>{};
+        PanelRows(n_rows, xp + r0 * k_steps * kXElems<X, W>, k_steps, panel, y + r0 * n + p * kPanel, n, ahead);
       }
     }
   }
