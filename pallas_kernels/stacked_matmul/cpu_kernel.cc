@@ -56,15 +56,24 @@ constexpr int64_t kPanel = 32;      // columns of w per packed panel, on every t
 // fill the registers left after the panel's row (kTileVecs vectors, two of them per vector for
 // bfloat16 widened in registers) and a broadcast of x, at most 8: AVX-512 8 x 32 columns (16
 // accumulators), AVX2 6 x 16 (12: the 6x16 float32 kernel of BLIS and llama.cpp), NEON 8 x 8.
+// One or two rows of x (a decode of one or two sequences) take the panel's whole width in one tile
+// (kPanelVecs vectors) where registers allow (kWideRows), so that the weights stream through in
+// address order rather than in two interleaved halves.
 constexpr int kTileVecs = 2;
 constexpr int kTileCols = kTileVecs * kLanes;
+constexpr int kPanelVecs = kPanel / kLanes;
 static_assert(kPanel % kTileCols == 0, "a panel is whole tiles");
-constexpr int TileRowsFor(int weight_regs) {
-  return std::min(8, (kVecRegs - weight_regs - 2) / kTileVecs);
-}
 // bfloat16 weights take twice the registers where they are widened (no bfloat16 dot product)
 template <typename X, typename W>
-constexpr int kTileRows = TileRowsFor(sizeof(W) == 2 && std::is_same_v<X, float> ? 2 * kTileVecs : kTileVecs);
+constexpr int kWeightRegsPerVec = sizeof(W) == 2 && std::is_same_v<X, float> ? 2 : 1;
+template <typename X, typename W>
+constexpr int RowsFor(int vecs) {
+  return std::max(0, std::min(8, (kVecRegs - kWeightRegsPerVec<X, W> * vecs - 2) / vecs));
+}
+template <typename X, typename W>
+constexpr int kTileRows = RowsFor<X, W>(kTileVecs);
+template <typename X, typename W>
+constexpr int kWideRows = kPanelVecs > kTileVecs ? std::min(2, RowsFor<X, W>(kPanelVecs)) : 0;
 
 // How many threads to split `items` ways (panels) for a matmul of `rows` rows of x reading `bytes` of
 // weights: few rows and a small matrix, one (see kMinTeamRows); a larger matrix (qkv, the MLP, the LM
@@ -81,16 +90,16 @@ int TeamSize(int64_t rows, int64_t items, int64_t bytes) {
 
 // One step of k of a register tile: x's ROWS rows at this k (`x`, rows `ldx` apart) times the panel's
 // row b (the tile's kTileCols columns), added to each row's accumulators. Float32 weights: x float32.
-template <int ROWS>
-__attribute__((always_inline)) inline void Step(const float* x, int64_t ldx, const float* b, VecF (*acc)[kTileVecs]) {
-  VecF bv[kTileVecs];
-#pragma GCC unroll 4
-  for (int v = 0; v < kTileVecs; ++v) bv[v] = Load(b + v * kLanes);
+template <int ROWS, int VECS>
+__attribute__((always_inline)) inline void Step(const float* x, int64_t ldx, const float* b, VecF (*acc)[VECS]) {
+  VecF bv[VECS];
+#pragma GCC unroll 8
+  for (int v = 0; v < VECS; ++v) bv[v] = Load(b + v * kLanes);
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r) {
     const float a = x[r * ldx];
-#pragma GCC unroll 4
-    for (int v = 0; v < kTileVecs; ++v) acc[r][v] += a * bv[v];
+#pragma GCC unroll 8
+    for (int v = 0; v < VECS; ++v) acc[r][v] += a * bv[v];
   }
 }
 
@@ -99,16 +108,16 @@ __attribute__((always_inline)) inline void Step(const float* x, int64_t ldx, con
 #if defined(__AVX512BF16__)
 // With the bfloat16 dot product: x holds each row's K as pairs too (one 32-bit word: k even in the
 // low half, odd in the high half), multiplied pair by pair with vdpbf16ps.
-template <int ROWS>
+template <int ROWS, int VECS>
 __attribute__((always_inline)) inline void Step(const uint32_t* x, int64_t ldx, const uint16_t* b,
-                                                VecF (*acc)[kTileVecs]) {
+                                                VecF (*acc)[VECS]) {
   static_assert(kLanes == 16, "vdpbf16ps takes 512-bit vectors here");
-  __m512bh bv[kTileVecs];
-  for (int v = 0; v < kTileVecs; ++v) bv[v] = (__m512bh)_mm512_loadu_si512(b + v * 2 * kLanes);
+  __m512bh bv[VECS];
+  for (int v = 0; v < VECS; ++v) bv[v] = (__m512bh)_mm512_loadu_si512(b + v * 2 * kLanes);
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r) {
     const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * ldx]));
-    for (int v = 0; v < kTileVecs; ++v) acc[r][v] = (VecF)_mm512_dpbf16_ps((__m512)acc[r][v], a, bv[v]);
+    for (int v = 0; v < VECS; ++v) acc[r][v] = (VecF)_mm512_dpbf16_ps((__m512)acc[r][v], a, bv[v]);
   }
 }
 using Bf16X = uint32_t;  // what the bfloat16 tile reads x as
@@ -116,12 +125,12 @@ using Bf16X = uint32_t;  // what the bfloat16 tile reads x as
 // Without it: x widened to float32 beforehand (WidenRows), the weights widened in registers (a
 // bfloat16 is the top half of a float32: the even of a pair shifted up, the odd masked), then
 // two FMAs per pair.
-template <int ROWS>
+template <int ROWS, int VECS>
 __attribute__((always_inline)) inline void Step(const float* x, int64_t ldx, const uint16_t* b,
-                                                VecF (*acc)[kTileVecs]) {
-  VecF even[kTileVecs], odd[kTileVecs];
-#pragma GCC unroll 4
-  for (int v = 0; v < kTileVecs; ++v) {
+                                                VecF (*acc)[VECS]) {
+  VecF even[VECS], odd[VECS];
+#pragma GCC unroll 8
+  for (int v = 0; v < VECS; ++v) {
     const VecU u = LoadU(b + v * 2 * kLanes);
     even[v] = (VecF)(u << 16);
     odd[v] = (VecF)(u & 0xffff0000u);
@@ -129,8 +138,8 @@ __attribute__((always_inline)) inline void Step(const float* x, int64_t ldx, con
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r) {
     const float a_even = x[r * ldx], a_odd = x[r * ldx + 1];
-#pragma GCC unroll 4
-    for (int v = 0; v < kTileVecs; ++v) acc[r][v] += a_even * even[v] + a_odd * odd[v];
+#pragma GCC unroll 8
+    for (int v = 0; v < VECS; ++v) acc[r][v] += a_even * even[v] + a_odd * odd[v];
   }
 }
 using Bf16X = float;
@@ -156,12 +165,12 @@ struct Ahead {
 
 // y[r, 0:kTileCols] = x[r, :] @ tile for r < ROWS; `tile` is a panel's columns [c, c + kTileCols), its
 // `k_steps` rows kRowElems apart; x's rows are `ldx` elements apart; `ahead` is prefetched on the way.
-template <int ROWS, typename X, typename W>
+template <int ROWS, int VECS, typename X, typename W>
 inline void Tile(const X* x, int64_t ldx, int64_t k_steps, const W* tile, float* y, int64_t ldy, Ahead<W> ahead) {
-  VecF acc[ROWS][kTileVecs];
+  VecF acc[ROWS][VECS];
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r)
-    for (int v = 0; v < kTileVecs; ++v) acc[r][v] = VecF{};
+    for (int v = 0; v < VECS; ++v) acc[r][v] = VecF{};
   const int64_t every = ahead.count ? std::max<int64_t>(1, k_steps / ahead.count) : 0;
   int64_t fetched = 0, fetch_at = 0;
   for (int64_t k = 0; k < k_steps; ++k) {
@@ -171,19 +180,19 @@ inline void Tile(const X* x, int64_t ldx, int64_t k_steps, const W* tile, float*
       __builtin_prefetch(row + 64);
       fetch_at += every;
     }
-    Step<ROWS>(x + k * kXElems<X, W>, ldx, tile + k * kRowElems<X, W>, acc);
+    Step<ROWS, VECS>(x + k * kXElems<X, W>, ldx, tile + k * kRowElems<X, W>, acc);
   }
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r)
-    for (int v = 0; v < kTileVecs; ++v) Store(y + r * ldy + v * kLanes, acc[r][v]);
+    for (int v = 0; v < VECS; ++v) Store(y + r * ldy + v * kLanes, acc[r][v]);
 }
 
-template <int ROWS, typename X, typename W>
+template <int ROWS, int VECS, typename X, typename W>
 void TileRemainder(int rows, const X* x, int64_t ldx, int64_t k_steps, const W* tile, float* y, int64_t ldy,
                    Ahead<W> ahead) {
   if constexpr (ROWS > 0) {
-    if (rows == ROWS) return Tile<ROWS, X, W>(x, ldx, k_steps, tile, y, ldy, ahead);
-    TileRemainder<ROWS - 1, X, W>(rows, x, ldx, k_steps, tile, y, ldy, ahead);
+    if (rows == ROWS) return Tile<ROWS, VECS, X, W>(x, ldx, k_steps, tile, y, ldy, ahead);
+    TileRemainder<ROWS - 1, VECS, X, W>(rows, x, ldx, k_steps, tile, y, ldy, ahead);
   }
 }
 
@@ -192,8 +201,10 @@ void TileRemainder(int rows, const X* x, int64_t ldx, int64_t k_steps, const W* 
 template <typename X, typename W>
 inline void PanelRows(int rows, const X* x, int64_t k_steps, const W* panel, float* y, int64_t ldy, Ahead<W> ahead) {
   const int64_t ldx = k_steps * kXElems<X, W>;
+  if (rows <= kWideRows<X, W>)
+    return TileRemainder<kWideRows<X, W>, kPanelVecs>(rows, x, ldx, k_steps, panel, y, ldy, ahead);
   for (int c = 0; c < kPanel; c += kTileCols) {
-    TileRemainder<kTileRows<X, W>>(rows, x, ldx, k_steps, panel + c * kColElems<X, W>, y + c, ldy, ahead);
+    TileRemainder<kTileRows<X, W>, kTileVecs>(rows, x, ldx, k_steps, panel + c * kColElems<X, W>, y + c, ldy, ahead);
     ahead = {};
   }
 }
