@@ -103,6 +103,29 @@ def test_packed_single_matrix_matches_the_oracle(transposed, dtype):
         np.testing.assert_array_equal(np.asarray(jax.jit(stacked_matmul.packed_rows)(packed, index)), stored[index])
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_above_kernel_max_rows_xla_reads_the_packed_weights(dtype):
+    """Where the self-check found XLA faster, "cpu_packed" multiplies the packed layout with XLA's dot:
+    same values, no kernel call, no unpacked copy."""
+    rng = np.random.default_rng(5)
+    layers, layer, k, out_shape = 3, 2, 132, (2, 64)
+    w = poisoned_stack(rng, layers, k, out_shape, layer).astype(dtype)
+    packed = jnp.asarray(stacked_matmul.pack(w))
+    for rows in (3, 9, 40):
+        x = rng.normal(0, 1, (rows, k)).astype(dtype)
+        want = np.tensordot(x.astype(np.float64), w[layer].astype(np.float64), axes=(1, 0))
+        fn = jax.jit(lambda x, w, i: stacked_matmul.stacked_matmul(x, w, i, backend="cpu_packed", kernel_max_rows=8))
+        assert ("jaxllm_stacked_matmul_cpu" in fn.lower(x, packed, jnp.int32(layer)).as_text()) == (rows <= 8)
+        got = np.asarray(fn(x, packed, jnp.int32(layer)))
+        rounding = 2e-4 if dtype == "float32" else 2**-8
+        np.testing.assert_allclose(got.astype(np.float64), want, rtol=rounding, atol=2e-5)
+    head = stacked_matmul.pack_matrix(w[layer].reshape(k, -1))
+    x = rng.normal(0, 1, (12, k)).astype(dtype)
+    got = np.asarray(jax.jit(lambda x, w: stacked_matmul.packed_matmul(x, w, kernel_max_rows=4))(x, head))
+    want = x.astype(np.float64) @ w[layer].reshape(k, -1).astype(np.float64)
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-5)
+
+
 def test_packed_backend_leaves_unpackable_weights_to_the_plain_kernel():
     rng = np.random.default_rng(7)
     w = poisoned_stack(rng, 3, 40, (2, 257), 1)  # N = 514: not whole panels, so never packed
