@@ -71,16 +71,17 @@ class StructuredOutputManager:
             self._tokenizer = self._pool.submit(
                 llguidance_tokenizer, self._hf_tokenizer, self.vocab_size, self.eos_token_ids
             )
-        future = self._pool.submit(self._compile, self._tokenizer, params.llguidance_grammar)
+        future = self._pool.submit(self._compile, params.llguidance_grammar)
         self._cache[key] = future
         while len(self._cache) > CACHE_SIZE:
             self._cache.popitem(last=False)
         return future
 
-    def _compile(self, tokenizer: Future, grammar: str) -> LLMatcher:
+    def _compile(self, grammar: str) -> LLMatcher:
         import llguidance
 
-        matcher = llguidance.LLMatcher(tokenizer.result(), grammar, log_level=0)
+        assert self._tokenizer is not None, "compile submits the tokenizer's build before any grammar"
+        matcher = llguidance.LLMatcher(self._tokenizer.result(), grammar, log_level=0)
         if matcher.is_error():
             raise ValueError(f"the grammar does not compile for this tokenizer: {matcher.get_error()}")
         return matcher
