@@ -180,7 +180,8 @@ def _choose(
         on = how != "off"
         return KernelChoice(matmul_ok and on, None, attention_ok and on, how, target)
     row_counts = sorted({r for r in (1, 8, 64, max_rows) if r <= max_rows})
-    libs = [cpu_ffi.build(stacked_matmul.SOURCE).name, cpu_ffi.build(attention_cpu.SOURCE).name]
+    built = ((stacked_matmul.SOURCE, matmul_ok), (attention_cpu.SOURCE, attention_ok))
+    libs = [cpu_ffi.build(source).name if ok else None for source, ok in built]  # each keyed by source and target
     parts = [FORMAT, libs, matmul_shapes, dtype, row_counts, dataclasses.astuple(attention) if attention else None]
     parts += [os.environ.get("XLA_FLAGS", ""), jax.__version__, os.cpu_count()]
     key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]

@@ -128,3 +128,13 @@ def test_xla_only_gives_the_same_greedy_tokens_as_the_kernels(monkeypatch, llm):
     want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     got = [o.outputs[0].token_ids for o in xla_only.generate(prompts, params, use_tqdm=False)]
     assert got == want
+
+
+def test_one_kernel_missing_leaves_the_other_to_its_check(monkeypatch, fresh):
+    from pallas_kernels.ragged_paged_attention import cpu as attention_cpu
+
+    monkeypatch.setenv("JAXLLM_CPU_KERNELS", "auto")
+    monkeypatch.setattr(attention_cpu, "available", lambda: False)
+    timed(monkeypatch, {1: (1, 2), 8: (1, 2), 64: (1, 2)}, {})
+    choice = cpu_choice.choose(SHAPES, "float32", 64, ATTENTION)
+    assert (choice.matmul, choice.matmul_max_rows, choice.attention) == (True, None, False)
