@@ -7,15 +7,19 @@
 //   thread streams w's rows front to back (whole rows: the hardware prefetcher follows them),
 //   accumulating T output rows.
 // - more rows: bound by arithmetic. N is split into panels of kPanel columns, shared out among
-//   threads from kMinTeamRows rows of x (below that, one thread: see there); a panel's
+//   threads from kMinTeamRows rows of x or kMinTeamBytes of weights (see TeamSize); a panel's
 //   K x kPanel weights are copied once into a contiguous buffer that stays in L2 (read straight
 //   from w, K rows kPanel floats apart by N floats, they would all fall into a few cache sets),
-//   then every tile of kTileRows rows of x is multiplied against it with the tile's outputs held
-//   in registers: one broadcast of x and two vector FMAs per (row, k). The next panel's rows are
-//   prefetched while the first tile runs (measured 3-13 % faster from 8 to 128 rows).
+//   then every register tile (rows of x by columns of the panel, sized for the target's registers:
+//   cpu_simd.h, kTileRows) is multiplied against it with its outputs held in registers: one
+//   broadcast of x and a vector FMA per (row, k, vector). The next panel's rows are prefetched
+//   while the tiles run (measured 3-13 % faster from 8 to 128 rows).
 // Weights packed ahead of time (`pack` in __init__.py) skip the panel copy, in float32 or in
-// bfloat16 (x bfloat16 too): the bfloat16 tile multiplies pairs of K with one dot-product
-// instruction (vdpbf16ps where the CPU has it), twice the float32 FMA rate, accumulating in float32.
+// bfloat16: the bfloat16 tile multiplies pairs of K with one dot-product instruction where the CPU
+// has it (vdpbf16ps: x bfloat16 too, twice the float32 FMA rate), else widens the pairs in
+// registers (x widened once); both accumulate in float32. This is the engine's path at every row
+// count (a pure-Python self-check, pallas_kernels/cpu_choice.py, hands row counts where XLA's dot
+// is faster to XLA).
 
 #include <algorithm>
 #include <cstdint>
