@@ -204,7 +204,14 @@ class CausalLM(nn.Module):
         if a.tie_word_embeddings:
             logits = embed.attend(hidden)
         else:
-            stacking, packed = self.layer_stacking(None), head_packed
-            head = Linear((a.vocab_size,), 0, self.dtype, False, stacking, packed, name="lm_head")
+            head = Linear(
+                (a.vocab_size,),
+                shard_axis=0,
+                dtype=self.dtype,
+                bias=False,
+                stacking=self.layer_stacking(None),
+                packed=head_packed,
+                name="lm_head",
+            )
             logits = head(hidden)
         return logits.astype(jnp.float32), cache

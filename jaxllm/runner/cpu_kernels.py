@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import jax
 import jax.numpy as jnp
 
 from jaxllm.config import EngineConfig
@@ -23,8 +24,7 @@ def layer_matmul_shapes(arch: ModelArch, dtype) -> tuple[tuple[int, int], ...]:
         (a.hidden_size, 2 * a.intermediate_size),
         (a.intermediate_size, a.hidden_size),
     ]
-    pair = 2 if jnp.dtype(dtype) == jnp.bfloat16 else 1
-    return tuple((k, n) for k, n in shapes if n % stacked_matmul.PANEL == 0 and k % pair == 0)
+    return tuple((k, n) for k, n in shapes if stacked_matmul.packable(jax.ShapeDtypeStruct((1, k, n), dtype)))
 
 
 def kernel_choice(arch: ModelArch, config: EngineConfig, dtype, *, matmul: bool) -> cpu_choice.KernelChoice:

@@ -86,10 +86,14 @@ def packed_matmul(x: Float[Array, "T K"], w, *, kernel_max_rows: int | None = No
     """`x @ W` in float32 for `w = pack_matrix(W)` (or `pack_matrix(W.T, transposed=True)`): through the kernel,
     or XLA's dot on the packed layout for more than `kernel_max_rows` rows (see `stacked_matmul`)."""
     k = x.shape[-1]
-    stack = jnp.reshape(w, (1, k, w.size // k))
+    return _packed(x, jnp.reshape(w, (1, k, w.size // k)), 0, kernel_max_rows)
+
+
+def _packed(x, w, layer, kernel_max_rows: int | None):
+    """`x @ W[layer]` in float32 for `w = pack(W)`: the kernel up to `kernel_max_rows` rows of x, XLA's dot above."""
     if kernel_max_rows is not None and x.shape[0] > kernel_max_rows:
-        return stacked_matmul_packed_xla(x, stack, 0)
-    return stacked_matmul_cpu(x.astype(w.dtype), stack, 0, packed=True)
+        return stacked_matmul_packed_xla(x, w, layer)
+    return stacked_matmul_cpu(x.astype(w.dtype), w, layer, packed=True)
 
 
 def kernel_applies(x, w) -> bool:
@@ -110,11 +114,7 @@ def stacked_matmul(
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "cpu_packed" and packable(w):
-        if kernel_max_rows is not None and x.shape[0] > kernel_max_rows:
-            out = stacked_matmul_packed_xla(x, w, layer)
-        else:
-            out = stacked_matmul_cpu(x.astype(w.dtype), w, layer, packed=True)
-        return out.astype(jnp.result_type(x, w))
+        return _packed(x, w, layer, kernel_max_rows).astype(jnp.result_type(x, w))
     if backend == "cpu" or (backend in ("auto", "cpu_packed") and kernel_applies(x, w)):
         return stacked_matmul_cpu(x, w, layer)
     return stacked_matmul_reference(x, w, layer)
