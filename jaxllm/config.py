@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from jaxllm.spec_decode.config import SpeculativeConfig
+
 DTYPES = {
     "float32": "float32",
     "float": "float32",
@@ -129,3 +131,4 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     compilation_cache_dir: str | None = None  # None: jaxllm's cache folder; "" turns it off
+    speculative: SpeculativeConfig | None = None

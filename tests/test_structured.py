@@ -327,7 +327,7 @@ def test_aborting_a_request_whose_grammar_compiles_forgets_it(llm):
 def test_bitmask_rows_match_the_matcher_and_allow_eos_only_at_the_end(llm):
     """fill_bitmask writes llguidance's mask in the sampler's packed layout (bit t%32 of word t//32)."""
     from jaxllm.engine.request import Request
-    from jaxllm.engine.scheduler import ScheduledRequest
+    from jaxllm.engine.scheduler import ScheduledRequest, SchedulerOutput
 
     engine = llm.engine
     manager, vocab = engine.structured, engine.loaded.arch.vocab_size
@@ -338,14 +338,15 @@ def test_bitmask_rows_match_the_matcher_and_allow_eos_only_at_the_end(llm):
     assert manager.take_compiled() == [([request], None)]
     allowed = all_allowed(vocab, 4)
     row = ScheduledRequest(request, 1, 0, [])
-    rows = manager.fill_bitmask([ScheduledRequest(Request("x", [1], SamplingParams()), 1, 0, []), row], allowed)
+    unconstrained = ScheduledRequest(Request("x", [1], SamplingParams()), 1, 0, [])
+    rows = manager.fill_bitmask(SchedulerOutput(0, [unconstrained, row]).scheduled, allowed)
     assert rows == [1] and (allowed[0] == all_allowed(vocab)).all()
     first = {tok.decode([t]) for t in allowed_token_ids(allowed[1], vocab)}
     assert first and all("yes".startswith(s) or "no".startswith(s) for s in first)
     for token in tok.encode("yes", add_special_tokens=False)[:-1]:
         assert not manager.advance(request, token)
     assert manager.advance(request, tok.encode("yes", add_special_tokens=False)[-1])  # the grammar is complete
-    manager.fill_bitmask([row], allowed)
+    manager.fill_bitmask(SchedulerOutput(0, [row]).scheduled, allowed)
     assert allowed_token_ids(allowed[0], vocab).tolist() == list(engine.eos_token_ids)
     manager.free(request)
     assert manager.num_active == 0

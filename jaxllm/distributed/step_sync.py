@@ -120,7 +120,7 @@ class StepLeader:
                 self.broadcast_seconds += time.perf_counter() - started
                 self.broadcast_bytes += payload.nbytes + HEADER_SIZE * 4
                 self.num_steps += 1
-                return self.runner.to_host(self.runner.run(bucket, inputs, sampling), len(out.scheduled))
+                return self.runner.to_host(self.runner.run(bucket, inputs, sampling), out.num_rows)
             except Exception as e:  # a collective failed: the global mesh is gone for good
                 die(
                     f"node 0: step {out.step} failed across the nodes, a follower is likely gone "

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from dataclasses import dataclass
 
 from jaxllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from jaxllm.spec_decode.config import SpeculativeConfig
 
 # defaults where vLLM's GPU-sized ones would make the CPU path compile too much
 CPU_DEFAULTS = {"max_num_seqs": 64, "max_num_batched_tokens": 512}
@@ -44,6 +46,10 @@ class EngineArgs:
     attention_backend: str = "auto"
     scan_layers: bool = True
     compilation_cache_dir: str | None = None
+    speculative_config: dict | str | None = None  # vLLM's JSON: {"method": "ngram", "num_speculative_tokens": 4}
+
+    def speculative(self) -> SpeculativeConfig | None:
+        return SpeculativeConfig.parse(self.speculative_config)
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(
@@ -76,6 +82,7 @@ class EngineArgs:
             scheduler=SchedulerConfig(max_num_seqs, max_tokens, max_model_len, self.scheduling_policy),
             parallel=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size),
             compilation_cache_dir=self.compilation_cache_dir,
+            speculative=self.speculative(),
         )
 
     @classmethod
@@ -104,7 +111,7 @@ class EngineArgs:
             if f.type == "bool":
                 flags.append(flag if value else "--no-" + flag[2:])
             else:
-                flags += [flag, str(value)]
+                flags += [flag, json.dumps(value) if isinstance(value, dict) else str(value)]
         return flags
 
     @classmethod

@@ -27,6 +27,7 @@ from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.runner.model_runner import ModelRunner, RunnerOutput, weight_layout
 from jaxllm.sampling_params import SamplingParams
+from jaxllm.spec_decode.drafter import Drafter
 from jaxllm.structured.manager import StructuredOutputManager
 from jaxllm.weights import LoadedModel, open_model
 from jaxllm.weights.default import cache_dir
@@ -59,6 +60,9 @@ class EngineCore:
     def __init__(self, args: EngineArgs, *, progress: bool = True):
         started = time.perf_counter()
         args.model_config()  # validate the cheap settings before loading anything
+        speculative = args.speculative()
+        if speculative is not None and speculative.method == "draft_model":
+            raise ValueError('speculative_config: method "draft_model" is not available yet; use "ngram"')
         cache_folder = enable_compilation_cache(args.compilation_cache_dir)
         if args.data_parallel_size != 1:
             raise ValueError("data_parallel_size > 1 is not supported yet")
@@ -91,7 +95,7 @@ class EngineCore:
                     f"max_model_len={self.config.scheduler.max_model_len}: raise kv_cache_memory_bytes or "
                     f"gpu_memory_utilization, or lower max_model_len"
                 )
-            self.scheduler = Scheduler(self.config.scheduler, self.kv)
+            self.scheduler = Scheduler(self.config.scheduler, self.kv, speculative)
             self.runner.warm_up(progress=progress)
             waited = time.perf_counter()
             self.loaded = reading.result()
@@ -111,6 +115,8 @@ class EngineCore:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._next_seed = 0
         self.structured = StructuredOutputManager(self.tokenizer, arch.vocab_size, self.eos_token_ids)
+        stats = self.scheduler.spec_stats
+        self.drafter = Drafter(speculative, stats) if speculative is not None and stats is not None else None
         self.startup_seconds = time.perf_counter() - started
         # where start-up went (benchmarks/startup.py): weights (packed for the CPU kernel), tokenizer (in a
         # thread, beside the next three), kv_cache, step_key, buckets, waiting_for_weights (after the buckets),
@@ -256,7 +262,10 @@ class EngineCore:
                 self.structured.wait(timeout=0.05)  # idle but for compiling grammars: wait, never spin
             return failed
         try:
+            started = time.perf_counter()
             result = (self.step_leader or self.runner).execute(out, grammar=self.structured)
+            if self.scheduler.draft_budget is not None:
+                self.scheduler.draft_budget.observe_step(out.num_tokens, time.perf_counter() - started)
         except Exception as e:  # the device step failed: fail the requests it carried, keep serving
             logger.exception("engine step %d failed", out.step)
             for scheduled in out.scheduled:
@@ -264,36 +273,49 @@ class EngineCore:
             return failed + self._outputs({s.request.output_key for s in out.scheduled})
 
         now = time.monotonic()
-        rows = {id(s.request): row for row, s in enumerate(out.scheduled)}
         progressed = set()
-        for request in self.scheduler.update(out, result.token_ids):
+        for request, row, count in self.scheduler.update(out, result.token_ids):
             progressed.add(request.output_key)
             try:
-                self._post_process(request, result, rows[id(request)], now)
+                self._post_process(request, result, row, count, now)
             except Exception as e:
                 logger.exception("request %s failed in post-processing", request.request_id)
                 self._fail(request, f"{type(e).__name__}: {e}")
+        if self.drafter is not None:
+            self.drafter.propose(self.scheduler.running, self.structured)
         return failed + self._outputs(progressed)
 
-    def _post_process(self, request: Request, result: RunnerOutput, row: int, now: float) -> None:
+    def _post_process(self, request: Request, result: RunnerOutput, row: int, count: int, now: float) -> None:
+        """The request's `count` new tokens (from logits row `row` on): grammar, logprobs, text, stop strings. A
+        stop found at one of them drops the tokens after it."""
         metrics = request.metrics
         if metrics.first_token_time is None:
             metrics.first_token_time = now
         metrics.last_token_time = now
-        token = request.output_token_ids[-1]
-        if not request.is_finished and self.structured.advance(request, token):
-            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)  # the grammar is complete
+        first = request.num_output_tokens - count
         params = request.sampling_params
-        if params.logprobs is not None:
-            request.cumulative_logprob += float(result.logprobs[row])
-            request.logprobs.append(self._logprob_dict(token, result, row, params.logprobs))
         detok = self._detok.get(request.request_id)
+        ended = request.is_finished  # the scheduler's stop (EOS, stop token, length) is at the last token
+        for i in range(count):
+            token, last = request.output_token_ids[first + i], i == count - 1
+            done = last and ended
+            stop = None
+            if not done and self.structured.advance(request, token):
+                stop = ""  # the grammar is complete
+            if params.logprobs is not None:
+                request.cumulative_logprob += float(result.logprobs[row + i])
+                request.logprobs.append(self._logprob_dict(token, result, row + i, params.logprobs))
+            if detok is not None and (text_stop := detok.update([token])) is not None and not done:
+                stop = request.stop_reason = text_stop
+            if stop is not None:
+                if request.is_finished:  # by the scheduler at a later token: it ends here instead
+                    request.status = RequestStatus.FINISHED_STOPPED
+                else:
+                    self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
+                del request.output_token_ids[first + i + 1 :]  # tokens verified after the stop are not output
+                break
         if detok is None:
             return
-        stop = detok.update([token])
-        if stop is not None and not request.is_finished:
-            request.stop_reason = stop
-            self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
         if request.is_finished:
             detok.finish()
         request.output_text += detok.get_delta()
@@ -354,6 +376,8 @@ class EngineCore:
             for r in samples:
                 self._detok.pop(r.request_id, None)
                 self.structured.free(r)
+                if self.drafter is not None:
+                    self.drafter.free(r.request_id)
         return output
 
     # ---- introspection ---------------------------------------------------------------
@@ -370,4 +394,18 @@ class EngineCore:
             "num_blocks": self.kv.num_usable_blocks,
             "prefix_cache_queries": self.kv.prefix_cache_queries,
             "prefix_cache_hits": self.kv.prefix_cache_hits,
+            **self._spec_stats(),
+        }
+
+    def _spec_stats(self) -> dict:
+        """Speculation's running totals (vLLM's counter names), or nothing without speculation."""
+        stats = self.scheduler.spec_stats
+        if stats is None:
+            return {}
+        return {
+            "spec_decode_num_drafts": stats.num_drafts,
+            "spec_decode_num_draft_tokens": stats.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": stats.num_accepted_tokens,
+            "spec_decode_num_accepted_tokens_per_pos": list(stats.accepted_per_pos),
+            "spec_decode_num_unspeculated": stats.num_unspeculated,
         }

@@ -56,6 +56,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     output_text: str = ""  # detokenized output released so far (safe to stream: no partial stop strings)
     num_computed_tokens: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)  # speculation: proposed for the next step
     num_cached_tokens: int = 0  # prompt tokens the prefix cache supplied
     num_preemptions: int = 0
     cumulative_logprob: float = 0.0

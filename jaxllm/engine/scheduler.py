@@ -9,6 +9,7 @@ be recomputed. `update()` applies the sampled tokens and the token-level stop ru
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,6 +19,9 @@ from jaxllm.config import SchedulerConfig
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.policy import make_waiting_queue
 from jaxllm.engine.request import Request, RequestStatus
+from jaxllm.spec_decode.budget import DraftBudget
+from jaxllm.spec_decode.config import SpeculativeConfig
+from jaxllm.spec_decode.stats import SpecDecodingStats
 
 if TYPE_CHECKING:
     import numpy as np
@@ -26,14 +30,16 @@ if TYPE_CHECKING:
 @dataclass
 class ScheduledRequest:
     request: Request
-    num_new_tokens: int  # tokens computed this step, from `start`
+    num_new_tokens: int  # tokens computed this step, from `start` (draft tokens included)
     start: int  # num_computed_tokens when scheduled: the position of the first new token
     block_ids: list[int]  # the request's block table (the manager's list)
+    draft_token_ids: list[int] = field(default_factory=list)  # proposed tokens the step verifies (speculation)
+    logits_row: int = 0  # its first row of logits; a request verifying d drafts has d + 1 rows
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the request's last known token, so its logits give a new token."""
-        return self.start + self.num_new_tokens == self.request.num_tokens
+        return self.start + self.num_new_tokens - len(self.draft_token_ids) == self.request.num_tokens
 
 
 @dataclass
@@ -41,6 +47,18 @@ class SchedulerOutput:
     step: int
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)  # request ids preempted in this step
+    num_rows: int = field(init=False, default=0)  # rows of logits: one per scheduled request, one per draft
+
+    def __post_init__(self):
+        scheduled, self.scheduled = self.scheduled, []
+        for s in scheduled:
+            self.add(s)
+
+    def add(self, scheduled: ScheduledRequest) -> None:
+        """Append a scheduled request, giving it the next rows of logits."""
+        scheduled.logits_row = self.num_rows
+        self.scheduled.append(scheduled)
+        self.num_rows += 1 + len(scheduled.draft_token_ids)
 
     @property
     def num_tokens(self) -> int:
@@ -52,9 +70,18 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager):
+    """With `speculative`, a running request's `draft_token_ids` (proposed after its last step) are verified as
+    extra query rows, within a per-step cap (spec_decode/budget.py), the token budget, and `max_num_seqs` rows
+    of logits."""
+
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, speculative: SpeculativeConfig | None = None):
         self.config = config
         self.kv = kv
+        self.draft_budget, self.spec_stats = None, None
+        if speculative is not None:
+            k = speculative.num_speculative_tokens
+            self.draft_budget = DraftBudget(k, speculative.disable_by_batch_size)
+            self.spec_stats = SpecDecodingStats(k)
         self.waiting = make_waiting_queue(config.policy)
         self.running: list[Request] = []
         self.held: dict[str, list[Request]] = {}  # n > 1: siblings waiting for the first sample's prompt
@@ -99,13 +126,19 @@ class Scheduler:
 
         # running: decodes first, then unfinished prefills
         order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
-        for request in order:
+        max_drafts = self._max_drafts(order)
+        for i, request in enumerate(order):
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(request, num_new):
+            # the rows left after one for each running request not yet scheduled
+            rows = self.config.max_num_seqs - out.num_rows - (len(order) - i)
+            drafts = self._drafts(request, min(max_drafts, budget - num_new, rows)) if num_new == 1 else []
+            if drafts and not self.kv.allocate_slots(request, num_new + len(drafts)):
+                drafts = []  # no room to verify: decode plainly (and preempt only if even that does not fit)
+            while not drafts and not self.kv.allocate_slots(request, num_new):
                 scheduled = {id(s.request) for s in out.scheduled}
                 candidates = [r for r in self.running if r is request or id(r) not in scheduled]
                 victim = self.waiting.select_victim(candidates)
@@ -114,13 +147,19 @@ class Scheduler:
                 if victim is request:
                     break
             if request.status is RequestStatus.RUNNING:
-                self._schedule(out, request, num_new, now)
-                budget -= num_new
+                self._schedule(out, request, num_new, now, drafts)
+                budget -= num_new + len(drafts)
 
         # waiting, in policy order — not while preempting: the pool is full
         if not out.preempted and budget > 0 and len(self.waiting) and len(self.running) < self.config.max_num_seqs:
             self.waiting.begin_step(self.kv)  # only when a request can start: lpm ranks by cache lookups
-        while not out.preempted and budget > 0 and len(self.waiting) and len(self.running) < self.config.max_num_seqs:
+        while (
+            not out.preempted
+            and budget > 0
+            and len(self.waiting)
+            and len(self.running) < self.config.max_num_seqs
+            and out.num_rows < self.config.max_num_seqs
+        ):
             request = self.waiting.peek()
             if not self.waiting.can_admit(request, self.running, self.kv):
                 break
@@ -139,12 +178,34 @@ class Scheduler:
             budget -= num_new
         return out
 
-    def _schedule(self, out: SchedulerOutput, request: Request, num_new: int, now: float) -> None:
+    def _max_drafts(self, order: list[Request]) -> int:
+        """This step's cap on drafts per request (the load-aware rule), 0 without speculation."""
+        if self.draft_budget is None:
+            return 0
+        drafts = [len(r.draft_token_ids) for r in order if r.num_tokens - r.num_computed_tokens == 1]
+        if not any(drafts):
+            return 0
+        prefill = sum(r.num_tokens - r.num_computed_tokens for r in order) - len(drafts)
+        prefill += sum(r.num_tokens for r in itertools.islice(self.waiting, self.config.max_num_seqs))
+        other = min(prefill, self.config.max_num_batched_tokens - len(drafts))
+        return self.draft_budget.cap(drafts, max(other, 0))
+
+    def _drafts(self, request: Request, limit: int) -> list[int]:
+        """The request's drafts to verify: at most `limit`, and never past max_tokens or max_model_len."""
+        params = request.sampling_params
+        limit = min(limit, self.config.max_model_len - request.num_tokens - 1)
+        if params.max_tokens is not None:
+            limit = min(limit, params.max_tokens - request.num_output_tokens - 1)
+        return request.draft_token_ids[: max(limit, 0)]
+
+    def _schedule(
+        self, out: SchedulerOutput, request: Request, num_new: int, now: float, drafts: list[int] | None = None
+    ) -> None:
         if request.metrics.first_scheduled_time is None:
             request.metrics.first_scheduled_time = now
-        out.scheduled.append(
-            ScheduledRequest(request, num_new, request.num_computed_tokens, self.kv.block_ids(request.request_id))
-        )
+        drafts = drafts or []
+        block_ids = self.kv.block_ids(request.request_id)
+        out.add(ScheduledRequest(request, num_new + len(drafts), request.num_computed_tokens, block_ids, drafts))
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -157,27 +218,41 @@ class Scheduler:
 
     # ---- after the step ----------------------------------------------------------------
 
-    def update(self, out: SchedulerOutput, sampled: Sequence[int] | np.ndarray) -> list[Request]:
-        """Advance each scheduled request; append the sampled token where one was due.
+    def update(self, out: SchedulerOutput, sampled: Sequence[int] | np.ndarray) -> list[tuple[Request, int, int]]:
+        """Advance each scheduled request; append the sampled tokens where they were due.
 
-        Returns the requests that received a token (finished ones included).
+        `sampled`: a token per row of logits. A request that verified d drafts takes the rows' tokens while
+        they equal its drafts, then the first that does not (or the bonus token after all d): exactly the
+        tokens decoding one at a time would give from the same logits (each row's token is what the sampler
+        draws at that output position). Its computed tokens roll back past the rejected drafts, whose KV
+        slots later steps overwrite. Returns (request, first row, tokens appended) for each request that
+        received tokens (finished ones included).
         """
-        got_token = []
-        for row, scheduled in enumerate(out.scheduled):
-            request = scheduled.request
+        got_tokens = []
+        for scheduled in out.scheduled:
+            request, drafts, row = scheduled.request, scheduled.draft_token_ids, scheduled.logits_row
             if request.is_finished:  # aborted while the step ran
                 continue
-            request.num_computed_tokens = scheduled.start + scheduled.num_new_tokens
+            accepted = 0
+            while accepted < len(drafts) and int(sampled[row + accepted]) == drafts[accepted]:
+                accepted += 1
+            request.num_computed_tokens = scheduled.start + scheduled.num_new_tokens - len(drafts) + accepted
             if not scheduled.samples:
                 continue
-            token = int(sampled[row])
-            request.output_token_ids.append(token)
-            got_token.append(request)
-            if self.held:
-                self._release_siblings(request)
-            if (status := self._check_stop(request, token)) is not None:
-                self.finish_request(request, status)
-        return got_token
+            if drafts and self.spec_stats is not None and self.draft_budget is not None:
+                self.spec_stats.observe(len(drafts), accepted)
+                self.draft_budget.observe_verification(len(drafts), accepted)
+            appended = 0
+            for token in map(int, sampled[row : row + accepted + 1]):
+                request.output_token_ids.append(token)
+                appended += 1
+                if self.held and appended == 1:
+                    self._release_siblings(request)
+                if (status := self._check_stop(request, token)) is not None:
+                    self.finish_request(request, status)
+                    break
+            got_tokens.append((request, row, appended))
+        return got_tokens
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params

@@ -63,19 +63,22 @@ class InputBatch:
             self._masked_rows.update(grammar.fill_bitmask(out.scheduled, self.allowed))
         self.block_tables[:S] = SCRATCH_BLOCK
         num_tokens = 0
-        for row, scheduled in enumerate(out.scheduled):
+        for seq, scheduled in enumerate(out.scheduled):
             request, start, n = scheduled.request, scheduled.start, scheduled.num_new_tokens
-            end = num_tokens + n
+            drafts, row = scheduled.draft_token_ids, scheduled.logits_row
+            end, d = num_tokens + n, len(drafts)
             positions = np.arange(start, start + n, dtype=np.int32)
             blocks = np.asarray(scheduled.block_ids, np.int32)
-            self.token_ids[num_tokens:end] = _token_slice(request, start, start + n)
+            self.token_ids[num_tokens : end - d] = _token_slice(request, start, start + n - d)
+            self.token_ids[end - d : end] = drafts
             self.positions[num_tokens:end] = positions
             self.slot_mapping[num_tokens:end] = blocks[positions // bs] * bs + positions % bs
-            self.block_tables[row, : len(blocks)] = blocks
-            self.kv_lens[row] = start + n
-            self.cu_q_lens[row + 1] = end
-            self.logits_indices[row] = end - 1
-            self._fill_sampling_row(row, request)
+            self.block_tables[seq, : len(blocks)] = blocks
+            self.kv_lens[seq] = start + n
+            self.cu_q_lens[seq + 1] = end
+            for j in range(d + 1):  # the last known token's row, then one per draft: the draft's verdict
+                self.logits_indices[row + j] = end - 1 - d + j
+                self._fill_sampling_row(row + j, request, ahead=j)
             num_tokens = end
         num_seqs = len(out.scheduled)
         self.token_ids[num_tokens:T] = 0
@@ -84,7 +87,7 @@ class InputBatch:
         self.cu_q_lens[0] = 0
         self.cu_q_lens[num_seqs + 1 : S + 1] = num_tokens
         self.kv_lens[num_seqs:S] = 0
-        self.logits_indices[num_seqs:S] = 0
+        self.logits_indices[out.num_rows : S] = 0
         self.num_seqs[0] = num_seqs
         inputs = StepInputs(
             self.token_ids[:T],
@@ -132,14 +135,16 @@ class InputBatch:
         self._history_rows.clear()
         self._masked_rows.clear()
 
-    def _fill_sampling_row(self, row: int, request) -> None:
+    def _fill_sampling_row(self, row: int, request, ahead: int = 0) -> None:
+        """`ahead`: the row samples the output token that many after the next one (speculation's rows)."""
         p = request.sampling_params
+        num_output = request.num_output_tokens + ahead
         self.temperature[row] = p.temperature
         self.top_k[row] = max(p.top_k, 0)
         self.top_p[row] = p.top_p
         self.min_p[row] = p.min_p
         self.seeds[row] = request.sample_seed
-        self.steps[row] = request.num_output_tokens
+        self.steps[row] = num_output
         self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
         if p.uses_penalties:
             self.repetition_penalty[row] = p.repetition_penalty
@@ -149,7 +154,7 @@ class InputBatch:
             self.history[row, : len(tokens)] = tokens
             self.prompt_lens[row] = request.num_prompt_tokens
             self._history_rows.add(row)
-        if request.num_output_tokens < p.min_tokens:
+        if num_output < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(request.eos_token_ids))
             if banned:
                 ban_tokens(self.allowed[row], banned)

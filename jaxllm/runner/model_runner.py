@@ -277,7 +277,7 @@ class ModelRunner:
         start = time.perf_counter()
         bucket, inputs, sampling = self.prepare(out, grammar)
         packed = time.perf_counter()
-        output = self.to_host(self.run(bucket, inputs, sampling), len(out.scheduled))
+        output = self.to_host(self.run(bucket, inputs, sampling), out.num_rows)
         self.stats.steps += 1
         self.stats.pack_s += packed - start
         self.stats.device_s += time.perf_counter() - packed
@@ -285,7 +285,7 @@ class ModelRunner:
 
     def prepare(self, out: SchedulerOutput, grammar=None) -> tuple[Bucket, StepInputs, SamplingInputs]:
         """The step's host inputs, padded to its bucket (a multi-host leader broadcasts these)."""
-        bucket = pick_bucket(self.buckets, out.num_tokens, len(out.scheduled))
+        bucket = pick_bucket(self.buckets, out.num_tokens, out.num_rows)
         return (bucket, *self.batch.fill(out, bucket, grammar))
 
     def run(self, bucket: Bucket, inputs: StepInputs, sampling: SamplingInputs) -> SamplerOutput:

@@ -184,7 +184,7 @@ def simulate(
             steps.append([s.request.request_id for s in out.scheduled])
         clock += step_time(out) + (idle_wake_s if idle else 0.0)
         idle = False
-        for request in scheduler.update(out, sampled):
+        for request, _, _ in scheduler.update(out, sampled):
             i = index[id(request)]
             record = records[i]
             record_token(record, clock, last_token[i])

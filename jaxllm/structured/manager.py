@@ -7,7 +7,9 @@ Life of a constrained request (all on the engine thread, except compiling):
    request gets a deep copy (~5 µs) of the cached, never-advanced matcher.
 2. `take_compiled` — each step the engine moves compiled groups into the scheduler.
 3. `fill_bitmask` — one llguidance batch call writes the masks of every constrained row that
-   samples this step straight into the input batch's packed `allowed` rows.
+   samples this step straight into the input batch's packed `allowed` rows (speculation: a row per
+   draft too, each with the drafts before it consumed, then rolled back; drafts were cut at the
+   first token the grammar rejects, `valid_prefix`).
 4. `advance` — each accepted token advances the matcher; at the grammar's end the engine
    finishes the request (finish_reason "stop"), so it never runs to max_tokens for lack of EOS.
 5. `free` — a finished, aborted or failed request drops its matcher (and any pending compile).
@@ -117,23 +119,48 @@ class StructuredOutputManager:
     def fill_bitmask(self, scheduled, allowed: np.ndarray) -> list[int]:
         """Write the grammar masks of rows that sample this step into `allowed` (uint32 [rows, W]).
 
-        One llguidance batch call (parallel over cores, GIL released). Returns the rows written.
+        One llguidance batch call (parallel over cores, GIL released) for requests without drafts. A request
+        verifying d drafts has d + 1 rows: row j's mask is the grammar's after drafts 0..j-1 (consumed, then
+        rolled back). Returns the rows written.
         """
         if not self._matchers:
             return []
         start = time.perf_counter()
-        rows = [
-            (self._matchers[s.request.request_id], row)
-            for row, s in enumerate(scheduled)
-            if s.samples and s.request.request_id in self._matchers
-        ]
+        rows, written = [], []
+        for s in scheduled:
+            matcher = self._matchers.get(s.request.request_id)
+            if matcher is None or not s.samples:
+                continue
+            if s.draft_token_ids:
+                self._check(allowed)
+                written += self._fill_drafted(matcher, s.logits_row, s.draft_token_ids, allowed)
+            else:
+                rows.append((matcher, s.logits_row))
         if rows:
-            if allowed.dtype != np.uint32 or not allowed.flags.c_contiguous or allowed.shape[1] * 32 < self.vocab_size:
-                raise ValueError(f"allowed must be C-contiguous uint32 [rows, >= {-(-self.vocab_size // 32)}]")
+            self._check(allowed)
             self._fill_rows(rows, allowed)
-            self.num_masks += len(rows)
+            written += [row for _, row in rows]
+        self.num_masks += len(written)
         self.fill_seconds += time.perf_counter() - start
-        return [row for _, row in rows]
+        return written
+
+    def _check(self, allowed: np.ndarray) -> None:
+        if allowed.dtype != np.uint32 or not allowed.flags.c_contiguous or allowed.shape[1] * 32 < self.vocab_size:
+            raise ValueError(f"allowed must be C-contiguous uint32 [rows, >= {-(-self.vocab_size // 32)}]")
+
+    def _fill_drafted(self, matcher, row: int, drafts: list[int], allowed: np.ndarray) -> list[int]:
+        stride = allowed.shape[1] * 4
+        consumed = 0
+        try:
+            for j in range(len(drafts) + 1):
+                matcher.unsafe_compute_mask_ptr(allowed.ctypes.data + (row + j) * stride, stride)
+                if j < len(drafts):
+                    if not matcher.consume_token(drafts[j]):
+                        raise ValueError(f"draft token {drafts[j]} does not fit the grammar: {matcher.get_error()}")
+                    consumed += 1
+        finally:
+            matcher.rollback(consumed)
+        return list(range(row, row + len(drafts) + 1))
 
     def _fill_rows(self, rows: list, allowed: np.ndarray) -> None:
         stride = allowed.shape[1] * 4
@@ -163,6 +190,11 @@ class StructuredOutputManager:
             return matcher.is_stopped()
         finally:
             self.advance_seconds += time.perf_counter() - start
+
+    def valid_prefix(self, request, tokens: list[int]) -> int:
+        """How many leading `tokens` the request's grammar accepts from where it is (all, when unconstrained)."""
+        matcher = self._matchers.get(request.request_id)
+        return len(tokens) if matcher is None else matcher.validate_tokens(tokens)
 
     def free(self, request) -> None:
         self._matchers.pop(request.request_id, None)
