@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import jax
 
@@ -25,9 +24,10 @@ from jaxllm.engine.request import Request, RequestStatus
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxllm.parallel.mesh import make_mesh
-from jaxllm.runner.model_runner import ModelRunner, RunnerOutput, weight_layout
+from jaxllm.runner.model_runner import ModelRunner, RunnerOutput
+from jaxllm.runner.worker import Worker
 from jaxllm.sampling_params import SamplingParams
-from jaxllm.spec_decode.drafter import Drafter
+from jaxllm.spec_decode.drafter import make_drafter
 from jaxllm.structured.manager import StructuredOutputManager
 from jaxllm.weights import LoadedModel, open_model
 from jaxllm.weights.default import cache_dir
@@ -61,8 +61,6 @@ class EngineCore:
         started = time.perf_counter()
         args.model_config()  # validate the cheap settings before loading anything
         speculative = args.speculative()
-        if speculative is not None and speculative.method == "draft_model":
-            raise ValueError('speculative_config: method "draft_model" is not available yet; use "ngram"')
         cache_folder = enable_compilation_cache(args.compilation_cache_dir)
         if args.data_parallel_size != 1:
             raise ValueError("data_parallel_size > 1 is not supported yet")
@@ -73,36 +71,21 @@ class EngineCore:
         self.config = args.create_engine_config(arch.max_position_embeddings, jax.default_backend())
         self.seed = args.seed
         executables = os.path.join(cache_folder, "jaxllm-executables") if cache_folder else None
-        # compiling needs only the weights' shapes: a thread reads the weights and the tokenizer meanwhile
-        # (unrolled layers, and multi-host starts, read them first)
-        overlap = self.config.model.scan_layers and jax.process_count() == 1
-        with ThreadPoolExecutor(1, thread_name_prefix="jaxllm-load") as pool:
-            # the loader packs the weights for the CPU kernel (and keeps them packed on disk)
-            layout = weight_layout(arch, self.config, source.dtype, mesh)
-            reading = pool.submit(source.load, mesh, args.tokenizer, args.seed, layout)
-            model = (
-                LoadedModel(source.name, arch, source.hf_config, source.abstract_params(mesh), None, source.dtype)
-                if overlap
-                else reading.result()
-            )
-            self.runner = ModelRunner(model, self.config, mesh, executable_dir=executables)
-            block_size = self.config.cache.block_size
-            self.kv = KVCacheManager(self.runner.num_blocks, block_size, self.config.cache.enable_prefix_caching)
-            capacity = self.kv.num_usable_blocks * block_size
-            if capacity < self.config.scheduler.max_model_len:
-                raise ValueError(
-                    f"the KV cache holds {capacity} tokens ({self.kv.num_usable_blocks} blocks), fewer than "
-                    f"max_model_len={self.config.scheduler.max_model_len}: raise kv_cache_memory_bytes or "
-                    f"gpu_memory_utilization, or lower max_model_len"
-                )
-            self.scheduler = Scheduler(self.config.scheduler, self.kv, speculative)
-            self.runner.warm_up(progress=progress)
-            waited = time.perf_counter()
-            self.loaded = reading.result()
-            if overlap:  # laid out by the loader: nothing left to rearrange (unrolled layers never overlap)
-                self.runner.set_params(self.loaded.params, laid_out=self.loaded.laid_out)
-                self.loaded.params = None  # the runner owns the weights now
-        waited = time.perf_counter() - waited
+        # the device side: the target model's worker (weights, KV cache, compiled steps), a draft model's too
+        self.worker = Worker(
+            source,
+            self.config,
+            mesh,
+            tokenizer=args.tokenizer,
+            seed=args.seed,
+            executable_dir=executables,
+            progress=progress,
+        )
+        # the host side: blocks, scheduling, text, grammars, drafts
+        block_size = self.config.cache.block_size
+        self.kv = KVCacheManager(self.runner.num_blocks, block_size, self.config.cache.enable_prefix_caching)
+        capacity = self.kv.num_usable_blocks * block_size
+        self.scheduler = Scheduler(self.config.scheduler, self.kv, speculative)
         self.tokenizer = self.loaded.tokenizer
         eos = set(arch.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -115,18 +98,11 @@ class EngineCore:
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._next_seed = 0
         self.structured = StructuredOutputManager(self.tokenizer, arch.vocab_size, self.eos_token_ids)
-        stats = self.scheduler.spec_stats
-        self.drafter = Drafter(speculative, stats) if speculative is not None and stats is not None else None
+        self.drafter = make_drafter(
+            speculative, self.scheduler, self.config, arch.vocab_size, mesh, executables, progress
+        )
         self.startup_seconds = time.perf_counter() - started
-        # where start-up went (benchmarks/startup.py): weights (packed for the CPU kernel), tokenizer (in a
-        # thread, beside the next three), kv_cache, step_key, buckets, waiting_for_weights (after the buckets),
-        # prepare_weights (what the runner still rearranges: unrolled layers), total
-        self.startup_phases = {
-            **self.loaded.load_seconds,
-            **self.runner.startup_seconds,
-            "waiting_for_weights": waited,
-            "total": self.startup_seconds,
-        }
+        self.startup_phases = {**self.worker.startup_phases, "total": self.startup_seconds}
         sched = self.config.scheduler
         logger.info(
             "model %s (%s, %s) loaded in %.1fs; KV cache %d blocks x %d = %d tokens; max_model_len %d, "
@@ -150,6 +126,14 @@ class EngineCore:
             cache_folder or "off",
             self.startup_seconds,
         )
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self.worker.runner
+
+    @property
+    def loaded(self) -> LoadedModel:
+        return self.worker.loaded
 
     # ---- requests --------------------------------------------------------------------
 

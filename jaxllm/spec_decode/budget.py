@@ -4,12 +4,13 @@ Verifying d drafts costs d more query rows. At batch 1 on a memory-bound step th
 32 on a CPU the step is compute-bound and every row costs (vLLM #19254: n-gram slower than none under load).
 So each step takes the cap k' in [0, k] that maximises expected tokens per second:
 
-    sum over decodes of E[tokens | min(drafts, k')]  /  cost(tokens the step would run with k')
+    sum over decodes of E[tokens | min(drafts, k')]  /  (cost(tokens the step would run with k') + k' * draft)
 
-with E from the measured acceptance at each draft position (1 + sum_j prod_{i<=j} alpha_i) and cost from the
+with E from the measured acceptance at each draft position (1 + sum_j prod_{i<=j} alpha_i), cost from the
 measured time of earlier steps of the same size (token counts rounded up to a power of two, as the buckets
-are). A size never measured is assumed to cost what the nearest smaller measured size does: optimistic, so it
-is tried once, measured, and dropped if it does not pay.
+are), and `draft` the measured time proposing takes per draft position (a draft model's step; ~0 for
+n-gram). A size never measured is assumed to cost what the nearest smaller measured size does: optimistic,
+so it is tried once, measured, and dropped if it does not pay.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ class DraftBudget:
         self.k = k
         self.disable_by_batch_size = disable_by_batch_size
         self.step_seconds: dict[int, float] = {}  # step size (power of two tokens) → running mean seconds
+        self.draft_seconds = 0.0  # running mean of proposing time per draft position (a draft model's step)
         self.reached = [0] * k  # verifications that had a draft at position j
         self.accepted = [0] * k  # ... and accepted it
 
@@ -36,6 +38,9 @@ class DraftBudget:
         size = _pow2_at_least(num_tokens)
         old = self.step_seconds.get(size)
         self.step_seconds[size] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+
+    def observe_drafting(self, seconds_per_position: float) -> None:
+        self.draft_seconds = (1 - EMA) * self.draft_seconds + EMA * seconds_per_position
 
     def observe_verification(self, num_drafts: int, num_accepted: int) -> None:
         for j in range(min(num_drafts, num_accepted + 1)):  # positions past the first rejection were not tried
@@ -71,7 +76,7 @@ class DraftBudget:
             cost = self.cost(tokens)
             if cost is None:  # nothing measured yet: speculate fully, and learn
                 return self.k
-            rate = sum(self.expected_tokens(min(d, k)) for d in drafts) / cost
+            rate = sum(self.expected_tokens(min(d, k)) for d in drafts) / (cost + k * self.draft_seconds)
             if rate > best_rate * 1.0001:
                 best, best_rate = k, rate
         return best

@@ -38,22 +38,22 @@ class NgramIndex:
 class NgramProposer:
     """Drafts for every request from its own prompt and output, through an `NgramIndex` per request."""
 
-    def __init__(self, lo: int, hi: int, k: int):
-        self.lo, self.hi, self.k = lo, hi, k
+    def __init__(self, lo: int, hi: int):
+        self.lo, self.hi = lo, hi
         self._index: dict[str, NgramIndex] = {}
 
-    def propose(self, request: Request, k: int) -> list[int]:
+    def propose(self, requests: list[Request], k: int) -> list[list[int]]:
+        return [self._propose_one(request, k) for request in requests]
+
+    def _propose_one(self, request: Request, k: int) -> list[int]:
         index = self._index.get(request.request_id)
-        if index is None:
+        if index is None or len(index.tokens) > request.num_tokens:  # new, or cut back (a stop string): afresh
             index = self._index[request.request_id] = NgramIndex(self.lo, self.hi)
         known = len(index.tokens)
-        if known > request.num_tokens:  # the request was cut back (a stop string): index afresh
-            index = self._index[request.request_id] = NgramIndex(self.lo, self.hi)
-            known = 0
         if known < request.num_prompt_tokens:
             index.extend(request.prompt_token_ids[known:])
-        index.extend(request.output_token_ids[max(0, len(index.tokens) - request.num_prompt_tokens) :])
-        return index.propose(min(k, self.k))
+        index.extend(request.output_token_ids[len(index.tokens) - request.num_prompt_tokens :])
+        return index.propose(k)
 
     def free(self, request_id: str) -> None:
         self._index.pop(request_id, None)

@@ -57,6 +57,8 @@ def _resolve_source(model: str | None) -> Path:
     path = Path(model).expanduser()
     if path.exists():
         return path
+    if model == DEFAULT_MODEL_NAME:  # the embedded default (Q4_1 GGUF), by its name
+        return default_model_path()
     if model.count("/") == 1 and not model.startswith((".", "/")):
         from huggingface_hub import snapshot_download
 

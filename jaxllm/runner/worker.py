@@ -1,0 +1,74 @@
+"""One model on the device, ready to step: its weights, KV cache and compiled steps (a ModelRunner).
+
+The engine's device side. `EngineCore` holds one Worker for the target model and, with a draft model, one
+for the draft (spec_decode/draft_model.py); everything on the host (scheduler, KV block bookkeeping,
+detokenizer, structured outputs) lives in the engine and never touches device arrays.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import jax
+from jax.sharding import Mesh
+
+from jaxllm.config import EngineConfig
+from jaxllm.runner.model_runner import ModelRunner, weight_layout
+from jaxllm.weights import LoadedModel, ModelSource
+
+
+class Worker:
+    """Loads `source` onto `mesh` and compiles (or loads) every step while its weights are read.
+
+    Compiling needs only the weights' shapes, so a thread reads the weights and the tokenizer meanwhile
+    (unrolled layers, and multi-host starts, read them first). The loader packs the weights for the CPU
+    kernel (and keeps them packed on disk)."""
+
+    def __init__(
+        self,
+        source: ModelSource,
+        config: EngineConfig,
+        mesh: Mesh,
+        *,
+        tokenizer: str | None = None,
+        seed: int = 0,
+        executable_dir: str | None = None,
+        progress: bool = True,
+    ):
+        arch = source.arch
+        overlap = config.model.scan_layers and jax.process_count() == 1
+        with ThreadPoolExecutor(1, thread_name_prefix="jaxllm-load") as pool:
+            layout = weight_layout(arch, config, source.dtype, mesh)
+            reading = pool.submit(source.load, mesh, tokenizer, seed, layout)
+            model = (
+                LoadedModel(source.name, arch, source.hf_config, source.abstract_params(mesh), None, source.dtype)
+                if overlap
+                else reading.result()
+            )
+            self.runner = ModelRunner(model, config, mesh, executable_dir=executable_dir)
+            capacity = (self.runner.num_blocks - 1) * config.cache.block_size  # block 0 is scratch
+            if capacity < config.scheduler.max_model_len:
+                raise ValueError(
+                    f"the KV cache of {source.name} holds {capacity} tokens ({self.runner.num_blocks - 1} blocks), "
+                    f"fewer than max_model_len={config.scheduler.max_model_len}: raise kv_cache_memory_bytes or "
+                    f"gpu_memory_utilization, or lower max_model_len"
+                )
+            self.runner.warm_up(progress=progress)
+            waited = time.perf_counter()
+            self.loaded = reading.result()
+            if overlap:  # laid out by the loader: nothing left to rearrange (unrolled layers never overlap)
+                self.runner.set_params(self.loaded.params, laid_out=self.loaded.laid_out)
+                self.loaded.params = None  # the runner owns the weights now
+        self.waiting_for_weights = time.perf_counter() - waited  # seconds after the steps were ready
+
+    @property
+    def startup_phases(self) -> dict[str, float]:
+        """Where start-up went (benchmarks/startup.py): weights (packed for the CPU kernel), tokenizer (in a
+        thread, beside the next three), kv_cache, step_key, buckets, waiting_for_weights (after the buckets),
+        prepare_weights (what the runner still rearranges: unrolled layers)."""
+        return {
+            **self.loaded.load_seconds,
+            **self.runner.startup_seconds,
+            "waiting_for_weights": self.waiting_for_weights,
+        }
