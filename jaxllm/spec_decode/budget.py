@@ -9,11 +9,13 @@ So each step takes the cap k' in [0, k] that maximises expected tokens per secon
 with E from the measured acceptance at each draft position (1 + sum_j prod_{i<=j} alpha_i), cost from the
 measured time of earlier steps of the same size (token counts rounded up to a power of two, as the buckets
 are), and `draft` the measured time proposing takes per draft position (a draft model's step; ~0 for
-n-gram). A size never measured is assumed to cost what the nearest smaller measured size does: optimistic,
-so it is tried once, measured, and dropped if it does not pay.
+n-gram). The sizes with no speculation and with full speculation are each tried once before the rule
+decides, so it never rests on a guess about either end; sizes between them are interpolated.
 """
 
 from __future__ import annotations
+
+import math
 
 PRIOR_ACCEPTANCE = 0.6  # per-position acceptance assumed before any draft is verified
 EMA = 0.2  # weight of the newest measurement in the running estimates
@@ -58,25 +60,38 @@ class DraftBudget:
             total += chain
         return total
 
-    def cost(self, num_tokens: int) -> float | None:
+    def cost(self, num_tokens: int) -> float:
+        """Seconds a step of `num_tokens` takes: measured for its size, else interpolated (log-linearly in the
+        size) between the nearest measured sizes, else the nearest measured size's."""
         size = _pow2_at_least(num_tokens)
-        known = [s for s in self.step_seconds if s <= size]
-        return self.step_seconds[max(known)] if known else None
+        if size in self.step_seconds:
+            return self.step_seconds[size]
+        below = [s for s in self.step_seconds if s < size]
+        above = [s for s in self.step_seconds if s > size]
+        if not below or not above:
+            return self.step_seconds[max(below) if below else min(above)]
+        lo, hi = max(below), min(above)
+        share = (math.log2(size) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
+        return self.step_seconds[lo] + share * (self.step_seconds[hi] - self.step_seconds[lo])
 
     def cap(self, drafts: list[int], other_tokens: int) -> int:
         """The drafts per request to verify this step; `drafts`: how many each decode has, `other_tokens`:
-        the step's prefill tokens."""
+        the step's prefill tokens. Sizes never measured are tried first: no speculation, then full speculation
+        (one step each), so the choice rests on measured costs."""
         if not drafts or not any(drafts):
             return 0
         if self.disable_by_batch_size is not None and len(drafts) >= self.disable_by_batch_size:
             return 0
+        if not self.step_seconds:
+            return self.k
+        tokens = [other_tokens + sum(1 + min(d, k) for d in drafts) for k in range(self.k + 1)]
+        for k in (0, self.k):
+            if _pow2_at_least(tokens[k]) not in self.step_seconds:
+                return k
         best, best_rate = 0, 0.0
         for k in range(self.k + 1):
-            tokens = other_tokens + sum(1 + min(d, k) for d in drafts)
-            cost = self.cost(tokens)
-            if cost is None:  # nothing measured yet: speculate fully, and learn
-                return self.k
-            rate = sum(self.expected_tokens(min(d, k)) for d in drafts) / (cost + k * self.draft_seconds)
+            cost = self.cost(tokens[k]) + k * self.draft_seconds
+            rate = sum(self.expected_tokens(min(d, k)) for d in drafts) / cost
             if rate > best_rate * 1.0001:
                 best, best_rate = k, rate
         return best

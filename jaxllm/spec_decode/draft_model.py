@@ -59,6 +59,12 @@ class DraftModelProposer:
                 f"speculative_config: the draft model {config.model} has a vocabulary of {source.arch.vocab_size} "
                 f"tokens, the target {target_vocab_size}: a draft model must share the target's vocabulary"
             )
+        max_len = source.arch.max_position_embeddings
+        if max_len < target.scheduler.max_model_len:
+            raise ValueError(
+                f"speculative_config: the draft model {config.model} takes {max_len} positions, fewer than "
+                f"max_model_len={target.scheduler.max_model_len}"
+            )
         self.config = draft_engine_config(target, config.model, num_target_blocks, source.arch, source.dtype)
         self.worker = Worker(
             source, self.config, mesh, seed=model.seed, executable_dir=executable_dir, progress=progress
