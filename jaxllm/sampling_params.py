@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field, fields, replace
 
+MAX_LOGIT_BIAS = 300  # entries of logit_bias per request (OpenAI's limit)
 MAX_LOGPROBS = 20  # top logprobs per token the engine computes at most (vLLM's default max_logprobs)
 
 
@@ -59,6 +60,26 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2  # nothing until the request finishes, then everything
 
 
+def _check_logit_bias(bias) -> dict[int, float]:
+    """{token id: bias in [-100, 100]} with at most MAX_LOGIT_BIAS entries; ids may come as JSON's strings."""
+    if not isinstance(bias, dict):
+        raise ValueError(f"SamplingParams.logit_bias must be a dict of token id to bias, got {bias!r}")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise ValueError(f"SamplingParams.logit_bias has {len(bias)} entries, more than {MAX_LOGIT_BIAS}")
+    checked = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            token = -1
+        if isinstance(key, bool) or token < 0 or (isinstance(key, float) and key != token):
+            raise ValueError(f"SamplingParams.logit_bias: {key!r} is not a token id (an integer >= 0)")
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not -100 <= value <= 100:
+            raise ValueError(f"SamplingParams.logit_bias[{key!r}] must be a number in [-100, 100], got {value!r}")
+        checked[token] = float(value)
+    return checked
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -76,6 +97,7 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: up to max_model_len
     min_tokens: int = 0
     logprobs: int | None = None  # top-k logprobs per sampled token (the sampled one is always included)
+    logit_bias: dict[int, float] | None = None  # token id → added to its logit before anything else (OpenAI's)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     detokenize: bool = True
@@ -118,6 +140,8 @@ class SamplingParams:
             fail("min_tokens", f"<= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             fail("logprobs", f"an integer in [0, {MAX_LOGPROBS}] or None")
+        if self.logit_bias is not None:
+            self.logit_bias = _check_logit_bias(self.logit_bias)
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if not all(isinstance(s, str) and s for s in stops):
             fail("stop", "a non-empty string or a list of them")

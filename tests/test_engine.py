@@ -214,6 +214,8 @@ def test_bad_input_fails_early_and_the_engine_keeps_serving(llm):
             llm.generate([bad], GREEDY, use_tqdm=False)
     with pytest.raises(ValueError, match="sampling_params"):
         llm.generate(["a", "b"], [GREEDY], use_tqdm=False)
+    with pytest.raises(ValueError, match="logit_bias: token id 1000000"):
+        llm.generate(["a"], SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
     for field, value in [
         ("temperature", -1),
         ("top_p", 0),

@@ -17,7 +17,7 @@ from jaxllm.runner.sampler import (
     processed_logits,
     sample,
 )
-from jaxllm.sampling_params import MAX_LOGPROBS
+from jaxllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 V = 1000  # not a multiple of 32 (mask padding) nor of the CDF block (draw padding)
 S = 8
@@ -392,3 +392,30 @@ def test_tiny_vocab_pads_top_logprobs():
     assert out.top_token_ids.shape == (2, MAX_LOGPROBS)
     assert (out.top_token_ids[0, 7:] == -1).all() and np.isneginf(out.top_logprobs[0, 7:]).all()
     assert sorted(out.top_token_ids[0, :7].tolist()) == list(range(7))
+
+
+def test_logit_bias_moves_the_greedy_token_and_keeps_raw_logprobs():
+    logits = rand_logits(11)
+    ids = np.full((S, sm.MAX_LOGIT_BIAS), -1, np.int32)
+    values = np.zeros((S, sm.MAX_LOGIT_BIAS), np.float32)
+    top = logits.argmax(-1)
+    ids[0, :2], values[0, :2] = [top[0], 7], [-100.0, 100.0]  # the argmax banned, token 7 pushed up
+    ids[1, 0], values[1, 0] = top[1], 5.0  # the argmax pushed further: unchanged
+    out = run(sample_jit, logits, inputs(bias_ids=ids, bias_values=values))
+    assert out.token_ids[0] == 7 and out.token_ids[1] == top[1]
+    np.testing.assert_array_equal(out.token_ids[2:], top[2:])  # rows without a bias
+    raw = ref_log_softmax(logits)
+    np.testing.assert_allclose(out.logprobs[0], raw[0, 7], rtol=1e-5, atol=1e-5)  # logprobs stay raw
+
+
+@pytest.mark.parametrize(
+    "bias",
+    [{"x": 1.0}, {-1: 1.0}, {3: 101}, {3: "1"}, [(3, 1.0)], {i: 1.0 for i in range(sm.MAX_LOGIT_BIAS + 1)}],
+)
+def test_logit_bias_validation(bias):
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias=bias)
+
+
+def test_logit_bias_json_keys():
+    assert SamplingParams(logit_bias={"42": -100, 7: 2}).logit_bias == {42: -100.0, 7: 2.0}

@@ -158,6 +158,9 @@ class EngineCore:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_token_ids = [int(t) if hasattr(t, "__index__") else t for t in prompt_token_ids]
         self.validate_prompt(prompt_token_ids)
+        vocab = self.loaded.arch.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is not below the vocabulary size {vocab}")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none")
         if params.structured_outputs is not None and self.structured.unsupported:

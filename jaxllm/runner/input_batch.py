@@ -14,6 +14,7 @@ from jaxllm.engine.scheduler import SchedulerOutput
 from jaxllm.model import StepInputs
 from jaxllm.runner.buckets import Bucket
 from jaxllm.runner.sampler import SamplingInputs, ban_tokens
+from jaxllm.sampling_params import MAX_LOGIT_BIAS
 
 
 class InputBatch:
@@ -50,6 +51,9 @@ class InputBatch:
         self.all_allowed = np.full(-(-vocab_size // 32), 0xFFFFFFFF, np.uint32)
         self.allowed = np.tile(self.all_allowed, (max_seqs, 1))
         self.num_logprobs = np.full(max_seqs, -1, i32)
+        self.bias_ids = np.full((max_seqs, MAX_LOGIT_BIAS), -1, i32)
+        self.bias_values = np.zeros((max_seqs, MAX_LOGIT_BIAS), f32)
+        self._biased_rows: set[int] = set()
         self._history_rows: set[int] = set()  # rows to clear before reuse
         self._masked_rows: set[int] = set()
 
@@ -113,6 +117,8 @@ class InputBatch:
             self.prompt_lens[:S],
             self.allowed[:S],
             self.num_logprobs[:S],
+            self.bias_ids[:S],
+            self.bias_values[:S],
         )
         return inputs, sampling
 
@@ -132,8 +138,12 @@ class InputBatch:
             self.history[row] = -1
         for row in self._masked_rows:
             self.allowed[row] = self.all_allowed
+        for row in self._biased_rows:
+            self.bias_ids[row] = -1
+            self.bias_values[row] = 0
         self._history_rows.clear()
         self._masked_rows.clear()
+        self._biased_rows.clear()
 
     def _fill_sampling_row(self, row: int, request, ahead: int = 0) -> None:
         """`ahead`: the row samples the output token that many after the next one (speculation's rows)."""
@@ -154,6 +164,10 @@ class InputBatch:
             self.history[row, : len(tokens)] = tokens
             self.prompt_lens[row] = request.num_prompt_tokens
             self._history_rows.add(row)
+        if p.logit_bias:
+            self.bias_ids[row, : len(p.logit_bias)] = list(p.logit_bias)
+            self.bias_values[row, : len(p.logit_bias)] = list(p.logit_bias.values())
+            self._biased_rows.add(row)
         if num_output < p.min_tokens:
             banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(request.eos_token_ids))
             if banned:

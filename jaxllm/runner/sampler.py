@@ -7,6 +7,7 @@ values (temperature 0, no penalties, all tokens allowed, no logprobs).
 Per row, in this order (vLLM's semantics):
 
 a. raw = log_softmax(logits): every logprob the sampler returns is a raw one.
+a'. logit_bias: each row's (token, bias) pairs added to its logits, before every other processor.
 b. penalties: repetition_penalty r on tokens present in the prompt or the output
    (logit > 0 ? logit / r : logit * r), then logit -= frequency_penalty * count and
    logit -= presence_penalty * (count > 0), counts over the output tokens only.
@@ -43,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, UInt32
 
-from jaxllm.sampling_params import MAX_LOGPROBS
+from jaxllm.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 ALL_ALLOWED = np.uint32(0xFFFFFFFF)  # a mask word with every token allowed
 TOPK_CANDIDATES = 128  # candidates tried before the exact bisection for top_k / top_p
@@ -69,6 +70,8 @@ class SamplingInputs(NamedTuple, Generic[ArrayT]):
     prompt_lens: Int[ArrayT, " S"]  # how many leading history entries are prompt
     allowed: UInt32[ArrayT, "S W"]  # bit t%32 of word t//32 set → token t may be sampled (all ones: no mask)
     num_logprobs: Int[ArrayT, " S"]  # top logprobs wanted (-1: none)
+    bias_ids: Int[ArrayT, "S B"]  # logit_bias token ids, -1 padded (B = MAX_LOGIT_BIAS)
+    bias_values: Float[ArrayT, "S B"]  # and their biases
 
 
 class SamplerOutput(NamedTuple):
@@ -140,6 +143,8 @@ def neutral_inputs(num_seqs: int, vocab_size: int, history_len: int = 1) -> Samp
         prompt_lens=np.zeros(num_seqs, i32),
         allowed=all_allowed(vocab_size, num_seqs),
         num_logprobs=np.full(num_seqs, -1, i32),
+        bias_ids=np.full((num_seqs, MAX_LOGIT_BIAS), -1, i32),
+        bias_values=np.zeros((num_seqs, MAX_LOGIT_BIAS), f32),
     )
 
 
@@ -209,8 +214,17 @@ def _apply_mask(logits: Float[Array, "S V"], allowed: UInt32[Array, "S W"]) -> F
     return jnp.where(bits != 0, logits, _NEG_INF)
 
 
+def _apply_bias(logits: Float[Array, "S V"], inp: SamplingInputs[Array]) -> Float[Array, "S V"]:
+    S, V = logits.shape
+    ids = jnp.where(inp.bias_ids >= 0, inp.bias_ids, V)  # padding → out of range, dropped
+    rows = jnp.arange(S, dtype=jnp.int32)[:, None]
+    return logits.at[rows, ids].add(inp.bias_values.astype(jnp.float32), mode="drop")
+
+
 def _penalised_masked(logits: Float[Array, "S V"], inp: SamplingInputs[Array]) -> Float[Array, "S V"]:
-    """Stages b and c, each skipped when no row uses it."""
+    """Stages a', b and c, each skipped when no row uses it."""
+    with jax.named_scope("logit_bias"):
+        logits = jax.lax.cond(jnp.any(inp.bias_ids >= 0), lambda x: _apply_bias(x, inp), lambda x: x, logits)
     any_penalty = (
         jnp.any(inp.repetition_penalty != 1) | jnp.any(inp.frequency_penalty != 0) | jnp.any(inp.presence_penalty != 0)
     )
