@@ -45,3 +45,5 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None  # why the request failed, when finish_reason is "error"
     num_cached_tokens: int = 0
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then {token id: Logprob} per prompt token
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

@@ -94,9 +94,10 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
-    max_tokens: int | None = 16  # None: up to max_model_len
+    max_tokens: int | None = 16  # None: up to max_model_len; 0: the prompt only (with prompt_logprobs)
     min_tokens: int = 0
     logprobs: int | None = None  # top-k logprobs per sampled token (the sampled one is always included)
+    prompt_logprobs: int | None = None  # logprob of each prompt token, and the top-k at its position
     logit_bias: dict[int, float] | None = None  # token id → added to its logit before anything else (OpenAI's)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -132,14 +133,18 @@ class SamplingParams:
             fail("repetition_penalty", "a number > 0")
         if self.seed is not None and not is_int(self.seed):
             fail("seed", "an integer or None")
-        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 1):
-            fail("max_tokens", "an integer >= 1 or None")
+        if self.max_tokens is not None and (not is_int(self.max_tokens) or self.max_tokens < 0):
+            fail("max_tokens", "an integer >= 0 or None")
         if not is_int(self.min_tokens) or self.min_tokens < 0:
             fail("min_tokens", "an integer >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             fail("min_tokens", f"<= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and (not is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             fail("logprobs", f"an integer in [0, {MAX_LOGPROBS}] or None")
+        if self.prompt_logprobs is not None and (
+            not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            fail("prompt_logprobs", f"an integer in [0, {MAX_LOGPROBS}] or None")
         if self.logit_bias is not None:
             self.logit_bias = _check_logit_bias(self.logit_bias)
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

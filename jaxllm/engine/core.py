@@ -21,7 +21,7 @@ from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.request import Request, RequestStatus
-from jaxllm.engine.scheduler import Scheduler
+from jaxllm.engine.scheduler import ScheduledRequest, Scheduler
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.runner.model_runner import ModelRunner, RunnerOutput
@@ -261,6 +261,9 @@ class EngineCore:
 
         now = time.monotonic()
         progressed = set()
+        for scheduled in out.scheduled:
+            if scheduled.scores_prompt and not scheduled.request.is_finished:
+                self._record_prompt_logprobs(scheduled, result)
         for request, row, count in self.scheduler.update(out, result.token_ids):
             progressed.add(request.output_key)
             try:
@@ -307,14 +310,33 @@ class EngineCore:
             detok.finish()
         request.output_text += detok.get_delta()
 
-    def _logprob_dict(self, token: int, result: RunnerOutput, row: int, k: int) -> dict[int, Logprob]:
+    def _record_prompt_logprobs(self, scheduled: ScheduledRequest, result: RunnerOutput) -> None:
+        """The entries of the prompt tokens this chunk scored (row j: token start + j + 1), each once (a
+        request recomputed after preemption scores its prompt again)."""
+        request, k = scheduled.request, scheduled.request.sampling_params.prompt_logprobs
+        assert k is not None, "only requests asking for prompt_logprobs score their prompt"
+        entries = request.prompt_logprobs
+        if not entries:
+            entries.append(None)  # the first prompt token has nothing before it
+        for j in range(scheduled.num_new_tokens):
+            position, row = scheduled.start + j + 1, scheduled.logits_row + j
+            if position != len(entries) or position >= request.num_prompt_tokens:
+                continue
+            token = request.prompt_token_ids[position]
+            lp, rank = float(result.target_logprobs[row]), int(result.target_ranks[row])
+            entries.append(self._logprob_dict(token, result, row, k, (lp, rank)))
+
+    def _logprob_dict(
+        self, token: int, result: RunnerOutput, row: int, k: int, own: tuple[float, int] | None = None
+    ) -> dict[int, Logprob]:
+        """`token`'s logprob and rank (`own`, else the row's sampled token's) and the row's top k."""
         entries = {
             int(t): (float(lp), rank)
             for rank, (t, lp) in enumerate(
                 zip(result.top_token_ids[row][:k], result.top_logprobs[row][:k], strict=True), 1
             )
         }
-        entries.setdefault(token, (float(result.logprobs[row]), int(result.ranks[row])))
+        entries.setdefault(token, own or (float(result.logprobs[row]), int(result.ranks[row])))
         decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
         return {t: Logprob(lp, rank, decode(t)) for t, (lp, rank) in entries.items()}
 
@@ -357,6 +379,7 @@ class EngineCore:
             metrics=first.metrics,
             error="; ".join(errors) or None,
             num_cached_tokens=first.num_cached_tokens,
+            prompt_logprobs=list(first.prompt_logprobs) if first.sampling_params.prompt_logprobs is not None else None,
         )
         if finished:
             del self._groups[request_id]

@@ -61,6 +61,7 @@ class Request:
     num_preemptions: int = 0
     cumulative_logprob: float = 0.0
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)  # filled as the prompt is computed
     stop_reason: int | str | None = None
     error: str | None = None
     metrics: RequestMetrics = field(init=False)

@@ -34,12 +34,23 @@ class ScheduledRequest:
     start: int  # num_computed_tokens when scheduled: the position of the first new token
     block_ids: list[int]  # the request's block table (the manager's list)
     draft_token_ids: list[int] = field(default_factory=list)  # proposed tokens the step verifies (speculation)
-    logits_row: int = 0  # its first row of logits; a request verifying d drafts has d + 1 rows
+    scores_prompt: bool = False  # prompt_logprobs: a row of logits per new token, each scoring the next
+    logits_row: int = 0  # its first row of logits (SchedulerOutput.add)
 
     @property
     def samples(self) -> bool:
         """Whether this step reaches the request's last known token, so its logits give a new token."""
         return self.start + self.num_new_tokens - len(self.draft_token_ids) == self.request.num_tokens
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of logits: one per new token when scoring the prompt, else one plus one per draft."""
+        return self.num_new_tokens if self.scores_prompt else 1 + len(self.draft_token_ids)
+
+    @property
+    def sample_row(self) -> int:
+        """The row whose token follows the last known one (verifying drafts: the first of d + 1)."""
+        return self.logits_row + (self.num_new_tokens - 1 if self.scores_prompt else 0)
 
 
 @dataclass
@@ -58,7 +69,7 @@ class SchedulerOutput:
         """Append a scheduled request, giving it the next rows of logits."""
         scheduled.logits_row = self.num_rows
         self.scheduled.append(scheduled)
-        self.num_rows += 1 + len(scheduled.draft_token_ids)
+        self.num_rows += scheduled.num_rows
 
     @property
     def num_tokens(self) -> int:
@@ -132,9 +143,11 @@ class Scheduler:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             # the rows left after one for each running request not yet scheduled
             rows = self.config.max_num_seqs - out.num_rows - (len(order) - i)
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if _scores_prompt(request, request.num_computed_tokens):
+                num_new = min(num_new, rows + 1)
             drafts = self._drafts(request, min(max_drafts, budget - num_new, rows)) if num_new == 1 else []
             if drafts and not self.kv.allocate_slots(request, num_new + len(drafts)):
                 drafts = []  # no room to verify: decode plainly (and preempt only if even that does not fit)
@@ -163,9 +176,13 @@ class Scheduler:
             request = self.waiting.peek()
             if not self.waiting.can_admit(request, self.running, self.kv):
                 break
-            computed = [] if request.num_computed_tokens else self.kv.get_computed_blocks(request)
+            # a request scoring its prompt computes every position, and so reads nothing from the prefix cache
+            reads_cache = not request.num_computed_tokens and request.sampling_params.prompt_logprobs is None
+            computed = self.kv.get_computed_blocks(request) if reads_cache else []
             num_computed = request.num_computed_tokens + len(computed) * self.kv.block_size
             num_new = min(request.num_tokens - num_computed, budget)
+            if _scores_prompt(request, num_computed):
+                num_new = min(num_new, self.config.max_num_seqs - out.num_rows)
             if not self.kv.allocate_slots(request, num_new, computed):
                 break
             self.waiting.pop()
@@ -204,8 +221,9 @@ class Scheduler:
         if request.metrics.first_scheduled_time is None:
             request.metrics.first_scheduled_time = now
         drafts = drafts or []
-        block_ids = self.kv.block_ids(request.request_id)
-        out.add(ScheduledRequest(request, num_new + len(drafts), request.num_computed_tokens, block_ids, drafts))
+        start, block_ids = request.num_computed_tokens, self.kv.block_ids(request.request_id)
+        scores = _scores_prompt(request, start)
+        out.add(ScheduledRequest(request, num_new + len(drafts), start, block_ids, drafts, scores))
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -230,7 +248,7 @@ class Scheduler:
         """
         got_tokens = []
         for scheduled in out.scheduled:
-            request, drafts, row = scheduled.request, scheduled.draft_token_ids, scheduled.logits_row
+            request, drafts, row = scheduled.request, scheduled.draft_token_ids, scheduled.sample_row
             if request.is_finished:  # aborted while the step ran
                 continue
             accepted = 0
@@ -238,6 +256,10 @@ class Scheduler:
                 accepted += 1
             request.num_computed_tokens = scheduled.start + scheduled.num_new_tokens - len(drafts) + accepted
             if not scheduled.samples:
+                continue
+            if request.sampling_params.max_tokens == 0:  # the prompt only (prompt_logprobs): no token
+                self.finish_request(request, RequestStatus.FINISHED_LENGTH_CAPPED)
+                got_tokens.append((request, row, 0))
                 continue
             if drafts and self.spec_stats is not None and self.draft_budget is not None:
                 self.spec_stats.observe(len(drafts), accepted)
@@ -279,3 +301,12 @@ class Scheduler:
             sibling.num_computed_tokens = num_shared * self.kv.block_size
             sibling.num_cached_tokens = sibling.num_computed_tokens
             self.waiting.prepend(sibling)
+
+
+def _scores_prompt(request: Request, start: int) -> bool:
+    """Whether a step from position `start` scores prompt tokens (prompt_logprobs; the first of n samples only)."""
+    return (
+        request.sampling_params.prompt_logprobs is not None
+        and request.index == 0
+        and start < request.num_prompt_tokens - 1
+    )

@@ -51,6 +51,7 @@ class InputBatch:
         self.all_allowed = np.full(-(-vocab_size // 32), 0xFFFFFFFF, np.uint32)
         self.allowed = np.tile(self.all_allowed, (max_seqs, 1))
         self.num_logprobs = np.full(max_seqs, -1, i32)
+        self.target_ids = np.full(max_seqs, -1, i32)
         self.bias_ids = np.full((max_seqs, MAX_LOGIT_BIAS), -1, i32)
         self.bias_values = np.zeros((max_seqs, MAX_LOGIT_BIAS), f32)
         self._biased_rows: set[int] = set()
@@ -80,7 +81,13 @@ class InputBatch:
             self.block_tables[seq, : len(blocks)] = blocks
             self.kv_lens[seq] = start + n
             self.cu_q_lens[seq + 1] = end
-            for j in range(d + 1):  # the last known token's row, then one per draft: the draft's verdict
+            if scheduled.scores_prompt:  # a row per token, each scoring the next prompt token (the last may sample)
+                self.logits_indices[row : row + n] = np.arange(num_tokens, end, dtype=np.int32)
+                for j in range(n - 1 if scheduled.samples else n):
+                    self._fill_scoring_row(row + j, request, request.prompt_token_ids[start + j + 1])
+                if scheduled.samples:
+                    self._fill_sampling_row(row + n - 1, request)
+            for j in range(0 if scheduled.scores_prompt else d + 1):  # the last token's row, then one per draft
                 self.logits_indices[row + j] = end - 1 - d + j
                 self._fill_sampling_row(row + j, request, ahead=j)
             num_tokens = end
@@ -119,6 +126,7 @@ class InputBatch:
             self.num_logprobs[:S],
             self.bias_ids[:S],
             self.bias_values[:S],
+            self.target_ids[:S],
         )
         return inputs, sampling
 
@@ -134,6 +142,7 @@ class InputBatch:
         self.steps[:num_rows] = 0
         self.prompt_lens[:num_rows] = 0
         self.num_logprobs[:num_rows] = -1
+        self.target_ids[:num_rows] = -1
         for row in self._history_rows:
             self.history[row] = -1
         for row in self._masked_rows:
@@ -144,6 +153,11 @@ class InputBatch:
         self._history_rows.clear()
         self._masked_rows.clear()
         self._biased_rows.clear()
+
+    def _fill_scoring_row(self, row: int, request, target: int) -> None:
+        """A row that scores prompt token `target`: its raw logprob and rank, and the top prompt_logprobs."""
+        self.target_ids[row] = target
+        self.num_logprobs[row] = request.sampling_params.prompt_logprobs
 
     def _fill_sampling_row(self, row: int, request, ahead: int = 0) -> None:
         """`ahead`: the row samples the output token that many after the next one (speculation's rows)."""

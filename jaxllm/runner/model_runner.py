@@ -67,6 +67,8 @@ class RunnerOutput:
     ranks: np.ndarray
     top_token_ids: np.ndarray
     top_logprobs: np.ndarray
+    target_logprobs: np.ndarray
+    target_ranks: np.ndarray
 
 
 @dataclass
@@ -304,4 +306,6 @@ class ModelRunner:
             np.asarray(host.ranks[:n]),
             np.asarray(host.top_token_ids[:n]),
             np.asarray(host.top_logprobs[:n]),
+            np.asarray(host.target_logprobs[:n]),
+            np.asarray(host.target_ranks[:n]),
         )

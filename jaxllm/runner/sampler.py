@@ -18,7 +18,8 @@ e. otherwise: / temperature → min_p (drop p < min_p * max p) → top_k (keep v
    renormalised after the previous filters, reaches top_p; ties with the last kept token
    kept too) → one categorical draw, keyed by fold_in(key(seed), step): the same
    (seed, step, logits) gives the same token whatever the batch around the row.
-f. logprob of the sampled token, its rank, and the top MAX_LOGPROBS raw logprobs.
+f. logprob of the sampled token, its rank, and the top MAX_LOGPROBS raw logprobs; on rows that score a
+   given token (`target_ids`: prompt_logprobs), that token's raw logprob and rank.
 
 Every optional stage is behind a `lax.cond` on a device-side `any(...)` of its inputs, so a
 step where no row uses it skips its cost (the scatter of the penalties, the mask unpacking,
@@ -72,6 +73,7 @@ class SamplingInputs(NamedTuple, Generic[ArrayT]):
     num_logprobs: Int[ArrayT, " S"]  # top logprobs wanted (-1: none)
     bias_ids: Int[ArrayT, "S B"]  # logit_bias token ids, -1 padded (B = MAX_LOGIT_BIAS)
     bias_values: Float[ArrayT, "S B"]  # and their biases
+    target_ids: Int[ArrayT, " S"]  # a token to score on the row (prompt_logprobs), -1: none
 
 
 class SamplerOutput(NamedTuple):
@@ -82,6 +84,8 @@ class SamplerOutput(NamedTuple):
     ]  # 1 + number of tokens with a strictly higher raw logprob (0 when no row asked for logprobs)
     top_token_ids: Int[Array, "S K"]  # K = MAX_LOGPROBS, by decreasing raw logprob
     top_logprobs: Float[Array, "S K"]
+    target_logprobs: Float[Array, " S"]  # raw logprob of the row's target_ids token (0 where none)
+    target_ranks: Int[Array, " S"]  # and its rank
 
 
 # ---------------------------------------------------------------- host-side helpers (numpy)
@@ -145,6 +149,7 @@ def neutral_inputs(num_seqs: int, vocab_size: int, history_len: int = 1) -> Samp
         num_logprobs=np.full(num_seqs, -1, i32),
         bias_ids=np.full((num_seqs, MAX_LOGIT_BIAS), -1, i32),
         bias_values=np.zeros((num_seqs, MAX_LOGIT_BIAS), f32),
+        target_ids=np.full(num_seqs, -1, i32),
     )
 
 
@@ -443,4 +448,19 @@ def _sample(logits: Float[Array, "S V"], inputs: SamplingInputs[Array]) -> Sampl
         lambda: _top_logprobs(logits, m, log_sum, token_ids, sampled_logprob),
         no_logprobs,
     )
-    return SamplerOutput(token_ids.astype(jnp.int32), sampled_logprob, ranks, top_ids, top_vals)
+    target_logprobs, target_ranks = jax.lax.cond(
+        jnp.any(inputs.target_ids >= 0),
+        lambda: _target_logprobs(logits, m, log_sum, inputs.target_ids),
+        lambda: (jnp.zeros(S, jnp.float32), jnp.zeros(S, jnp.int32)),
+    )
+    return SamplerOutput(
+        token_ids.astype(jnp.int32), sampled_logprob, ranks, top_ids, top_vals, target_logprobs, target_ranks
+    )
+
+
+def _target_logprobs(logits, m, log_sum, target_ids) -> tuple[Float[Array, " S"], Int[Array, " S"]]:
+    """Raw logprob and rank of each row's target token (rows without one: 0, 0)."""
+    has = target_ids >= 0
+    lp = (jnp.take_along_axis(logits, jnp.maximum(target_ids, 0)[:, None], axis=1) - m - log_sum)[:, 0]
+    ranks = 1 + jnp.sum((logits - m) - log_sum > lp[:, None], axis=-1, dtype=jnp.int32)
+    return jnp.where(has, lp, 0.0), jnp.where(has, ranks, 0)

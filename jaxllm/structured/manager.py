@@ -135,7 +135,7 @@ class StructuredOutputManager:
                 self._check(allowed)
                 written += self._fill_drafted(matcher, s.logits_row, s.draft_token_ids, allowed)
             else:
-                rows.append((matcher, s.logits_row))
+                rows.append((matcher, s.sample_row))
         if rows:
             self._check(allowed)
             self._fill_rows(rows, allowed)
