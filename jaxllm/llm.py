@@ -8,11 +8,13 @@ from typing import TYPE_CHECKING, Any
 
 from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.core import EngineCore
+from jaxllm.metrics.offline import OfflineMetrics, engine_stats
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
     from jaxllm.distributed.dp_client import DataParallelEngine
+    from jaxllm.metrics.reader import Metric
 
 PromptType = str | dict[str, Any]
 
@@ -32,9 +34,12 @@ class LLM:
             from jaxllm.distributed.dp_client import DataParallelEngine
 
             self.engine = DataParallelEngine(args, progress=progress)
+            model_name = self.engine.client.info.model
         else:
             self.engine = EngineCore(args, progress=progress)
+            model_name = self.engine.loaded.name
         self._ids = itertools.count()
+        self._metrics = OfflineMetrics(model_name, len(engine_stats(self.engine)))  # what get_metrics() reads
 
     def get_tokenizer(self):
         return self.engine.tokenizer
@@ -42,6 +47,14 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Drop every cached prompt prefix, e.g. between benchmark rounds; False while requests are running."""
         return self.engine.reset_prefix_cache()
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's offline metrics API: everything `/metrics` would show for this engine, as objects (`Counter`,
+        `Gauge`, `Vector`, `Histogram` of `jaxllm.metrics.reader`) with `name` (as on /metrics, without
+        `_total`), `labels` and `value` / `values` / buckets; counted since the engine started. With
+        speculation: `jaxllm:spec_decode_num_drafts`, `..._num_draft_tokens`, `..._num_accepted_tokens` and the
+        Vector `..._num_accepted_tokens_per_pos`."""
+        return self._metrics.snapshot(engine_stats(self.engine))
 
     # ---- generate --------------------------------------------------------------------
 
@@ -132,7 +145,9 @@ class LLM:
             with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, unit="prompt") as bar:
                 generated = 0
                 while len(finished) < len(ids):
-                    for output in self.engine.step():
+                    outputs = self.engine.step()
+                    self._metrics.observe(outputs)
+                    for output in outputs:
                         if output.finished:
                             finished[output.request_id] = output
                             generated += sum(len(c.token_ids) for c in output.outputs)
@@ -140,5 +155,5 @@ class LLM:
                             bar.set_postfix_str(f"{generated / max(bar.format_dict['elapsed'], 1e-9):.1f} out tok/s")
             return [finished[i] for i in ids]
         finally:  # interrupted or failed: nothing stays queued, every block returns to the pool
-            for request_id in ids:
-                self.engine.abort_request(request_id)
+            aborted = [self.engine.abort_request(request_id) for request_id in ids]
+            self._metrics.observe([out for out in aborted if out is not None])

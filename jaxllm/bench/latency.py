@@ -4,7 +4,9 @@ Each iteration is one `LLM.generate` call on `--batch-size` prompts of `--input-
 each asking for exactly `--output-len` greedy tokens (EOS ignored), after
 `--num-iters-warmup` untimed ones. Reported as vLLM does: the average latency, every
 latency, and the 10/25/50/75/90/99th percentiles. `--compare` times the peers on the same
-batch the same way (each in its own process, after the same warm-up).
+batch the same way (each in its own process, after the same warm-up). With `--speculative-config
+JSON` the engine speculates, and the report adds the acceptance rate and mean acceptance length
+over the timed iterations (`spec_decode`).
 
     jaxllm bench latency --batch-size 8 --input-len 32 --output-len 128 --num-iters 10 --compare
 """
@@ -17,6 +19,7 @@ import numpy as np
 
 from jaxllm.bench import offline
 from jaxllm.engine.args import EngineArgs
+from jaxllm.metrics.loggers import format_spec_decode
 
 PERCENTILES = (10, 25, 50, 75, 90, 99)
 
@@ -37,6 +40,7 @@ def validate(args: argparse.Namespace) -> None:
     if args.num_iters_warmup < 0:
         raise ValueError(f"--num-iters-warmup must be >= 0 (got {args.num_iters_warmup})")
     offline.check_peer_model(args)
+    offline.speculative_config(args)  # a bad --speculative-config fails before anything loads
 
 
 def latency_stats(latencies: list[float]) -> dict:
@@ -54,12 +58,18 @@ def main(args: argparse.Namespace) -> dict:
     prompts = offline.make_prompts(llm.get_tokenizer(), args.batch_size, args.input_len)
     for _ in range(args.num_iters_warmup):
         offline.run_batch(llm, prompts, args.output_len)
+    spec_before = offline.spec_decode_totals(llm)
     result = latency_stats([offline.run_batch(llm, prompts, args.output_len) for _ in range(args.num_iters)])
     result["workload"] = {
         k: getattr(args, k) for k in ("batch_size", "input_len", "output_len", "num_iters_warmup", "num_iters")
     }
+    if (spec := offline.spec_decode_result(offline.spec_decode_totals(llm), spec_before)) is not None:
+        result["speculative_config"] = offline.speculative_config(args)
+        result["spec_decode"] = spec  # over the timed iterations
     result["machine"] = offline.machine_info()
     print(format_result("jaxllm", result))
+    if spec is not None:
+        print(format_spec_decode(spec))
     comparison = {}
     for peer in offline.peer_names(args):
         entry = offline.run_peer(

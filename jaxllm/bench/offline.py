@@ -191,15 +191,69 @@ def cpu_kernel_info(llm) -> dict | None:
     return {"choice": choice.describe(), "target": choice.target, "kernel_over_xla": speedups}
 
 
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), or what `platform` knows."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def machine_info() -> dict:
     import platform
 
     import jax
 
-    return {
+    info = {
         "cpus": os.cpu_count(),
+        "cpu": cpu_name(),
         "platform": platform.platform(),
         "jax": jax.__version__,
         "backend": jax.default_backend(),
         "load_average": [round(x, 2) for x in os.getloadavg()],
     }
+    if info["backend"] == "cpu":
+        from pallas_kernels import cpu_ffi
+
+        info["isa"] = cpu_ffi.isa()  # the vector ISA the C++ kernels are built for
+    return info
+
+
+def speculative_config(args: argparse.Namespace) -> dict | None:
+    """`--speculative-config` as validated (defaults filled in), None without speculation."""
+    from jaxllm.engine.args import EngineArgs
+
+    config = EngineArgs.from_cli_args(args).speculative()
+    return json.loads(config.to_json()) if config is not None else None
+
+
+def spec_decode_totals(llm) -> dict | None:
+    """The engine cores' speculation counters (running totals, replicas summed), None without speculation."""
+    from jaxllm.metrics.offline import engine_stats
+    from jaxllm.metrics.stats import sum_engine_stats
+
+    totals = sum_engine_stats(engine_stats(llm.engine))
+    return totals if "spec_decode_num_drafts" in totals else None
+
+
+def spec_decode_result(totals: dict | None, before: dict | None) -> dict | None:
+    """Speculation between two `spec_decode_totals`, for a benchmark's JSON: the counts, acceptance rate and mean
+    acceptance length (vLLM's definitions, `jaxllm.metrics.stats.spec_decode_summary`), rates rounded."""
+    from jaxllm.metrics.stats import spec_decode_summary
+
+    if totals is None:
+        return None
+    summary = spec_decode_summary(totals, before)
+    assert summary is not None
+    for key in ("acceptance_rate", "mean_acceptance_length"):
+        if summary[key] is not None:
+            summary[key] = round(summary[key], 4)
+    if summary["per_position_acceptance_rate"] is not None:
+        summary["per_position_acceptance_rate"] = [round(r, 4) for r in summary["per_position_acceptance_rate"]]
+    return summary

@@ -6,7 +6,9 @@ Reported as vLLM does: requests/s, total tokens/s (prompt + output), output toke
 besides: engine steps, mean device time per step and host time per step (everything that is
 not the compiled step: scheduling, input packing, detokenization). With `--rounds R` the run
 repeats; medians are reported. `--compare` runs the peers after jaxllm in every round and
-reports the median of the per-round ratios.
+reports the median of the per-round ratios. With `--speculative-config JSON` (vLLM's, e.g.
+'{"method": "ngram", "num_speculative_tokens": 4}') the engine speculates, and the report adds
+the acceptance rate and mean acceptance length over the timed rounds (`spec_decode`).
 
     jaxllm bench throughput --input-len 128 --output-len 128 --num-prompts 64 --compare --rounds 3
 """
@@ -18,6 +20,7 @@ import statistics
 
 from jaxllm.bench import offline
 from jaxllm.engine.args import EngineArgs
+from jaxllm.metrics.loggers import format_spec_decode
 
 
 def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -33,13 +36,15 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
 def validate(args: argparse.Namespace) -> None:
     offline.check_positive(args, "input_len", "output_len", "num_prompts", "rounds")
     offline.check_peer_model(args)
+    offline.speculative_config(args)  # a bad --speculative-config fails before anything loads
 
 
 def jaxllm_run(llm, prompts: list[list[int]], output_len: int) -> dict:
     stats = llm.engine.runner.stats
-    before = stats.snapshot()
+    before, spec_before = stats.snapshot(), offline.spec_decode_totals(llm)
     elapsed = offline.run_batch(llm, prompts, output_len)
     steps, device_s, pack_s = (a - b for a, b in zip(stats.snapshot(), before, strict=True))
+    spec = offline.spec_decode_result(offline.spec_decode_totals(llm), spec_before)
     num_prompts, input_len = len(prompts), len(prompts[0])
     return {
         "elapsed_time": round(elapsed, 4),
@@ -53,6 +58,7 @@ def jaxllm_run(llm, prompts: list[list[int]], output_len: int) -> dict:
         "device_ms_per_step": 1e3 * device_s / max(steps, 1),
         "input_packing_ms_per_step": 1e3 * pack_s / max(steps, 1),
         "host_ms_per_step": 1e3 * (elapsed - device_s) / max(steps, 1),
+        **({"spec_decode": spec} if spec is not None else {}),
     }
 
 
@@ -62,6 +68,7 @@ def main(args: argparse.Namespace) -> dict:
     prompts = offline.make_prompts(llm.get_tokenizer(), args.num_prompts, args.input_len)
     offline.run_batch(llm, prompts[:2], 2)  # first steps pay one-time host costs; keep them out of the timing
     peers = offline.peer_names(args)
+    spec_before = offline.spec_decode_totals(llm)
     rounds = []
     for index in range(args.rounds):
         row = {"round": index, "jaxllm": jaxllm_run(llm, prompts, args.output_len)}
@@ -72,6 +79,9 @@ def main(args: argparse.Namespace) -> dict:
         rounds.append(row)
         print(_round_line(row, peers))
     result = summarize(args, rounds, peers)
+    if (spec := offline.spec_decode_result(offline.spec_decode_totals(llm), spec_before)) is not None:
+        result["speculative_config"] = offline.speculative_config(args)
+        result["spec_decode"] = spec  # over all timed rounds
     result["cpu_kernels"] = offline.cpu_kernel_info(llm)
     print(format_result(result))
     offline.write_json(result, args.output_json)
@@ -88,10 +98,11 @@ def _peer_tok_s(entry: dict) -> float | None:
 
 def summarize(args: argparse.Namespace, rounds: list[dict], peers: list[str]) -> dict:
     """vLLM's keys, as medians over rounds, plus every round and the peers' medians and ratios."""
-    keys = [k for k in rounds[0]["jaxllm"] if k not in ("num_requests", "total_num_tokens", "total_output_tokens")]
+    counts = ("num_requests", "total_num_tokens", "total_output_tokens")
+    keys = [k for k, v in rounds[0]["jaxllm"].items() if k not in counts and isinstance(v, (int, float))]
     ours = [r["jaxllm"] for r in rounds]
     result = {
-        **{k: ours[0][k] for k in ("num_requests", "total_num_tokens", "total_output_tokens")},
+        **{k: ours[0][k] for k in counts},
         **{k: round(statistics.median(o[k] for o in ours), 4) for k in keys},
     }
     result["workload"] = {
@@ -132,6 +143,8 @@ def format_result(result: dict) -> str:
         f"Steps: {result['num_steps']:.0f}, device {result['device_ms_per_step']:.2f} ms/step, "
         f"host {result['host_ms_per_step']:.2f} ms/step (input packing {result['input_packing_ms_per_step']:.2f})",
     ]
+    if "spec_decode" in result:
+        lines.append(format_spec_decode(result["spec_decode"]))
     for peer, entry in result.get("comparison", {}).items():
         if entry["output_tokens_per_second"] is None:
             lines.append(f"{peer}: failed ({entry['errors'][0].splitlines()[-1] if entry['errors'] else '?'})")

@@ -1,11 +1,12 @@
-"""The periodic stats line, like vLLM's: throughput since the last line, queue sizes, KV usage, prefix hits."""
+"""The periodic stats line, like vLLM's: throughput since the last line, queue sizes, KV usage, prefix hits, and
+with speculation its acceptance rate and mean acceptance length over the same interval."""
 
 from __future__ import annotations
 
 import logging
 import time
 
-from jaxllm.metrics.stats import IterationStats
+from jaxllm.metrics.stats import IterationStats, spec_decode_summary
 
 logger = logging.getLogger("jaxllm")
 
@@ -22,6 +23,7 @@ class LoggingStatLogger:
         self._last_log = time.monotonic()
         self._prefix = (0, 0)  # (queries, hits) at the last line
         self._stats: dict | None = None
+        self._spec_totals: dict | None = None  # the speculation totals at the last line
 
     def record_engine(self, stats: dict) -> None:
         self._stats = stats
@@ -51,6 +53,22 @@ class LoggingStatLogger:
             f"KV cache usage: {100 * s['kv_cache_usage']:.1f}%, "
             f"Prefix cache hit rate: {100 * hits / queries if queries else 0.0:.1f}%"
         )
+        if (spec := spec_decode_summary(s, self._spec_totals)) is not None:
+            self._spec_totals = s
+            line += ", " + format_spec_decode(spec)
         self._prompt_tokens = self._generation_tokens = 0
         logger.info(line)
         return line
+
+
+def format_spec_decode(spec: dict) -> str:
+    """Speculation over an interval (`spec_decode_summary`) in words, as vLLM's SpecDecoding line says it."""
+    if not spec["num_drafts"]:
+        return "Spec decode: no drafts"
+    per_pos = ", ".join(f"{r:.2f}" for r in spec["per_position_acceptance_rate"])
+    return (
+        f"Spec decode: acceptance rate {100 * spec['acceptance_rate']:.1f}%, "
+        f"mean acceptance length {spec['mean_acceptance_length']:.2f}, "
+        f"accepted {spec['num_accepted_tokens']} of {spec['num_draft_tokens']} draft tokens, "
+        f"per-position acceptance {per_pos}"
+    )

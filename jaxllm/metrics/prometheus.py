@@ -2,9 +2,13 @@
 
 The collectors are made once per registry; each engine core gets its own label children
 (`engine="0"`, `"1"`, ...), so data-parallel replicas behind one server export side by side.
+Speculative decoding's counters exist only once an engine with speculation reports (as vLLM's,
+which registers them only when `speculative_config` is set).
 """
 
 from __future__ import annotations
+
+import weakref
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
@@ -83,8 +87,30 @@ REQUEST_BUCKETS = (
 )
 
 
+class SpecDecodeCollectors:
+    """vLLM's speculative-decoding counters; `accepted_per_pos` has a `position` label (0 = the first draft)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        def counter(name, doc, extra=()):
+            return Counter(f"jaxllm:{name}", doc, LABELS + extra, registry=registry)
+
+        self.drafts = counter("spec_decode_num_drafts", "Verifications of at least one draft token.")
+        self.draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.accepted_tokens = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.accepted_per_pos = counter(
+            "spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the draft.", ("position",)
+        )
+        # jaxllm's own: decode steps of requests that may not speculate (repetition/frequency/presence penalties)
+        self.unspeculated = counter(
+            "spec_decode_num_unspeculated", "Decode steps of requests that may not speculate (penalties)."
+        )
+
+
 class Collectors:
     def __init__(self, registry: CollectorRegistry):
+        self._registry = registry
+        self._spec: SpecDecodeCollectors | None = None
+
         def gauge(name, doc):
             return Gauge(f"jaxllm:{name}", doc, LABELS, registry=registry)
 
@@ -111,22 +137,30 @@ class Collectors:
         self.prefill = histogram("request_prefill_time_seconds", "First scheduled to first token.", REQUEST_BUCKETS)
         self.decode = histogram("request_decode_time_seconds", "First token to finish.", REQUEST_BUCKETS)
 
+    @property
+    def spec(self) -> SpecDecodeCollectors:
+        """The speculative-decoding counters, registered on first use."""
+        if self._spec is None:
+            self._spec = SpecDecodeCollectors(self._registry)
+        return self._spec
 
-_collectors: dict[int, Collectors] = {}
+
+# by the registry itself, not its id: an `LLM`'s private registry may be collected and its id reused
+_collectors: weakref.WeakKeyDictionary[CollectorRegistry, Collectors] = weakref.WeakKeyDictionary()
 
 
 def collectors(registry: CollectorRegistry = REGISTRY) -> Collectors:
-    if id(registry) not in _collectors:
-        _collectors[id(registry)] = Collectors(registry)
-    return _collectors[id(registry)]
+    if registry not in _collectors:
+        _collectors[registry] = Collectors(registry)
+    return _collectors[registry]
 
 
 class PrometheusStatLogger:
     """Feeds one engine core's numbers into the collectors, under its `engine` label."""
 
     def __init__(self, model_name: str, engine_index: int = 0, registry: CollectorRegistry = REGISTRY):
-        c = collectors(registry)
-        labels = {"model_name": model_name, "engine": str(engine_index)}
+        c = self._collectors = collectors(registry)
+        labels = self._labels = {"model_name": model_name, "engine": str(engine_index)}
         self.running, self.waiting, self.kv_usage = (g.labels(**labels) for g in (c.running, c.waiting, c.kv_usage))
         self.prompt_tokens = c.prompt_tokens.labels(**labels)
         self.generation_tokens = c.generation_tokens.labels(**labels)
@@ -138,6 +172,9 @@ class PrometheusStatLogger:
             h.labels(**labels) for h in (c.ttft, c.itl, c.e2e, c.queue, c.prefill, c.decode)
         )
         self._engine_totals = {"num_preemptions": 0, "prefix_cache_queries": 0, "prefix_cache_hits": 0}
+        self._spec: dict | None = None  # the spec_decode counters' children, once the engine reports speculation
+        self._spec_per_pos: list = []
+        self._spec_totals: dict = {}
 
     def record_engine(self, stats: dict) -> None:
         """Gauges from the core's latest snapshot; its running totals become counter increments."""
@@ -153,6 +190,33 @@ class PrometheusStatLogger:
             if delta > 0:
                 counter.inc(delta)
             self._engine_totals[key] = stats[key]
+        if "spec_decode_num_drafts" in stats:  # EngineCore.stats() has the spec_decode totals only when speculating
+            self._record_spec(stats)
+
+    def _record_spec(self, stats: dict) -> None:
+        """The speculation counters from the core's running totals (`EngineCore.stats()`), as increments."""
+        if self._spec is None:
+            c = self._collectors.spec
+            self._spec = {
+                "spec_decode_num_drafts": c.drafts.labels(**self._labels),
+                "spec_decode_num_draft_tokens": c.draft_tokens.labels(**self._labels),
+                "spec_decode_num_accepted_tokens": c.accepted_tokens.labels(**self._labels),
+                "spec_decode_num_unspeculated": c.unspeculated.labels(**self._labels),
+            }
+            self._spec_totals = dict.fromkeys(self._spec, 0)
+        for key, counter in self._spec.items():
+            delta = stats.get(key, 0) - self._spec_totals[key]
+            if delta > 0:
+                counter.inc(delta)
+            self._spec_totals[key] = stats.get(key, 0)
+        per_pos = stats.get("spec_decode_num_accepted_tokens_per_pos", [])
+        while len(self._spec_per_pos) < len(per_pos):  # one child per position, made at the first report
+            child = self._collectors.spec.accepted_per_pos.labels(**self._labels, position=str(len(self._spec_per_pos)))
+            self._spec_per_pos.append([child, 0])
+        for entry, total in zip(self._spec_per_pos, per_pos, strict=False):
+            if total > entry[1]:
+                entry[0].inc(total - entry[1])
+            entry[1] = total
 
     def record_iteration(self, it: IterationStats) -> None:
         self.prompt_tokens.inc(it.num_prompt_tokens)

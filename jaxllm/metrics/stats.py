@@ -82,3 +82,49 @@ def _finished(out: RequestOutput, tokens: int, now: float) -> FinishedRequestSta
         num_prompt_tokens=len(out.prompt_token_ids),
         num_generation_tokens=tokens,
     )
+
+
+def spec_decode_summary(totals: dict, before: dict | None = None) -> dict | None:
+    """Speculation over an interval, from two `EngineCore.stats()` snapshots (running totals; `before` None: since
+    start), or None when the engine does not speculate. vLLM's definitions: acceptance rate = accepted / draft
+    tokens, mean acceptance length = 1 + accepted / drafts (the tokens a verification yields, the target's own
+    included), per-position acceptance rate = accepted at position j / drafts. A rate with nothing to divide is
+    None."""
+    if "spec_decode_num_drafts" not in totals:
+        return None
+    before = before or {}
+
+    def delta(key: str) -> int:
+        return totals.get(key, 0) - before.get(key, 0)
+
+    drafts, draft_tokens, accepted = (
+        delta(f"spec_decode_num_{k}") for k in ("drafts", "draft_tokens", "accepted_tokens")
+    )
+    per_pos_now = totals.get("spec_decode_num_accepted_tokens_per_pos", [])
+    per_pos_before = before.get("spec_decode_num_accepted_tokens_per_pos", [])
+    per_pos = [n - (per_pos_before[j] if j < len(per_pos_before) else 0) for j, n in enumerate(per_pos_now)]
+    return {
+        "num_drafts": drafts,
+        "num_draft_tokens": draft_tokens,
+        "num_accepted_tokens": accepted,
+        "num_accepted_tokens_per_pos": per_pos,
+        "num_unspeculated": delta("spec_decode_num_unspeculated"),
+        "acceptance_rate": accepted / draft_tokens if draft_tokens else None,
+        "mean_acceptance_length": 1 + accepted / drafts if drafts else None,
+        "per_position_acceptance_rate": [n / drafts for n in per_pos] if drafts else None,
+    }
+
+
+def sum_engine_stats(per_engine: list[dict]) -> dict:
+    """Data-parallel replicas' running totals added up (numbers summed, lists position by position); gauges such
+    as `kv_cache_usage` come out summed too, so read only counts from it."""
+    total: dict = {}
+    for stats in per_engine:
+        for key, value in stats.items():
+            if isinstance(value, list):
+                old = total.get(key, [])
+                n = max(len(old), len(value))
+                total[key] = [(old[j] if j < len(old) else 0) + (value[j] if j < len(value) else 0) for j in range(n)]
+            elif isinstance(value, (int, float)) and not isinstance(value, bool):
+                total[key] = total.get(key, 0) + value
+    return total
