@@ -220,7 +220,7 @@ def test_bad_input_fails_early_and_the_engine_keeps_serving(llm):
         ("temperature", -1),
         ("top_p", 0),
         ("top_k", -2),
-        ("max_tokens", 0),
+        ("max_tokens", -1),
         ("n", 0),
         ("logprobs", 100),
         ("min_p", 2.0),

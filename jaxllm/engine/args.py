@@ -18,6 +18,10 @@ from jaxllm.spec_decode.config import SpeculativeConfig
 # defaults where vLLM's GPU-sized ones would make the CPU path compile too much
 CPU_DEFAULTS = {"max_num_seqs": 64, "max_num_batched_tokens": 512}
 ACCELERATOR_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 4096}
+HELP = {
+    "speculative_config": 'speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
+    'or {"method": "draft_model", "model": ..., "num_speculative_tokens": 4} (docs/speculative_decoding.md)',
+}
 
 
 @dataclass
@@ -97,7 +101,7 @@ class EngineArgs:
             else:
                 # f.type is the annotation's text (from __future__ import annotations)
                 kind = {"int": int, "int | None": int, "float": float}.get(str(f.type), str)
-                group.add_argument(flag, type=kind, default=f.default, metavar=f.name.upper())
+                group.add_argument(flag, type=kind, default=f.default, metavar=f.name.upper(), help=HELP.get(f.name))
         parser.add_argument("--model", default=None, help="model path or HF repo (default: SmolLM2-135M-Instruct)")
 
     def to_cli_args(self) -> list[str]:

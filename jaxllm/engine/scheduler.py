@@ -82,13 +82,14 @@ class SchedulerOutput:
 
 class Scheduler:
     """With `speculative`, a running request's `draft_token_ids` (proposed after its last step) are verified as
-    extra query rows, within a per-step cap (spec_decode/budget.py), the token budget, and `max_num_seqs` rows
-    of logits."""
+    extra query rows, within a per-step cap (spec_decode/budget.py), the token budget, and `max_num_rows`
+    rows of logits a step: max(max_num_seqs, k + 1), so that one request can always verify k drafts."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, speculative: SpeculativeConfig | None = None):
         self.config = config
         self.kv = kv
         self.draft_budget, self.spec_stats = None, None
+        self.max_num_rows = max_logits_rows(config, speculative)
         if speculative is not None:
             k = speculative.num_speculative_tokens
             self.draft_budget = DraftBudget(k, speculative.disable_by_batch_size)
@@ -144,7 +145,7 @@ class Scheduler:
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
             # the rows left after one for each running request not yet scheduled
-            rows = self.config.max_num_seqs - out.num_rows - (len(order) - i)
+            rows = self.max_num_rows - out.num_rows - (len(order) - i)
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if _scores_prompt(request, request.num_computed_tokens):
                 num_new = min(num_new, rows + 1)
@@ -171,7 +172,7 @@ class Scheduler:
             and budget > 0
             and len(self.waiting)
             and len(self.running) < self.config.max_num_seqs
-            and out.num_rows < self.config.max_num_seqs
+            and out.num_rows < self.max_num_rows
         ):
             request = self.waiting.peek()
             if not self.waiting.can_admit(request, self.running, self.kv):
@@ -182,7 +183,7 @@ class Scheduler:
             num_computed = request.num_computed_tokens + len(computed) * self.kv.block_size
             num_new = min(request.num_tokens - num_computed, budget)
             if _scores_prompt(request, num_computed):
-                num_new = min(num_new, self.config.max_num_seqs - out.num_rows)
+                num_new = min(num_new, self.max_num_rows - out.num_rows)
             if not self.kv.allocate_slots(request, num_new, computed):
                 break
             self.waiting.pop()
@@ -301,6 +302,13 @@ class Scheduler:
             sibling.num_computed_tokens = num_shared * self.kv.block_size
             sibling.num_cached_tokens = sibling.num_computed_tokens
             self.waiting.prepend(sibling)
+
+
+def max_logits_rows(config: SchedulerConfig, speculative: SpeculativeConfig | None) -> int:
+    """Rows of logits a step has at most (the largest bucket's rows): a row per running request, and drafts
+    (speculation) and prompt positions (prompt_logprobs) share what is left."""
+    k = speculative.num_speculative_tokens if speculative is not None else 0
+    return max(config.max_num_seqs, 1 + k)
 
 
 def _scores_prompt(request: Request, start: int) -> bool:

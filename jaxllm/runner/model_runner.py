@@ -25,7 +25,7 @@ from jax import Array
 from jax.sharding import Mesh
 
 from jaxllm.config import EngineConfig
-from jaxllm.engine.scheduler import SchedulerOutput
+from jaxllm.engine.scheduler import SchedulerOutput, max_logits_rows
 from jaxllm.model import CausalLM, KVCache, StepInputs
 from jaxllm.parallel.mesh import replicated
 from jaxllm.runner.buckets import Bucket, make_buckets, pick_bucket
@@ -142,7 +142,7 @@ class ModelRunner:
         self.num_blocks = num_kv_blocks(arch, cache_cfg, kv_dtype, mesh)
         self.cache = allocate_kv_cache(arch, self.num_blocks, self.block_size, kv_dtype, mesh)
         self.startup_seconds = {"kv_cache": time.perf_counter() - started}  # phases, for the start-up report
-        self.buckets = make_buckets(sched_cfg.max_num_batched_tokens, sched_cfg.max_num_seqs)
+        self.buckets = make_buckets(sched_cfg.max_num_batched_tokens, max_logits_rows(sched_cfg, config.speculative))
         largest = self.buckets[-1]
         self.batch = InputBatch(
             largest.num_tokens,
