@@ -164,6 +164,69 @@ def test_models_tokenize_detokenize_version_health(server, client):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+def test_tokenizer_info_is_vllms(server):
+    """GET /tokenizer_info: the tokenizer's config, its class and the chat template, as lm-eval's remote
+    tokenizer reads them (it needs `eos_token`)."""
+    info = httpx.get(server.url + "/tokenizer_info").json()
+    tokenizer = server.engine.tokenizer
+    assert info["tokenizer_class"] == type(tokenizer).__name__
+    assert info["eos_token"] == tokenizer.eos_token == "<|im_end|>" and info["bos_token"] == tokenizer.bos_token
+    assert info["chat_template"] == tokenizer.chat_template
+    assert not {"vocab_file", "merges_file", "tokenizer_file"} & set(info)
+
+
+def test_truncate_prompt_tokens_and_request_id_are_honoured(server, client, monkeypatch):
+    seen = []
+    add = server.core.add_request
+    monkeypatch.setattr(server.core, "add_request", lambda rid, *a, **kw: (seen.append(rid), add(rid, *a, **kw))[1])
+    long = " ".join(["word"] * 600)  # longer than max_model_len: truncation keeps its end
+    response = client.completions.create(
+        model=MODEL, prompt=long, max_tokens=1, extra_body={"truncate_prompt_tokens": 5, "request_id": "mine"}
+    )
+    assert response.usage.prompt_tokens == 5 and seen == ["mine-0"]
+
+
+def test_a_huge_prompt_is_refused_at_once_and_never_stalls_other_requests(server):
+    """A prompt that cannot fit is refused from its length before it is tokenized, a body over the limit
+    gets a 413, and tokenizing a long text (/tokenize has no length bound) runs off the event loop:
+    a small request sent meanwhile is answered as fast as ever."""
+    big = "word " * (1 << 20)  # 5 MiB, ~1M tokens
+    too_big = json.dumps({**GOOD, "prompt": "x" * (17 << 20)}).encode()  # over the default 16 MiB limit
+    cases = [  # (path, body, status, param)
+        (C, {**GOOD, "prompt": big}, 400, "prompt"),
+        (CHAT, {**GOOD_CHAT, "messages": [{"role": "user", "content": big}]}, 400, "messages"),
+        (C, too_big, 413, None),
+        ("/tokenize", {"prompt": big}, 200, None),
+    ]
+
+    async def timed(http, path, body):
+        started = time.perf_counter()
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        response = await http.post(server.url + path, content=content, headers={"content-type": "application/json"})
+        return response, time.perf_counter() - started
+
+    async def main():
+        small_latencies = []
+        async with httpx.AsyncClient(timeout=120) as http:
+            _, alone = await timed(http, C, GOOD)
+            for path, body, status, param in cases:
+                big_request = asyncio.create_task(timed(http, path, body))
+                await asyncio.sleep(0.2)  # the big one is being read, refused or tokenized
+                small, took = await timed(http, C, GOOD)
+                assert small.status_code == 200
+                small_latencies.append(took)
+                response, big_took = await big_request
+                assert response.status_code == status, response.text[:300]
+                if status != 200:
+                    assert response.json()["error"]["param"] == param and big_took < 5, big_took
+                else:
+                    assert response.json()["count"] > 1_000_000
+        return alone, small_latencies
+
+    alone, small_latencies = asyncio.run(main())
+    assert max(small_latencies) < alone + 1.5, (alone, small_latencies)
+
+
 def test_the_openai_client_example_runs(server):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
     import openai_client
@@ -266,7 +329,20 @@ BAD = [  # (path, body (bytes: sent raw), status, param)
     (CHAT, {**GOOD_CHAT, "top_logprobs": 2}, 400, "top_logprobs"),
     (CHAT, {**GOOD_CHAT, "logprobs": True, "top_logprobs": 50}, 400, "logprobs"),
     (CHAT, {**GOOD_CHAT, "max_completion_tokens": 100000}, 400, "max_completion_tokens"),
-    (CHAT, {**GOOD_CHAT, "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice"),
+    (CHAT, {**GOOD_CHAT, "tools": [{"type": "function"}]}, 400, "tools.0"),
+    # known fields the server does not implement: refused, never ignored
+    (C, {**GOOD, "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    (CHAT, {**GOOD_CHAT, "prompt_logprobs": 0}, 400, "prompt_logprobs"),
+    (C, {**GOOD, "best_of": 3}, 400, "best_of"),
+    (C, {**GOOD, "use_beam_search": True}, 400, "use_beam_search"),
+    (C, {**GOOD, "allowed_token_ids": [1, 2]}, 400, "allowed_token_ids"),
+    (C, {**GOOD, "guided_decoding_backend": "xgrammar"}, 400, "guided_decoding_backend"),
+    (C, {**GOOD, "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens"),
+    (CHAT, {**GOOD_CHAT, "functions": [{"name": "f"}]}, 400, "functions"),
+    (CHAT, {**GOOD_CHAT, "store": True}, 400, "store"),
+    (CHAT, {**GOOD_CHAT, "modalities": ["text", "audio"]}, 400, "modalities"),
+    (CHAT, {**GOOD_CHAT, "reasoning_effort": "high"}, 400, "reasoning_effort"),
+    (CHAT, {**GOOD_CHAT, "service_tier": "flex"}, 400, "service_tier"),
     (CHAT, {**GOOD_CHAT, "stream_options": {"include_usage": "yes"}}, 400, "stream_options.include_usage"),
     ("/tokenize", {"prompt": "a", "messages": QUESTION}, 400, "prompt"),
     ("/detokenize", {"tokens": [-5]}, 400, "tokens"),

@@ -1,6 +1,7 @@
 """Structured outputs through the OpenAI-compatible server with the official `openai` client:
-response_format (json_schema, json_object) on chat and completions, vLLM's structured_outputs,
-forced tool calls (named and "required", streamed and not), and 400s for bad constraints."""
+response_format (json_schema, json_object with or without a schema) on chat and completions, vLLM's
+structured_outputs and guided_* fields, forced tool calls (named and "required", streamed and not),
+and 400s for bad constraints."""
 
 import json
 
@@ -98,17 +99,44 @@ def test_named_tool_choice_returns_a_valid_tool_call(client):
 
 
 def test_required_tool_choice_streams_tool_calls(client):
+    """As OpenAI streams a call: its id and name first, then its arguments in fragments."""
     stream = chat(client, ASK_WEATHER, tools=TOOLS, tool_choice="required", parallel_tool_calls=False, stream=True)
-    calls, finish_reason = [], None
+    pieces, finish_reason = [], None
     for chunk in stream:
         for choice in chunk.choices:
-            calls += choice.delta.tool_calls or []
+            pieces += choice.delta.tool_calls or []
             assert not choice.delta.content
             finish_reason = choice.finish_reason or finish_reason
-    assert finish_reason == "tool_calls" and len(calls) == 1
-    name = calls[0].function.name
-    schema = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[name]
-    jsonschema.validate(json.loads(calls[0].function.arguments), schema)
+    assert finish_reason == "tool_calls" and {p.index for p in pieces} == {0} and len(pieces) > 2
+    head, *fragments = pieces
+    assert head.id.startswith("call_") and head.function.name and head.function.arguments == ""
+    assert all(p.id is None and p.function.name is None for p in fragments)
+    schema = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[head.function.name]
+    jsonschema.validate(json.loads("".join(p.function.arguments for p in fragments)), schema)
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_json_object_with_a_schema_enforces_the_schema(client, endpoint):
+    """`{"type": "json_object", "schema": {...}}` (instructor's JSON_SCHEMA mode) is held to its schema."""
+    fmt = {"type": "json_object", "schema": PERSON}
+    if endpoint == "chat":
+        reply = chat(client, [{"role": "user", "content": "Give me a person as JSON."}], response_format=fmt)
+        text = reply.choices[0].message.content
+    else:
+        completion = client.completions.create(
+            model=MODEL, prompt="A person as JSON: ", temperature=0, max_tokens=64, extra_body={"response_format": fmt}
+        )
+        text = completion.choices[0].text
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_vllm_guided_fields_mean_structured_outputs(client):
+    response = chat(
+        client,
+        [{"role": "user", "content": "Which city is the capital of France?"}],
+        extra_body={"guided_choice": ["Paris", "London", "Rome"]},
+    )
+    assert response.choices[0].message.content in ("Paris", "London", "Rome")
 
 
 @pytest.mark.parametrize(
@@ -121,10 +149,11 @@ def test_required_tool_choice_streams_tool_calls(client):
         ),
         ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
         ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a+"}}, "structured_outputs"),
-        ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
+        ({"response_format": {"type": "json_object", "schema": {"type": "nonsense"}}}, "response_format.schema"),
+        ({"structured_outputs": {"regex": "a+"}, "guided_json": {"type": "object"}}, "guided_json"),
         ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ],
-    ids=["unknown-type", "bad-schema", "bad-regex", "two-constraints", "auto", "unknown-function"],
+    ids=["unknown-type", "bad-schema", "bad-regex", "two-constraints", "bad-json-object-schema", "guided", "function"],
 )
 def test_bad_constraints_are_400s_and_the_server_serves_on(client, server, extra, param):
     with pytest.raises(openai.BadRequestError) as error:

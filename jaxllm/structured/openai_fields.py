@@ -3,26 +3,36 @@
 Pure translation, no HTTP: the server calls `output_constraint(request)` on its parsed request
 (any object with the OpenAI field names), and turns a `RequestFieldError` into a 400 naming `param`.
 
-- `response_format`: `{"type": "text"}`, `{"type": "json_object"}`,
+- `response_format`: `{"type": "text"}`, `{"type": "json_object"}` (with a `"schema"`, as
+  instructor's JSON_SCHEMA mode and some providers send it: that schema),
   `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`.
-- `structured_outputs` (vLLM's extra field): the keys of `StructuredOutputsParams`.
+- `structured_outputs` (vLLM's extra field): the keys of `StructuredOutputsParams`; vLLM's older
+  `guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` and `guided_whitespace_pattern`
+  fields mean the same.
 - `tools` + `tool_choice`: a named function (`{"type": "function", "function": {"name"}}`)
   constrains the output to that function's arguments (JSON valid against its `parameters`);
   `"required"` to a JSON array of `{"name", "parameters"}` calls of the given functions (one call
-  when `parallel_tool_calls` is false). `"none"` constrains nothing; `"auto"` needs a model-specific
-  tool-call parser and is refused.
+  when `parallel_tool_calls` is false). `"none"` and `"auto"` (the default when tools are given)
+  constrain nothing: under `"auto"` the model decides, and the server's tool-call parser reads its
+  calls back.
 """
 
 from __future__ import annotations
 
-import json
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from jaxllm.sampling_params import StructuredOutputsParams
 
 STRUCTURED_OUTPUTS_KEYS = ("json", "json_object", "regex", "choice", "grammar", "whitespace_pattern")
+# vLLM's deprecated request fields → the structured_outputs key each stands for
+GUIDED_FIELDS = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+    "guided_whitespace_pattern": "whitespace_pattern",
+}
 
 
 class RequestFieldError(ValueError):
@@ -46,6 +56,15 @@ def output_constraint(request) -> OutputConstraint:
         given.append(("response_format", fmt))
     if (so := getattr(request, "structured_outputs", None)) is not None:
         given.append(("structured_outputs", _structured_outputs(so)))
+    named = [field for field in GUIDED_FIELDS if getattr(request, field, None) is not None]
+    guided = {GUIDED_FIELDS[field]: getattr(request, field) for field in named}
+    if guided:
+        first = named[0]
+        if set(guided) == {"whitespace_pattern"} and given:  # vLLM's whitespace option for another constraint
+            name, params = given[-1]
+            given[-1] = (name, _with_whitespace(params, guided["whitespace_pattern"], first))
+        else:
+            given.append((first, _params(first, **guided)))
     if (call := forced_tool_call(request)) is not None:
         given.append(("tool_choice", call.constraint))
     if len(given) > 1:
@@ -61,6 +80,11 @@ def _response_format(fmt: Any) -> StructuredOutputsParams | None:
     if kind == "text":
         return None
     if kind == "json_object":
+        schema = fmt.get("schema")
+        if schema is not None:
+            if not isinstance(schema, dict):
+                raise RequestFieldError("response_format.schema must be a JSON schema object", "response_format.schema")
+            return _params("response_format.schema", json=schema)
         return _params("response_format", json_object=True)
     if kind == "json_schema":
         spec = fmt.get("json_schema")
@@ -88,6 +112,11 @@ def _structured_outputs(fields: Any) -> StructuredOutputsParams:
     return _params("structured_outputs", **fields)
 
 
+def _with_whitespace(params: StructuredOutputsParams, pattern: Any, param: str) -> StructuredOutputsParams:
+    fields = {params.kind: getattr(params, params.kind), "whitespace_pattern": pattern}
+    return _params(param, **fields)
+
+
 def _params(param: str, **fields) -> StructuredOutputsParams:
     try:
         return StructuredOutputsParams(**fields)
@@ -100,26 +129,13 @@ def _params(param: str, **fields) -> StructuredOutputsParams:
 
 @dataclass
 class ForcedToolCall:
-    """The tool call a request forces: the constraint on the output, and how to read the output back."""
+    """The tool call a request forces: the function (None: any of them) and the constraint on the output.
+
+    The server reads the output back as OpenAI `tool_calls` (entrypoints/openai/tool_parsers/forced.py).
+    """
 
     named: str | None  # the function tool_choice names, or None for "required" (any of the tools)
     constraint: StructuredOutputsParams
-
-    def tool_calls(self, text: str) -> list[dict] | None:
-        """OpenAI `tool_calls` from the generated text, or None when it is not a complete call (cut short)."""
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
-            return None
-        calls = [(self.named, value)] if self.named is not None else [(c["name"], c["parameters"]) for c in value]
-        return [
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)},
-            }
-            for name, arguments in calls
-        ]
 
 
 def forced_tool_call(request) -> ForcedToolCall | None:
@@ -129,11 +145,7 @@ def forced_tool_call(request) -> ForcedToolCall | None:
         return None
     functions = _functions(tools)
     if choice is None or choice == "auto":
-        raise RequestFieldError(
-            "tool_choice 'auto' needs a tool-call parser for this model, which this server does "
-            "not have; use tool_choice 'required' or name a function",
-            "tool_choice",
-        )
+        return None  # the model decides; a tool-call parser reads its calls back
     if choice == "required":
         calls = [
             {
@@ -158,6 +170,11 @@ def forced_tool_call(request) -> ForcedToolCall | None:
     if name not in functions:
         raise RequestFieldError(f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
     return ForcedToolCall(name, _params("tools", json=functions[name]))
+
+
+def tool_names(request) -> list[str]:
+    """The names of the request's function tools (checked as `forced_tool_call` checks them)."""
+    return list(_functions(getattr(request, "tools", None)))
 
 
 def _functions(tools: Any) -> dict[str, dict]:

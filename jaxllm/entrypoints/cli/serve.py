@@ -10,6 +10,8 @@ import os
 
 from jaxllm.engine.args import EngineArgs
 
+TOOL_PARSER_NAMES = ("hermes",)  # jaxllm.entrypoints.openai.tool_parsers.TOOL_PARSERS (not imported: CLI start-up)
+
 
 def register(sub) -> None:
     serve = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
@@ -39,6 +41,30 @@ def register(sub) -> None:
         help="seconds shutdown waits for responses to finish after aborting them",
     )
     serve.add_argument(
+        "--chat-template",
+        default=None,
+        help="the chat template for every conversation, replacing the model's: a file, the template itself, "
+        "or a shipped one by name (chatml_tools: ChatML with Hermes-style tool calls)",
+    )
+    serve.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model decide whether to call a tool (tool_choice "auto"); needs --tool-call-parser '
+        "(on by default for the default model)",
+    )
+    serve.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSER_NAMES),
+        help="how the model writes tool calls (hermes: <tool_call>{...}</tool_call>; the default model's)",
+    )
+    serve.add_argument(
+        "--max-request-body-bytes",
+        type=int,
+        default=16 * 1024 * 1024,
+        help="refuse request bodies larger than this with a 413 (default 16 MiB; 0: no limit)",
+    )
+    serve.add_argument(
         "--headless",
         action="store_true",
         help="multi-host follower (--node-rank > 0): no HTTP, only run node 0's steps",
@@ -58,6 +84,8 @@ def run(args) -> None:
         args.model = args.model_tag
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_request_body_bytes < 0:
+        raise ValueError(f"--max-request-body-bytes must be 0 (no limit) or more, got {args.max_request_body_bytes}")
     if args.headless != (args.node_rank > 0):
         raise ValueError("--headless goes with --node-rank > 0 (a follower), and every follower needs it")
     if args.headless:
@@ -71,7 +99,14 @@ def run(args) -> None:
         served_model_name=(args.served_model_name or [None])[0],
     )
     app = build_app(
-        engine, served_model_names=args.served_model_name, api_key=args.api_key, max_log_len=args.max_log_len
+        engine,
+        served_model_names=args.served_model_name,
+        api_key=args.api_key,
+        max_log_len=args.max_log_len,
+        chat_template=args.chat_template,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        max_request_body_bytes=args.max_request_body_bytes or None,
     )
     serve_http(
         app,

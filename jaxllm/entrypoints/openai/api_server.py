@@ -1,5 +1,6 @@
-"""The FastAPI app: routes only. Each route parses its body, hands it to a serving_* object and
-returns JSON or server-sent events; every failure becomes OpenAI's error JSON (errors.py)."""
+"""The FastAPI app: routes only. Each route reads its body (a 413 past the size limit), parses it,
+hands it to a serving_* object and returns JSON or server-sent events; every failure becomes
+OpenAI's error JSON (errors.py)."""
 
 from __future__ import annotations
 
@@ -7,15 +8,19 @@ import asyncio
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jaxllm
 from jaxllm.engine.async_llm import AsyncLLM
+from jaxllm.entrypoints.openai.async_tokenizer import AsyncTokenizer
+from jaxllm.entrypoints.openai.chat_templates import CHATML_TOOLS, load_chat_template
 from jaxllm.entrypoints.openai.errors import OpenAIError, parse_request, status_error
 from jaxllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -27,12 +32,36 @@ from jaxllm.entrypoints.openai.protocol import (
 )
 from jaxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from jaxllm.entrypoints.openai.serving_engine import convert_engine_errors
+from jaxllm.entrypoints.openai.serving_engine import ServingOptions, convert_engine_errors
 from jaxllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
+from jaxllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from jaxllm.weights.default import DEFAULT_MODEL_NAME
 
 logger = logging.getLogger("jaxllm.server")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+DEFAULT_MAX_REQUEST_BODY_BYTES = 16 * 1024 * 1024  # --max-request-body-bytes
+PARSE_OFF_LOOP_BYTES = 1024 * 1024  # larger bodies are parsed on a thread
+M = TypeVar("M", bound=BaseModel)
+
+
+def serving_options(
+    engine: AsyncLLM, chat_template: str | None, enable_auto_tool_choice: bool, tool_call_parser: str | None
+) -> ServingOptions:
+    """The flags as the serving classes use them. The embedded default model (plain ChatML, no tool format)
+    gets the shipped `chatml_tools` template for conversations with tools and the `hermes` parser."""
+    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(f"--tool-call-parser {tool_call_parser!r}: not one of {', '.join(TOOL_PARSERS)}")
+    default_model = engine.info.model == DEFAULT_MODEL_NAME
+    if default_model:
+        enable_auto_tool_choice, tool_call_parser = True, tool_call_parser or "hermes"
+    if enable_auto_tool_choice and tool_call_parser is None:
+        raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser (one of: {', '.join(TOOL_PARSERS)})")
+    return ServingOptions(
+        chat_template=load_chat_template(chat_template),
+        tools_chat_template=CHATML_TOOLS if default_model else None,
+        tool_parser=tool_call_parser if enable_auto_tool_choice else None,
+    )
 
 
 def build_app(
@@ -41,13 +70,25 @@ def build_app(
     served_model_names: list[str] | None = None,
     api_key: str | None = None,
     max_log_len: int | None = None,
+    chat_template: str | None = None,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
+    max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES,
 ) -> FastAPI:
     names = served_model_names or [engine.model_name]
-    completion = OpenAIServingCompletion(engine, names, max_log_len)
-    chat = OpenAIServingChat(engine, names, max_log_len)
+    options = serving_options(engine, chat_template, enable_auto_tool_choice, tool_call_parser)
+    tokenizer = AsyncTokenizer(engine.tokenizer, engine.info.max_model_len)
+    completion = OpenAIServingCompletion(engine, names, max_log_len, options=options, tokenizer=tokenizer)
+    chat = OpenAIServingChat(engine, names, max_log_len, options=options, tokenizer=tokenizer)
     tokenization = OpenAIServingTokenization(chat)
     app = FastAPI(title="jaxllm OpenAI-compatible server", version=jaxllm.__version__)
     app.state.engine = engine
+
+    async def parse(model: type[M], raw: Request) -> M:
+        body = await read_body(raw, max_request_body_bytes)
+        if len(body) > PARSE_OFF_LOOP_BYTES:
+            return await asyncio.to_thread(parse_request, model, body)
+        return parse_request(model, body)
 
     # ---- errors: OpenAI's JSON everywhere ----------------------------------------------------
 
@@ -74,13 +115,13 @@ def build_app(
 
     @app.post("/v1/completions")
     async def create_completion(raw: Request):
-        body = parse_request(CompletionRequest, await raw.body())
-        return await respond(raw, completion.create_completion(body, raw.headers.get("x-request-id")))
+        body = await parse(CompletionRequest, raw)
+        return await respond(raw, completion.create_completion(body, request_id(raw, body)))
 
     @app.post("/v1/chat/completions")
     async def create_chat_completion(raw: Request):
-        body = parse_request(ChatCompletionRequest, await raw.body())
-        return await respond(raw, chat.create_chat_completion(body, raw.headers.get("x-request-id")))
+        body = await parse(ChatCompletionRequest, raw)
+        return await respond(raw, chat.create_chat_completion(body, request_id(raw, body)))
 
     # ---- everything else --------------------------------------------------------------------------
 
@@ -91,11 +132,15 @@ def build_app(
 
     @app.post("/tokenize")
     async def tokenize(raw: Request):
-        return tokenization.tokenize(parse_request(TokenizeRequest, await raw.body()))
+        return await tokenization.tokenize(await parse(TokenizeRequest, raw))
 
     @app.post("/detokenize")
     async def detokenize(raw: Request):
-        return tokenization.detokenize(parse_request(DetokenizeRequest, await raw.body()))
+        return await tokenization.detokenize(await parse(DetokenizeRequest, raw))
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        return tokenization.tokenizer_info()
 
     @app.get("/health")
     async def health():
@@ -138,6 +183,38 @@ class APIKeyMiddleware:
         header = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, token = header.partition(b" ")
         return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
+
+
+async def read_body(raw: Request, limit: int | None) -> bytes:
+    """The request body; a 413 when it is larger than `limit` bytes.
+
+    An oversized body is refused by its Content-Length before any of it is kept; the rest is still
+    read and dropped (up to 8x the limit), so the client gets the 413 rather than a broken pipe.
+    """
+    declared = raw.headers.get("content-length", "")
+    too_big = limit is not None and declared.isdigit() and int(declared) > limit
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in raw.stream():
+        size += len(chunk)
+        if limit is not None and size > limit:
+            too_big = True
+            if size > 8 * limit:
+                break
+        if not too_big:
+            chunks.append(chunk)
+    if too_big:
+        raise OpenAIError(
+            f"the request body is larger than this server's limit of {limit} bytes (--max-request-body-bytes)",
+            status=413,
+            code="request_too_large",
+        )
+    return b"".join(chunks)
+
+
+def request_id(raw: Request, body) -> str | None:
+    """The client's request id: the X-Request-Id header, else vLLM's `request_id` field."""
+    return raw.headers.get("x-request-id") or body.request_id
 
 
 async def respond(raw: Request, work: Awaitable) -> Response:

@@ -1,8 +1,9 @@
 """Request and response bodies of the OpenAI API (and vLLM's extra fields), as pydantic models.
 
 Requests are parsed strictly from JSON (`parse_request`): a wrong type is a 400 naming the
-field, never a silent coercion. Unknown fields are ignored, as OpenAI and vLLM do.
-Ranges are checked where the request becomes `SamplingParams` (serving_*.py).
+field, never a silent coercion. Unknown fields are ignored, as OpenAI and vLLM do; a field
+OpenAI or vLLM defines is honoured, or refused with a 400 naming it (unsupported.py), never
+accepted and ignored. Ranges are checked where the request becomes `SamplingParams` (serving_*.py).
 """
 
 from __future__ import annotations
@@ -56,9 +57,34 @@ class SamplingRequest(OpenAIModel):
     include_stop_str_in_output: bool = False
     priority: int = 0
     request_id: str | None = None
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens (-1: max_model_len)
+    return_tokens_as_token_ids: bool = False  # logprobs name tokens "token_id:N"
     # structured outputs (jaxllm/structured/openai_fields.py)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None  # vLLM's older names for structured_outputs' keys
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
+    # OpenAI's fields that do not change the output: accepted
+    metadata: dict[str, Any] | None = None
+    service_tier: str | None = None
+    # known fields refused unless left at their default (unsupported.py)
+    prompt_logprobs: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    spaces_between_special_tokens: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    logits_processors: Any = None
+    return_token_ids: Any = None
+    cache_salt: Any = None
+    kv_transfer_params: Any = None
+    vllm_xargs: Any = None
+    structural_tag: Any = None
+    store: Any = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -67,7 +93,9 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = None
     add_special_tokens: bool = True
+    prompt_embeds: Any = None  # refused (unsupported.py)
 
 
 class TextPart(OpenAIModel):
@@ -98,7 +126,21 @@ class ChatCompletionRequest(SamplingRequest):
     continue_final_message: bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None  # for templates that take them (RAG)
     add_special_tokens: bool = False
+    # OpenAI's fields that do not change the output: accepted
+    prediction: dict[str, Any] | None = None  # predicted output: a latency hint only
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    modalities: list[str] | None = None  # ["text"] only (unsupported.py)
+    # known fields refused (unsupported.py)
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+    mm_processor_kwargs: Any = None
 
 
 class TokenizeRequest(OpenAIModel):
@@ -107,6 +149,11 @@ class TokenizeRequest(OpenAIModel):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[dict[str, Any]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_token_strs: bool = False
 
 
 class DetokenizeRequest(OpenAIModel):

@@ -1,10 +1,17 @@
-"""POST /v1/chat/completions: messages through the model's chat template → a reply, streamed or not."""
+"""POST /v1/chat/completions: messages through the chat template → a reply, streamed or not.
+
+Tool calls come back through a tool-call parser (tool_parsers/): the server's `--tool-call-parser`
+under tool_choice "auto" (the default when tools are given), or the forced-call readers for a named
+function or "required". A choice's text goes through the same parser whether it is streamed or not.
+"""
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing
+from dataclasses import dataclass
 
 from jaxllm.entrypoints.openai.errors import bad_request
 from jaxllm.entrypoints.openai.protocol import (
@@ -29,9 +36,46 @@ from jaxllm.entrypoints.openai.serving_engine import (
     sse,
     usage,
 )
+from jaxllm.entrypoints.openai.tool_parsers import (
+    TOOL_PARSERS,
+    NamedToolCallParser,
+    ParsedDelta,
+    RequiredToolCallsParser,
+    ToolCallDelta,
+    ToolParser,
+)
 from jaxllm.outputs import CompletionOutput
 from jaxllm.sampling_params import SamplingParams, StructuredOutputsParams
-from jaxllm.structured.openai_fields import ForcedToolCall
+from jaxllm.structured.openai_fields import OutputConstraint, tool_names
+
+
+@dataclass
+class PreparedChat:
+    """A checked chat request, ready to run: its rendered prompt, sampling parameters and how to read replies."""
+
+    prompt: dict  # {"prompt": text, "prompt_token_ids": ids}
+    params: SamplingParams
+    tool_parser: Callable[[], ToolParser] | None  # a new parser per choice; None: the reply is plain content
+    echo: str  # vLLM's chat echo: text the reply starts with
+
+    def reader(self) -> ChoiceReader:
+        return ChoiceReader(self.tool_parser() if self.tool_parser is not None else None)
+
+
+class ChoiceReader:
+    """One choice's text → content and tool-call pieces, a step at a time (streams) or all at once."""
+
+    def __init__(self, parser: ToolParser | None):
+        self.parser = parser
+
+    def step(self, text: str, engine_reason: str | None) -> tuple[ParsedDelta, str | None]:
+        """What `text` (new since the last step) adds, and the choice's finish reason once it ends."""
+        if self.parser is None:
+            return ParsedDelta(content=text), engine_reason
+        delta = self.parser.feed(text)
+        if engine_reason is None:
+            return delta, None
+        return delta.merge(self.parser.finish()), self.parser.finish_reason(engine_reason)
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -39,17 +83,21 @@ class OpenAIServingChat(OpenAIServing):
         self, request: ChatCompletionRequest, request_id: str | None = None
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         """The response, or (stream=True) the server-sent events. Request errors raise before anything runs."""
-        self.check_model(request.model)
-        self.check_engine()
-        prompt = self.render(request)
-        constraint = self.output_constraint(request)
-        params = self.chat_sampling_params(request, len(prompt["prompt_token_ids"]), constraint.params)
+        self.check_request(request)
+        prepared = await self.prepare(request)
         request_id = request_id or random_id("chatcmpl")
-        outputs = self.generate_all(request_id, [prompt], [params], request.priority, request.user)
-        echo = self.echo_text(request)
+        outputs = self.generate_all(request_id, [prepared.prompt], [prepared.params], request.priority, request.user)
         if request.stream:
-            return self.stream(request, request_id, prompt, outputs, echo, constraint.tool_call)
-        return await self.full_response(request, request_id, prompt, outputs, echo, constraint.tool_call)
+            return self.stream(request, request_id, prepared, outputs)
+        return await self.full_response(request, request_id, prepared, outputs)
+
+    async def prepare(self, request: ChatCompletionRequest) -> PreparedChat:
+        """Everything that can refuse the request, before anything is queued (the Responses API shares it)."""
+        constraint = self.output_constraint(request)
+        parser = self.tool_parser(request, constraint)
+        prompt = await self.render(request)
+        params = self.chat_sampling_params(request, len(prompt["prompt_token_ids"]), constraint.params)
+        return PreparedChat(prompt, params, parser, self.echo_text(request))
 
     def chat_sampling_params(
         self, request: ChatCompletionRequest, prompt_len: int, structured_outputs: StructuredOutputsParams | None = None
@@ -66,33 +114,81 @@ class OpenAIServingChat(OpenAIServing):
             request, max_tokens=max_tokens, logprobs=logprobs, structured_outputs=structured_outputs
         )
 
-    def render(self, request: ChatCompletionRequest) -> dict:
-        """The conversation through the chat template: {"prompt": text, "prompt_token_ids": ids}."""
+    def tool_parser(
+        self, request: ChatCompletionRequest, constraint: OutputConstraint
+    ) -> Callable[[], ToolParser] | None:
+        """How replies are read back: a forced call, the server's parser under "auto", or plain content."""
+        max_calls = None if request.parallel_tool_calls else 1
+        forced = constraint.tool_call
+        if forced is not None:
+            if forced.named is not None:
+                return functools.partial(NamedToolCallParser, forced.named)
+            return functools.partial(RequiredToolCallsParser, tool_names(request), max_calls)
+        if not request.tools or request.tool_choice not in (None, "auto"):
+            return None
+        if self.options.tool_parser is None:
+            raise bad_request(
+                'tool_choice "auto" (the default when tools are given) needs a tool-call parser for this model: '
+                "start the server with --enable-auto-tool-choice --tool-call-parser NAME "
+                f"(one of: {', '.join(TOOL_PARSERS)}), or use tool_choice 'required' or name a function",
+                param="tool_choice",
+            )
+        return functools.partial(TOOL_PARSERS[self.options.tool_parser], max_calls)
+
+    def chat_template(self, request: ChatCompletionRequest, messages: list[dict], tools: list | None) -> str | None:
+        """The request's template, else --chat-template, else the tools template for a conversation with tools
+        (when the server has one), else None: the model's own."""
+        if request.chat_template is not None:
+            return request.chat_template
+        if self.options.chat_template is not None:
+            return self.options.chat_template
+        with_tools = bool(tools) or any(m["role"] == "tool" or m.get("tool_calls") for m in messages)
+        return self.options.tools_chat_template if with_tools else None
+
+    async def render(self, request: ChatCompletionRequest) -> dict:
+        """The conversation through the chat template: {"prompt": text, "prompt_token_ids": ids}.
+
+        A conversation too long to fit is refused before it is rendered; a long one is rendered
+        and tokenized off the event loop.
+        """
         if not request.messages:
             raise bad_request("messages must be a non-empty list", param="messages")
-        tokenizer = self.engine.tokenizer
-        if tokenizer is None or not tokenizer.chat_template and request.chat_template is None:
-            raise bad_request("this model has no chat template; use /v1/completions", param="messages")
         if request.continue_final_message and request.add_generation_prompt:
             raise bad_request(
                 "continue_final_message and add_generation_prompt cannot both be true", param="continue_final_message"
             )
         messages = [message_dict(m) for m in request.messages]
+        tools = request.tools if request.tool_choice != "none" else None
+        template = self.chat_template(request, messages, tools)
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None or not tokenizer.chat_template and template is None:
+            raise bad_request("this model has no chat template; use /v1/completions", param="messages")
+        chars = sum(len(m["content"]) for m in messages)
+        if request.truncate_prompt_tokens is None:
+            self.tokenizing.check_length(chars, "messages")
+        text, ids = await self.tokenizing.run(chars, self._render, request, messages, tools, template)
+        ids = self.truncate(ids, request)
+        self.check_prompt(ids, "messages")
+        return {"prompt": text, "prompt_token_ids": ids}
+
+    def _render(
+        self, request: ChatCompletionRequest, messages: list[dict], tools: list | None, template: str | None
+    ) -> tuple[str, list[int]]:
+        tokenizer = self.engine.tokenizer
         try:
             text = tokenizer.apply_chat_template(
                 messages,
                 tokenize=False,
                 add_generation_prompt=request.add_generation_prompt,
                 continue_final_message=request.continue_final_message,
-                chat_template=request.chat_template,
-                tools=request.tools,
+                chat_template=template,
+                tools=tools,
+                documents=request.documents,
                 **(request.chat_template_kwargs or {}),
             )
         except Exception as e:  # a template that rejects the conversation (roles out of order, ...)
             raise bad_request(f"the chat template failed on these messages: {e}", param="messages") from None
-        ids = tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
-        self.check_prompt(ids, "messages")
-        return {"prompt": text, "prompt_token_ids": ids}
+        return text, tokenizer.encode(text, add_special_tokens=request.add_special_tokens)
 
     @staticmethod
     def echo_text(request: ChatCompletionRequest) -> str:
@@ -102,9 +198,7 @@ class OpenAIServingChat(OpenAIServing):
             return message_dict(last)["content"]
         return ""
 
-    async def full_response(
-        self, request, request_id, prompt, outputs, echo, tool_call: ForcedToolCall | None = None
-    ) -> ChatCompletionResponse:
+    async def full_response(self, request, request_id, prepared: PreparedChat, outputs) -> ChatCompletionResponse:
         final = None
         async with aclosing(outputs):
             async for _, out in outputs:
@@ -115,19 +209,18 @@ class OpenAIServingChat(OpenAIServing):
             raise RuntimeError("the engine ended the request without an output")
         choices = []
         for c in final.outputs:
-            calls, finish_reason = read_tool_calls(tool_call, c.text, c.finish_reason)
-            message = (
-                ChatResponseMessage(content=None, tool_calls=calls)
-                if calls
-                else ChatResponseMessage(content=echo + c.text)
-            )
+            parsed, finish_reason = prepared.reader().step(c.text, c.finish_reason)
+            calls = [call.openai() for call in parsed.calls] or None
+            content: str | None = prepared.echo + parsed.content
+            if calls and not content:
+                content = None
             choices.append(
                 ChatChoice(
                     index=c.index,
-                    message=message,
+                    message=ChatResponseMessage(content=content, tool_calls=calls),
                     finish_reason=finish_reason,
                     stop_reason=c.stop_reason,
-                    logprobs=chat_logprobs(c, request.top_logprobs or 0) if request.logprobs else None,
+                    logprobs=self.logprobs(request, c),
                 )
             )
         generated = sum(len(c.token_ids) for c in final.outputs)
@@ -135,18 +228,16 @@ class OpenAIServingChat(OpenAIServing):
             id=request_id,
             model=self.model_name(request),
             choices=choices,
-            usage=usage(len(prompt["prompt_token_ids"]), generated),
+            usage=usage(len(prepared.prompt["prompt_token_ids"]), generated),
         )
 
-    async def stream(
-        self, request, request_id, prompt, outputs, echo, tool_call: ForcedToolCall | None = None
-    ) -> AsyncIterator[str]:
+    async def stream(self, request, request_id, prepared: PreparedChat, outputs) -> AsyncIterator[str]:
         model = self.model_name(request)
         include_usage = request.stream_options is not None and request.stream_options.include_usage
         continuous = include_usage and request.stream_options.continuous_usage_stats
-        prompt_tokens = len(prompt["prompt_token_ids"])
+        prompt_tokens = len(prepared.prompt["prompt_token_ids"])
         generated = [0] * request.n
-        texts = [""] * request.n  # a forced tool call's text, read back as tool_calls when it ends
+        readers = [prepared.reader() for _ in range(request.n)]
         head = ChatCompletionChunk(id=request_id, created=int(time.time()), model=model, choices=[])
 
         def chunk(choices, usage_info=None) -> str:
@@ -155,7 +246,10 @@ class OpenAIServingChat(OpenAIServing):
         try:
             # every choice opens with the role, as OpenAI's stream does
             yield chunk(
-                [ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=echo)) for i in range(request.n)]
+                [
+                    ChatChunkChoice(index=i, delta=DeltaMessage(role="assistant", content=prepared.echo))
+                    for i in range(request.n)
+                ]
             )
             async with aclosing(outputs):
                 async for _, out in outputs:
@@ -164,38 +258,47 @@ class OpenAIServingChat(OpenAIServing):
                         break
                     for c in out.outputs:
                         generated[c.index] += len(c.token_ids)
-                        delta, finish_reason = DeltaMessage(content=c.text), c.finish_reason
-                        if tool_call is not None:
-                            texts[c.index] += c.text
-                            if c.finish_reason is None:
-                                continue
-                            calls, finish_reason = read_tool_calls(tool_call, texts[c.index], c.finish_reason)
-                            delta = (
-                                DeltaMessage(tool_calls=[{"index": i, **call} for i, call in enumerate(calls)])
-                                if calls
-                                else DeltaMessage(content=texts[c.index])
+                        reader = readers[c.index]
+                        parsed, finish_reason = reader.step(c.text, c.finish_reason)
+                        deltas = delta_messages(parsed, plain=reader.parser is None)
+                        if not deltas and (finish_reason or request.logprobs):
+                            deltas = [DeltaMessage()]
+                        for i, delta in enumerate(deltas):  # nothing when the parser holds text back
+                            last = i == len(deltas) - 1
+                            choice = ChatChunkChoice(
+                                index=c.index,
+                                delta=delta,
+                                logprobs=self.logprobs(request, c) if last else None,
+                                finish_reason=finish_reason if last else None,
+                                stop_reason=c.stop_reason if last else None,
                             )
-                        choice = ChatChunkChoice(
-                            index=c.index,
-                            delta=delta,
-                            logprobs=chat_logprobs(c, request.top_logprobs or 0) if request.logprobs else None,
-                            finish_reason=finish_reason,
-                            stop_reason=c.stop_reason,
-                        )
-                        yield chunk([choice], usage(prompt_tokens, sum(generated)) if continuous else None)
+                            yield chunk([choice], usage(prompt_tokens, sum(generated)) if continuous else None)
             if include_usage:
                 yield chunk([], usage(prompt_tokens, sum(generated)))
         except Exception as e:
             yield convert_engine_errors(e).sse()
         yield SSE_DONE
 
+    @staticmethod
+    def logprobs(request: ChatCompletionRequest, c: CompletionOutput) -> ChatLogProbs | None:
+        if not request.logprobs:
+            return None
+        return chat_logprobs(c, request.top_logprobs or 0, request.return_tokens_as_token_ids)
 
-def read_tool_calls(
-    tool_call: ForcedToolCall | None, text: str, finish_reason: str | None
-) -> tuple[list[dict] | None, str | None]:
-    """A forced call's text as OpenAI `tool_calls` (finish_reason "tool_calls"); cut-short text stays text."""
-    calls = tool_call.tool_calls(text) if tool_call is not None and finish_reason == "stop" else None
-    return calls, "tool_calls" if calls else finish_reason
+
+def delta_messages(parsed: ParsedDelta, plain: bool) -> list[DeltaMessage]:
+    """A step's stream deltas, as OpenAI sends them: content, then for each call its id and name first
+    (arguments "") and its argument fragments after. `plain`: no parser, one content delta even if empty."""
+    if plain:
+        return [DeltaMessage(content=parsed.content)]
+    deltas = [DeltaMessage(content=parsed.content)] if parsed.content else []
+    for piece in parsed.calls:
+        if piece.id is not None and piece.arguments:
+            head = ToolCallDelta(piece.index, piece.id, piece.name)
+            deltas.append(DeltaMessage(tool_calls=[head.openai()]))
+            piece = ToolCallDelta(piece.index, arguments=piece.arguments)
+        deltas.append(DeltaMessage(tool_calls=[piece.openai()]))
+    return deltas
 
 
 def message_dict(message: ChatMessage) -> dict:
@@ -210,22 +313,30 @@ def message_dict(message: ChatMessage) -> dict:
     return out
 
 
-def chat_logprobs(c: CompletionOutput, k: int) -> ChatLogProbs:
-    """OpenAI's chat logprobs: per sampled token, its logprob and the top `k` alternatives."""
+def chat_logprobs(c: CompletionOutput, k: int, as_token_ids: bool = False) -> ChatLogProbs:
+    """OpenAI's chat logprobs: per sampled token, its logprob and the top `k` alternatives.
+
+    `as_token_ids` (vLLM's return_tokens_as_token_ids) names each token "token_id:N" instead of its text.
+    """
+
+    def name(token: int, decoded: str | None) -> str:
+        return f"token_id:{token}" if as_token_ids else decoded or ""
+
     content = []
     for token, entries in zip(c.token_ids, c.logprobs or [], strict=True):
         chosen = entries[token]
-        top = sorted((e for e in entries.values() if e.rank <= k), key=lambda e: e.rank)
+        top = sorted(((t, e) for t, e in entries.items() if e.rank <= k), key=lambda te: te[1].rank)
+        text = name(token, chosen.decoded_token)
         content.append(
             TokenLogprob(
-                token=chosen.decoded_token or "",
+                token=text,
                 logprob=chosen.logprob,
-                bytes=list((chosen.decoded_token or "").encode()),
+                bytes=list(text.encode()),
                 top_logprobs=[
                     TopLogprob(
-                        token=e.decoded_token or "", logprob=e.logprob, bytes=list((e.decoded_token or "").encode())
+                        token=name(t, e.decoded_token), logprob=e.logprob, bytes=list(name(t, e.decoded_token).encode())
                     )
-                    for e in top
+                    for t, e in top
                 ],
             )
         )

@@ -31,9 +31,8 @@ class OpenAIServingCompletion(OpenAIServing):
         self, request: CompletionRequest, request_id: str | None = None
     ) -> CompletionResponse | AsyncIterator[str]:
         """The response, or (stream=True) the server-sent events. Request errors raise before anything runs."""
-        self.check_model(request.model)
-        self.check_engine()
-        prompts = self.prompts(request)
+        self.check_request(request)
+        prompts = await self.prompts(request)
         constraint = self.output_constraint(request).params
         params = [self.completion_sampling_params(request, len(p["prompt_token_ids"]), constraint) for p in prompts]
         request_id = request_id or random_id("cmpl")
@@ -55,8 +54,11 @@ class OpenAIServingCompletion(OpenAIServing):
             request, max_tokens=max_tokens, logprobs=request.logprobs, structured_outputs=structured_outputs
         )
 
-    def prompts(self, request: CompletionRequest) -> list[dict]:
-        """Every prompt as {"prompt": text, "prompt_token_ids": ids}, checked against the model's limits."""
+    async def prompts(self, request: CompletionRequest) -> list[dict]:
+        """Every prompt as {"prompt": text, "prompt_token_ids": ids}, checked against the model's limits.
+
+        A text too long to fit is refused before it is tokenized; a long one is tokenized off the event loop.
+        """
         raw: list[str] | list[list[int]]
         if isinstance(request.prompt, str):
             raw = [request.prompt]
@@ -67,18 +69,24 @@ class OpenAIServingCompletion(OpenAIServing):
         if not raw:
             raise bad_request("prompt must not be empty", param="prompt")
         tokenizer = self.engine.tokenizer
-        prompts = []
-        for i, item in enumerate(raw):
-            param = "prompt" if len(raw) == 1 else f"prompt.{i}"
+        params = ["prompt" if len(raw) == 1 else f"prompt.{i}" for i in range(len(raw))]
+        for item, param in zip(raw, params, strict=True):  # every prompt checked before any is tokenized
             if isinstance(item, str):
                 if tokenizer is None:
                     raise bad_request("this model has no tokenizer: send token ids", param=param)
-                ids, text = tokenizer.encode(item, add_special_tokens=request.add_special_tokens), item
+                if request.truncate_prompt_tokens is None:
+                    self.tokenizing.check_length(len(item), param)
+        prompts = []
+        for item, param in zip(raw, params, strict=True):
+            text: str | None = None
+            if isinstance(item, str):
+                ids, text = await self.tokenizing.encode(item, request.add_special_tokens), item
             else:
-                ids, text = list(item), None
+                ids = cast(list[int], list(item))
+            ids = self.truncate(ids, request)
             self.check_prompt(ids, param)
-            if text is None and request.echo and tokenizer is not None:
-                text = tokenizer.decode(ids)
+            if request.echo and tokenizer is not None and (text is None or request.truncate_prompt_tokens is not None):
+                text = await self.tokenizing.decode(ids)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return prompts
 
@@ -100,7 +108,11 @@ class OpenAIServingCompletion(OpenAIServing):
                     CompletionChoice(
                         index=i * request.n + c.index,
                         text=echo + c.text,
-                        logprobs=completion_logprobs(c, len(echo))[0] if request.logprobs is not None else None,
+                        logprobs=(
+                            completion_logprobs(c, len(echo), request.return_tokens_as_token_ids)[0]
+                            if request.logprobs is not None
+                            else None
+                        ),
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
                     )
@@ -134,7 +146,9 @@ class OpenAIServingCompletion(OpenAIServing):
                                 text = (out.prompt or "") + text
                         logprobs = None
                         if request.logprobs is not None:
-                            logprobs, _ = completion_logprobs(c, offset + len(text) - len(c.text))
+                            logprobs, _ = completion_logprobs(
+                                c, offset + len(text) - len(c.text), request.return_tokens_as_token_ids
+                            )
                         offsets[index] = offset + len(text)
                         generated[index] += len(c.token_ids)
                         chunk = CompletionResponse(
@@ -168,15 +182,20 @@ class OpenAIServingCompletion(OpenAIServing):
         yield SSE_DONE
 
 
-def completion_logprobs(c: CompletionOutput, offset: int) -> tuple[CompletionLogProbs, int]:
-    """OpenAI's legacy logprobs of `c`'s tokens, text offsets counted from `offset`."""
+def completion_logprobs(c: CompletionOutput, offset: int, as_token_ids: bool = False) -> tuple[CompletionLogProbs, int]:
+    """OpenAI's legacy logprobs of `c`'s tokens, text offsets counted from `offset`.
+
+    `as_token_ids` (vLLM's return_tokens_as_token_ids) names each token "token_id:N" instead of its text.
+    """
     result = CompletionLogProbs()
     for token, entries in zip(c.token_ids, c.logprobs or [], strict=True):
         chosen: Logprob = entries[token]
         text = chosen.decoded_token or ""
-        result.tokens.append(text)
+        result.tokens.append(f"token_id:{token}" if as_token_ids else text)
         result.token_logprobs.append(chosen.logprob)
-        result.top_logprobs.append({e.decoded_token or "": e.logprob for e in entries.values()})
+        result.top_logprobs.append(
+            {(f"token_id:{t}" if as_token_ids else e.decoded_token or ""): e.logprob for t, e in entries.items()}
+        )
         result.text_offset.append(offset)
         offset += len(text)
     return result, offset

@@ -1,18 +1,21 @@
-"""What the completion and chat endpoints share: model check, the sampling fields, the token
-budget, request logging, merging several streams, server-sent events and usage counts."""
+"""What the endpoints share: the server's options, model and field checks, the sampling fields,
+the token budget, request logging, merging several streams, server-sent events and usage counts."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
 
 from jaxllm.engine.async_llm import AsyncLLM, EngineDeadError
+from jaxllm.entrypoints.openai.async_tokenizer import AsyncTokenizer
 from jaxllm.entrypoints.openai.errors import OpenAIError, bad_request, from_value_error
 from jaxllm.entrypoints.openai.protocol import SamplingRequest, UsageInfo
+from jaxllm.entrypoints.openai.unsupported import refuse_unsupported
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams, StructuredOutputsParams
 from jaxllm.structured.openai_fields import OutputConstraint, RequestFieldError, output_constraint
@@ -22,12 +25,31 @@ logger = logging.getLogger("jaxllm.server")
 _DONE = object()
 
 
+@dataclass(frozen=True)
+class ServingOptions:
+    """Server-wide settings from `jaxllm serve`'s flags, shared by every endpoint."""
+
+    chat_template: str | None = None  # --chat-template: replaces the model's own template
+    tools_chat_template: str | None = None  # for conversations with tools when the model's template has no tools
+    tool_parser: str | None = None  # reads calls back under tool_choice "auto" (--tool-call-parser)
+
+
 class OpenAIServing:
-    def __init__(self, engine: AsyncLLM, served_model_names: list[str], max_log_len: int | None = None):
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        served_model_names: list[str],
+        max_log_len: int | None = None,
+        *,
+        options: ServingOptions | None = None,
+        tokenizer: AsyncTokenizer | None = None,
+    ):
         self.engine = engine
         self.served_model_names = served_model_names
         self.max_log_len = max_log_len
         self.max_model_len = engine.info.max_model_len
+        self.options = options or ServingOptions()
+        self.tokenizing = tokenizer or AsyncTokenizer(engine.tokenizer, self.max_model_len)
 
     def model_name(self, request) -> str:
         return request.model or self.served_model_names[0]
@@ -43,6 +65,23 @@ class OpenAIServing:
             self.engine.check_health()
         except EngineDeadError as e:
             raise OpenAIError(str(e), status=503) from None
+
+    def check_request(self, request) -> None:
+        """What every generation request must pass before any work: its model, a live engine, no refused field."""
+        self.check_model(request.model)
+        self.check_engine()
+        refuse_unsupported(request)
+
+    def truncate(self, token_ids: list[int], request) -> list[int]:
+        """vLLM's `truncate_prompt_tokens`: keep the prompt's last N tokens (-1: max_model_len)."""
+        keep = getattr(request, "truncate_prompt_tokens", None)
+        if keep is None:
+            return token_ids
+        if keep == -1:
+            keep = self.max_model_len
+        if keep < 1:
+            raise bad_request(f"truncate_prompt_tokens must be -1 or at least 1, got {keep}", "truncate_prompt_tokens")
+        return token_ids[-keep:]
 
     def check_prompt(self, token_ids: list[int], param: str) -> None:
         try:
