@@ -30,9 +30,11 @@ from jaxllm.entrypoints.openai.protocol import (
     ModelList,
     TokenizeRequest,
 )
+from jaxllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from jaxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jaxllm.entrypoints.openai.serving_engine import ServingOptions, convert_engine_errors
+from jaxllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from jaxllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from jaxllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from jaxllm.weights.default import DEFAULT_MODEL_NAME
@@ -81,6 +83,7 @@ def build_app(
     completion = OpenAIServingCompletion(engine, names, max_log_len, options=options, tokenizer=tokenizer)
     chat = OpenAIServingChat(engine, names, max_log_len, options=options, tokenizer=tokenizer)
     tokenization = OpenAIServingTokenization(chat)
+    responses = OpenAIServingResponses(chat)
     app = FastAPI(title="jaxllm OpenAI-compatible server", version=jaxllm.__version__)
     app.state.engine = engine
 
@@ -122,6 +125,11 @@ def build_app(
     async def create_chat_completion(raw: Request):
         body = await parse(ChatCompletionRequest, raw)
         return await respond(raw, chat.create_chat_completion(body, request_id(raw, body)))
+
+    @app.post("/v1/responses")
+    async def create_response(raw: Request):
+        body = await parse(ResponsesRequest, raw)
+        return await respond(raw, responses.create_response(body, raw.headers.get("x-request-id")))
 
     # ---- everything else --------------------------------------------------------------------------
 
@@ -234,7 +242,7 @@ async def respond(raw: Request, work: Awaitable) -> Response:
     result = handler.result()
     if isinstance(result, AsyncIterator):
         return StreamingResponse(result, media_type="text/event-stream", headers=SSE_HEADERS)
-    return JSONResponse(result.model_dump())
+    return JSONResponse(result if isinstance(result, dict) else result.model_dump())
 
 
 async def _wait_for_disconnect(raw: Request) -> None:
