@@ -102,7 +102,7 @@ def test_a_function_call_and_its_output_in_a_second_turn(client, stream):
         assert done.arguments == "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
         response = events[-1].response
     else:
-        response = create(client, input=CALL_PLEASE, tools=[WEATHER_TOOL], max_output_tokens=40)
+        response = create(client, input=CALL_PLEASE, tools=[WEATHER_TOOL], max_output_tokens=40, max_tool_calls=1)
     assert response.status == "completed"
     (call,) = response.output
     assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")

@@ -11,6 +11,10 @@ times that many characters cannot fit and is refused at once (vLLM tokenizes it 
 holds only for tokenizers that never drop or merge characters before matching the vocabulary
 (no whitespace-removing pre-tokenizer, no collapsing normalizer); `prompt_char_limit` checks the
 tokenizer's pipeline and gives no bound (tokenize, off the loop) for any other.
+
+The tokenizer is shared by these threads, the event loop and the engine's detokenizer: that is
+safe because nothing sets its truncation or padding (transformers would then change the Rust
+tokenizer's settings, which needs it to itself).
 """
 
 from __future__ import annotations

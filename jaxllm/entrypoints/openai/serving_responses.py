@@ -12,6 +12,7 @@ max_output_tokens cut it short), each an SSE `event:` line and its JSON with a s
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import time
 import uuid
@@ -23,7 +24,7 @@ from jaxllm.entrypoints.openai.errors import OpenAIError
 from jaxllm.entrypoints.openai.responses_protocol import ResponsesRequest, chat_request
 from jaxllm.entrypoints.openai.serving_chat import OpenAIServingChat, PreparedChat
 from jaxllm.entrypoints.openai.serving_engine import convert_engine_errors, engine_error
-from jaxllm.entrypoints.openai.tool_parsers import ParsedDelta
+from jaxllm.entrypoints.openai.tool_parsers import ParsedDelta, ToolParser
 
 # chat's names for the fields a Responses request has under other names
 PARAMS = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text.format"}
@@ -150,7 +151,7 @@ class OpenAIServingResponses:
         try:
             chat = chat_request(request)
             self.chat.check_request(chat)
-            prepared = await self.chat.prepare(chat)
+            prepared = limit_calls(await self.chat.prepare(chat), request.max_tool_calls)
         except OpenAIError as e:
             raise renamed(e) from None
         response_id = item_id("resp")
@@ -263,6 +264,20 @@ class OpenAIServingResponses:
             yield event({"type": kind, "response": response})
         except Exception as e:
             yield event(error_event(convert_engine_errors(e)))
+
+
+def limit_calls(prepared: PreparedChat, max_tool_calls: int | None) -> PreparedChat:
+    """`max_tool_calls`: calls past the limit are dropped by the reply's parser."""
+    make = prepared.tool_parser
+    if max_tool_calls is None or make is None:
+        return prepared
+
+    def limited() -> ToolParser:
+        parser = make()
+        parser.max_calls = min(parser.max_calls or max_tool_calls, max_tool_calls)
+        return parser
+
+    return dataclasses.replace(prepared, tool_parser=limited)
 
 
 def error_event(error: OpenAIError) -> dict:
