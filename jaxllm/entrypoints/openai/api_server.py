@@ -129,7 +129,7 @@ def build_app(
     @app.post("/v1/responses")
     async def create_response(raw: Request):
         body = await parse(ResponsesRequest, raw)
-        return await respond(raw, responses.create_response(body, raw.headers.get("x-request-id")))
+        return await respond(raw, responses.create_response(body, request_id(raw, body)))
 
     # ---- everything else --------------------------------------------------------------------------
 
