@@ -25,6 +25,8 @@ from jaxllm.sim.engine_run import run_trace_on_engine
 from jaxllm.sim.simulator import SimConfig, cost_model_step_time, simulate
 from jaxllm.sim.synth import LengthDist, synthesize
 from jaxllm.sim.trace import TraceRequest, load_trace
+from jaxllm.spec_decode.budget import DraftBudget
+from jaxllm.spec_decode.config import SpeculativeConfig
 
 COST = CostModel(
     bucket_tokens=[1, 64, 512],
@@ -343,6 +345,211 @@ def test_research_experiment_writes_its_plot_and_the_committed_figures(script, t
         json.loads(path.read_text()) for path in (tmp_path / f"{script}.json", folder / "results" / f"{script}.json")
     )
     assert leaves(got) == pytest.approx(leaves(committed), rel=1e-6)
+
+
+# ---- speculative decoding ------------------------------------------------------------------------
+
+
+def spec_config(k=4, policy="fcfs", num_blocks=200, **spec):
+    config = squeezed_config(policy, num_blocks)
+    return replace(config, speculative=SpeculativeConfig("ngram", k, **spec) if k else None)
+
+
+def one_at_a_time(rates, output_len=101):
+    """Requests far apart (batch 1), prompts of 20 tokens, each with its trace acceptance rate (None: absent)."""
+    return [
+        TraceRequest(arrival_time=10.0 * i, prompt_len=20, output_len=output_len, acceptance_rate=rate)
+        for i, rate in enumerate(rates)
+    ]
+
+
+def steps_per_request(result) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for step in result.steps:
+        for rid in step:
+            counts[rid] = counts.get(rid, 0) + 1
+    return counts
+
+
+def test_full_acceptance_with_four_drafts_finishes_a_request_in_a_fifth_of_the_steps():
+    trace = one_at_a_time([None])
+    plain_config, spec = spec_config(0), spec_config(4)
+    plain = simulate(trace, plain_config, cost_model_step_time(COST, plain_config))
+    fast = simulate(trace, spec, cost_model_step_time(COST, spec), acceptance_rate=1.0)
+    assert plain.num_steps == 101  # the prefill gives the first token, then one token a step
+    # then 4 accepted drafts + 1 a step (22 today: the load-aware rule first measures one plain decode step)
+    assert 1 + 100 // 5 <= fast.num_steps <= 3 + 100 // 5
+    record = fast.records[0]
+    assert record.success and record.output_len == 101 and len(record.itl) == 100
+    assert fast.duration < plain.duration / 3
+    summary = fast.to_json()
+    assert summary["spec_decode_acceptance_rate"] == 1.0 and summary["spec_decode_mean_acceptance_length"] > 4.8
+    assert summary["spec_decode_num_drafts"] >= 19 and summary["spec_decode_speculated_fraction"] > 0.9
+    per_pos = summary["spec_decode_num_accepted_tokens_per_pos"]
+    assert per_pos[0] == summary["spec_decode_num_drafts"] and per_pos[3] >= per_pos[0] - 1  # the last: 3 left
+    assert summary["total_output_tokens"] == plain.to_json()["total_output_tokens"]
+    assert fast.draft_tokens == fast.accepted_tokens == [summary["spec_decode_num_draft_tokens"]]
+    assert plain.draft_tokens is None
+    assert "spec_decode_num_drafts" not in plain.to_json()
+
+
+def test_zero_acceptance_costs_no_fewer_steps_than_no_speculation():
+    trace = busy_trace(20)
+    plain_config, spec = spec_config(0), spec_config(3)
+    plain = simulate(trace, plain_config, cost_model_step_time(COST, plain_config))
+    none = simulate(trace, spec, cost_model_step_time(COST, spec), acceptance_rate=0.0)
+    assert none.num_steps >= plain.num_steps and none.duration >= plain.duration
+    summary = none.to_json()
+    assert summary["spec_decode_num_draft_tokens"] > 0 and summary["spec_decode_num_accepted_tokens"] == 0
+    assert summary["spec_decode_mean_acceptance_length"] == 1.0
+    assert [r.output_len for r in none.records] == [r.output_len for r in plain.records]
+
+
+def test_a_seeded_speculative_run_is_reproducible():
+    trace, config = busy_trace(30), spec_config(4)
+    step_time = cost_model_step_time(COST, config)
+    runs = [simulate(trace, config, step_time, seed=5, acceptance_rate=0.6, record_steps=True) for _ in range(2)]
+    assert runs[0].to_json() == runs[1].to_json() and runs[0].steps == runs[1].steps
+    other = simulate(trace, config, step_time, seed=6, acceptance_rate=0.6)
+    assert other.to_json()["spec_decode_num_accepted_tokens"] != runs[0].to_json()["spec_decode_num_accepted_tokens"]
+    rate = runs[0].to_json()["spec_decode_acceptance_rate"]
+    assert 0.3 < rate < 0.6  # per draft: the chain stops at the first rejection (E = 0.6 + 0.36 + ... over 4)
+
+
+@pytest.mark.parametrize("global_rate", [0.0, 1.0])
+def test_a_per_request_acceptance_rate_in_the_trace_wins_over_the_global_one(global_rate):
+    trace, config = one_at_a_time([1.0, None, 0.0]), spec_config(4)
+    result = simulate(trace, config, cost_model_step_time(COST, config), acceptance_rate=global_rate, record_steps=True)
+    assert result.draft_tokens is not None and all(result.draft_tokens)  # every request verified drafts
+    rates = [a / d for a, d in zip(result.accepted_tokens, result.draft_tokens, strict=True)]
+    assert rates == [1.0, global_rate, 0.0]
+    counts = steps_per_request(result)
+    assert counts["0"] <= 23 and counts["2"] == 101 and (counts["1"] == 101) == (global_rate == 0.0)
+    with pytest.raises(ValueError, match="acceptance rate"):  # request 1 has none, and no global rate
+        simulate(trace, config, cost_model_step_time(COST, config))
+    simulate(trace[::2], config, cost_model_step_time(COST, config))  # every request carries its own: enough
+
+
+def test_trace_records_carry_an_optional_acceptance_rate(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text(
+        json.dumps({"arrival_time": 0, "prompt_len": 8, "output_len": 4, "acceptance_rate": 0.25})
+        + "\n"
+        + json.dumps({"arrival_time": 1, "prompt_len": 8, "output_len": 4})
+        + "\n"
+    )
+    assert [r.acceptance_rate for r in load_trace(path)] == [0.25, None]
+    assert "acceptance_rate" not in load_trace(path)[1].to_json()
+    path.write_text(json.dumps({"arrival_time": 0, "prompt_len": 8, "output_len": 4, "acceptance_rate": 1.5}) + "\n")
+    with pytest.raises(ValueError, match=":1: acceptance_rate must be a number in \\[0, 1\\]"):
+        load_trace(path)
+    ranged = synthesize(
+        50, request_rate=1, input_len=LengthDist(8), output_len=LengthDist(4), acceptance_rate=(0.3, 0.9)
+    )
+    assert all(0.3 <= r.acceptance_rate <= 0.9 for r in ranged) and len({r.acceptance_rate for r in ranged}) > 40
+    plain = synthesize(50, request_rate=1, input_len=LengthDist(8), output_len=LengthDist(4))
+    assert [replace(r, acceptance_rate=None) for r in ranged] == plain  # the rest of the trace is unchanged
+
+
+@pytest.mark.parametrize("rate", [0.0, 0.6, 1.0])
+def test_speculation_under_preemption_forces_lengths_and_returns_every_block(rate):
+    trace, config = busy_trace(), spec_config(2, num_blocks=25)
+    result = simulate(trace, config, cost_model_step_time(COST, config), seed=3, acceptance_rate=rate)
+    assert result.num_preemptions > 0
+    assert [r.output_len for r in result.records] == [t.output_len for t in trace]
+    assert all(r.success and len(r.itl) == r.output_len - 1 for r in result.records)
+    assert result.free_blocks_at_end == result.num_usable_blocks
+
+
+def test_the_draft_budget_is_fed_the_cost_models_step_times(monkeypatch):
+    """The load-aware rule learns step costs as in the engine: here from the simulated clock."""
+    observed, priced = [], []
+    original = DraftBudget.observe_step
+
+    def observe_step(self, num_tokens, seconds):
+        observed.append((num_tokens, seconds))
+        original(self, num_tokens, seconds)
+
+    monkeypatch.setattr(DraftBudget, "observe_step", observe_step)
+    config = spec_config(3)
+    model = cost_model_step_time(COST, config)
+
+    def step_time(out):
+        priced.append((out.num_tokens, model(out)))
+        return priced[-1][1]
+
+    result = simulate(busy_trace(10), config, step_time, acceptance_rate=0.5)
+    assert observed == priced and len(observed) == result.num_steps
+    assert any(tokens > 1 and tokens <= 8 for tokens, _ in observed)  # verification steps among them
+
+
+def test_disable_by_batch_size_turns_drafts_off_in_large_batches():
+    output = LengthDist(40, "uniform", range_ratio=0.9)
+    trace = synthesize(8, request_rate=float("inf"), input_len=LengthDist(20), output_len=output, seed=1)
+    config = spec_config(1, disable_by_batch_size=4)
+    result = simulate(trace, config, cost_model_step_time(COST, config), acceptance_rate=1.0)
+    summary = result.to_json()
+    # 8 requests at once: no drafts until fewer than 4 are left running
+    assert 0 < summary["spec_decode_speculated_fraction"] < 0.5
+
+
+def test_verification_steps_are_priced_by_their_rows():
+    """A verification of d drafts: d + 1 tokens and d + 1 rows of logits of one sequence, not a prefill."""
+    from jaxllm.engine.scheduler import ScheduledRequest, SchedulerOutput
+
+    request = Request("r", list(range(100, 140)), SamplingParams())
+    out = SchedulerOutput(0, [ScheduledRequest(request, 4, 39, [0, 1, 2], [7, 8, 9])])
+    shape = StepShape.of(out)
+    assert shape == StepShape(num_tokens=4, num_seqs=1, context_tokens=43, attention_pairs=4 * 43, num_rows=4)
+    model = replace(COST, per_prefill_step_s=0.5)
+    expected = model.base(4) + 2e-6 * 43 + 1e-9 * 4 * 43 + 1e-4 * 4
+    assert model.step_time(shape, 64) == pytest.approx(expected)  # no prefill-step cost
+    assert StepShape(4, 1, 43, 172).num_rows == 1  # four given numbers: a step without drafts
+
+
+def test_calibration_sweeps_verification_steps_within_the_engines_limits():
+    points = calibrate.sweep_points(8, 64, 512, 4000)
+    verify = [p for p in points if any(len(seq) == 3 for seq in p)]
+    assert len(verify) >= 10
+    for layout in verify:
+        rows = sum(1 + (seq[2] if len(seq) == 3 else 0) for seq in layout)
+        assert rows <= 8 and sum(seq[1] for seq in layout) <= 64
+    assert {seq[2] for p in verify for seq in p if len(seq) == 3} == {1, 3, 7}
+
+
+def test_calibration_times_verification_steps_on_the_real_runner(llm):
+    """The hand-built SchedulerOutput of a verification step runs in the compiled buckets (nothing compiles)."""
+    from jaxllm.runner.model_runner import compilation_count
+
+    core = llm.engine
+    free = core.kv.num_free_blocks
+    before = compilation_count()
+    for layout in ([(16, 4, 3)], [(256, 2, 1)] * 2 + [(0, 59)], [(64, 8, 7)]):
+        shape, seconds = calibrate._time_step(core, layout, warm=True)
+        assert shape.num_rows == sum(1 + (seq[2] if len(seq) == 3 else 0) for seq in layout)
+        assert shape.num_tokens == sum(seq[1] for seq in layout) and seconds > 0
+    assert compilation_count() == before
+    assert core.kv.num_free_blocks == free
+
+
+def test_cli_simulates_speculation(tmp_path, capsys):
+    from jaxllm.entrypoints.cli import main
+
+    trace, cost, result = tmp_path / "t.jsonl", tmp_path / "cost.json", tmp_path / "r.json"
+    synth = ["trace", "synth", "--out", str(trace), "--num-requests", "20", "--request-rate", "2"]
+    assert main([*synth, "--input-len", "40", "--output-len", "60", "--acceptance-rate", "0.5:0.9"]) == 0
+    engine = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 512, "block_size": 16}
+    replace(COST, engine={**engine, "num_blocks": 200, "enable_prefix_caching": True}).save(cost)
+    spec = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}']
+    assert main(["simulate", str(trace), "--cost", str(cost), *spec, "--output", str(result)]) == 0
+    data = json.loads(result.read_text())
+    assert data["speculative_config"]["num_speculative_tokens"] == 4 and data["acceptance_rate"] is None
+    assert 0.4 < data["spec_decode_acceptance_rate"] < 0.9 and data["spec_decode_mean_acceptance_length"] > 1.5
+    assert len(data["spec_decode_num_accepted_tokens_per_pos"]) == 4 and data["completed"] == 20
+    assert "speculation: acceptance rate" in capsys.readouterr().out
+    assert main(["simulate", str(trace), "--cost", str(cost), "--acceptance-rate", "0.5"]) == 2  # no speculation
+    draft_model = '{"model": "x", "num_speculative_tokens": 2}'
+    assert main(["simulate", str(trace), "--cost", str(cost), "--speculative-config", draft_model]) == 2
 
 
 def leaves(tree, path: str = "") -> dict:

@@ -4,11 +4,12 @@ Two passes over one loaded engine, and one over a server:
 
 1. **Device sweep**: synthetic `SchedulerOutput`s straight into `ModelRunner.execute` over a grid
    of (sequences, tokens per sequence, context) — pure decode batches at several context lengths,
-   single prefill chunks of every bucket size at several starting positions, and mixed steps
-   (decodes plus one prefill chunk). Each point is timed as the median of a few rounds over the
-   whole sweep, after one warm run (`time_sweep`). Rows sample greedily, as every replay does
-   (`forced_params`): a sampled row adds the random draw to the step. This fits the bucket bases
-   and the context and attention terms.
+   single prefill chunks of every bucket size at several starting positions, mixed steps
+   (decodes plus one prefill chunk), and speculative decoding's verification steps (sequences of
+   d + 1 query rows, d drafts each, alone and beside a prefill chunk). Each point is timed as the
+   median of a few rounds over the whole sweep, after one warm run (`time_sweep`). Rows sample
+   greedily, as every replay does (`forced_params`): a sampled row adds the random draw to the
+   step. This fits the bucket bases and the context, attention and per-row terms.
 2. **Engine pass**: a short synthetic trace through the whole `EngineCore` (scheduling, input
    assembly, sampling, output bookkeeping), each step timed start to next start as the simulator
    counts it. The residual over the device model is fitted as a per-step plus per-sequence host
@@ -54,14 +55,20 @@ from jaxllm.sim.synth import LengthDist, synthesize
 logger = logging.getLogger("jaxllm")
 
 
+# drafts per sequence in the sweep's verification steps: d + 1 rows a power of two, as the buckets' row counts
+VERIFY_DRAFTS = (1, 3, 7, 15)
+
+
 def sweep_points(
     max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, capacity_tokens: int
-) -> list[list[tuple[int, int]]]:
-    """Steps to time, each a list of (start, num_new_tokens) per sequence, within the engine's limits."""
+) -> list[list[tuple[int, ...]]]:
+    """Steps to time, each a list of (start, num_new_tokens) or (start, num_new_tokens, num_drafts) per sequence
+    (num_new_tokens counts the drafts, as `ScheduledRequest` does), within the engine's limits: a step has at
+    most max_num_seqs rows of logits, one per sequence and one per draft (as the scheduler keeps it)."""
     contexts = sorted({c for c in (16, 64, 256, max_model_len // 2, max_model_len - 1) if 0 < c < max_model_len})
     seq_counts = sorted({min(2**i, max_num_seqs) for i in range(max_num_seqs.bit_length() + 1)})
     chunks = sorted({min(2**i, max_num_batched_tokens) for i in range(max_num_batched_tokens.bit_length() + 1)})
-    points = []
+    points: list[list[tuple[int, ...]]] = []
     for seqs in seq_counts:  # decode batches
         for ctx in contexts:
             if seqs * (ctx + 1) <= capacity_tokens:
@@ -75,22 +82,36 @@ def sweep_points(
         for ctx in contexts[::2]:
             if chunk >= 1 and (seqs - 1) * (ctx + 1) + chunk <= capacity_tokens and chunk <= max_model_len:
                 points.append([(ctx, 1)] * (seqs - 1) + [(0, chunk)])
+    for seqs in seq_counts:  # verification: d drafts per sequence, d + 1 rows each
+        for d in VERIFY_DRAFTS:
+            rows = seqs * (d + 1)
+            if rows > min(max_num_seqs, max_num_batched_tokens):
+                continue
+            for ctx in contexts[::2]:
+                if ctx + d + 1 <= max_model_len and seqs * (ctx + d + 1) <= capacity_tokens:
+                    points.append([(ctx, d + 1, d)] * seqs)
+            # beside a prefill chunk that fills the step (one more row)
+            chunk, ctx = max_num_batched_tokens - rows, contexts[0]
+            if rows < max_num_seqs and chunk >= 1 and seqs * (ctx + d + 1) + chunk <= capacity_tokens:
+                points.append([(ctx, d + 1, d)] * seqs + [(0, min(chunk, max_model_len))])
     return points
 
 
-def _time_step(core, layout: list[tuple[int, int]], warm: bool) -> tuple[StepShape, float]:
+def _time_step(core, layout: list[tuple[int, ...]], warm: bool) -> tuple[StepShape, float]:
     kv, rng = core.kv, np.random.default_rng(len(layout))
     vocab = core.loaded.arch.vocab_size
     requests, scheduled = [], []
     try:
-        for i, (start, n) in enumerate(layout):
+        for i, (start, n, *rest) in enumerate(layout):
+            d = rest[0] if rest else 0  # drafts: the last n - d tokens are known, the d after them proposed
             tokens = rng.integers(1000, min(vocab, 30000), start + n).tolist()
-            request = Request(f"calibrate-{i}", tokens, forced_params(1))  # greedy, as every replay
+            request = Request(f"calibrate-{i}", tokens[: start + n - d], forced_params(1))  # greedy, as every replay
             if not kv.allocate_slots(request, start + n):
                 raise ValueError(f"the KV pool is too small for calibration step {layout}")
             requests.append(request)
-            scheduled.append(ScheduledRequest(request, n, start, kv.block_ids(request.request_id)))
-        out = SchedulerOutput(step=-1, scheduled=scheduled)
+            block_ids = kv.block_ids(request.request_id)
+            scheduled.append(ScheduledRequest(request, n, start, block_ids, tokens[start + n - d :]))
+        out = SchedulerOutput(step=-1, scheduled=scheduled)  # assigns each request its rows of logits
         if warm:
             core.runner.execute(out)  # first use of this bucket's executable
         begin = time.perf_counter()
@@ -102,7 +123,7 @@ def _time_step(core, layout: list[tuple[int, int]], warm: bool) -> tuple[StepSha
 
 
 def time_sweep(
-    core, points: list[list[tuple[int, int]]], repeats: int, progress: bool
+    core, points: list[list[tuple[int, ...]]], repeats: int, progress: bool
 ) -> list[tuple[StepShape, float]]:
     """Each point's median time over `repeats` rounds of the whole sweep.
 
@@ -126,6 +147,22 @@ def time_sweep(
                 times[i].append(seconds)
                 bar.update()
     return [(shape, float(np.median(t))) for shape, t in zip(shapes, times, strict=True)]
+
+
+def verification_fit(model: CostModel, samples: list[tuple[StepShape, float]], max_num_batched_tokens: int) -> dict:
+    """The fit's error on the sweep's verification steps alone (rows of logits beyond one per sequence)."""
+    rel = [
+        abs(model.step_time(shape, max_num_batched_tokens) - seconds) / seconds
+        for shape, seconds in samples
+        if shape.num_rows > shape.num_seqs
+    ]
+    if not rel:
+        return {"verify_samples": 0}
+    return {
+        "verify_samples": len(rel),
+        "verify_mean_abs_rel_error": float(np.mean(rel)),
+        "verify_max_abs_rel_error": float(np.max(rel)),
+    }
 
 
 def engine_pass_trace(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, seed: int = 0):
@@ -158,7 +195,9 @@ def calibrate(core, *, repeats: int = 5, progress: bool = True) -> CostModel:
     sched = core.config.scheduler
     capacity = core.kv.num_free_blocks * core.kv.block_size
     points = sweep_points(sched.max_num_seqs, sched.max_num_batched_tokens, sched.max_model_len, capacity)
-    model = fit_cost_model(time_sweep(core, points, repeats, progress), sched.max_num_batched_tokens)
+    samples = time_sweep(core, points, repeats, progress)
+    model = fit_cost_model(samples, sched.max_num_batched_tokens)
+    model.fit.update(verification_fit(model, samples, sched.max_num_batched_tokens))
 
     trace = engine_pass_trace(sched.max_num_seqs, sched.max_num_batched_tokens, sched.max_model_len)
     run_trace_on_engine(
@@ -166,7 +205,7 @@ def calibrate(core, *, repeats: int = 5, progress: bool = True) -> CostModel:
     )  # warm: first-use costs off the fit
     run = run_trace_on_engine(core, trace)
     measured = np.array(run.durations())
-    seqs = np.array([s.shape.num_seqs for s in run.steps], dtype=float)
+    seqs = np.array([s.shape.num_rows for s in run.steps], dtype=float)  # the per-row term (c) takes it
     residual = measured - np.array([model.step_time(s.shape, sched.max_num_batched_tokens) for s in run.steps])
     per_step, per_seq = fit_host_overhead(seqs, residual)
     model = replace(

@@ -2,7 +2,7 @@
 
 Form (fitted by `jaxllm calibrate`):
 
-    t(step) = base(T_b) + a · context_tokens + b · attention_pairs + c · num_seqs + p · [prefill in step]
+    t(step) = base(T_b) + a · context_tokens + b · attention_pairs + c · num_rows + p · [prefill in step]
 
 - `T_b` is the compiled bucket the step runs in (the token count rounded up to a power of two,
   capped at max_num_batched_tokens). The engine pads every step to its bucket, so the dense work
@@ -12,8 +12,12 @@ Form (fitted by `jaxllm calibrate`):
 - `context_tokens` = Σ over sequences of the KV length read (start + new tokens): the paged
   attention's KV reads, the term that grows with context during decode.
 - `attention_pairs` = Σ new tokens × KV length: the quadratic attention work of prefill chunks.
-- `num_seqs`: per-sequence host work (input assembly, sampling, scheduler and output bookkeeping).
-- `[prefill in step]`: 1 when the step carries a prefill chunk (more tokens than sequences): what
+- `num_rows`: the step's rows of logits — one per sequence, one more per draft token it verifies
+  (speculative decoding) — for the per-row host work (input assembly, sampling rows, scheduler and
+  output bookkeeping). Without speculation it is the number of sequences. The logits and the sampler
+  themselves are computed for the bucket's padded rows, a per-bucket constant in `base`.
+- `[prefill in step]`: 1 when the step carries a prefill chunk (more tokens than rows of logits: a
+  verification of d drafts is d + 1 tokens and d + 1 rows, so it is not a prefill): what
   such a step takes in a live run beyond its time in the isolated sweep. On a CPU it keeps every
   core busy, so other work lengthens it (in a server, the front end answering arrivals and
   streaming first tokens, which land on exactly these steps), and after single-thread decode steps
@@ -44,28 +48,34 @@ from typing import TypedDict
 
 import numpy as np
 
-FORM = "base(bucket) + a*context_tokens + b*attention_pairs + c*num_seqs + p*[prefill in step]"
+FORM = "base(bucket) + a*context_tokens + b*attention_pairs + c*num_rows + p*[prefill in step]"
 
 
 @dataclass(frozen=True)
 class StepShape:
-    """What a step's cost depends on."""
+    """What a step's cost depends on. `num_rows`: rows of logits (`SchedulerOutput.num_rows`: one per
+    sequence plus one per draft token verified); 0, the default, means one per sequence (no drafts)."""
 
     num_tokens: int
     num_seqs: int
     context_tokens: int
     attention_pairs: int
+    num_rows: int = 0
+
+    def __post_init__(self):
+        if self.num_rows == 0:
+            object.__setattr__(self, "num_rows", self.num_seqs)
 
     @classmethod
     def of(cls, out) -> StepShape:
-        """From a `SchedulerOutput`."""
+        """From a `SchedulerOutput` (a verification of d drafts: d + 1 tokens, d + 1 rows of one sequence)."""
         tokens = context = pairs = 0
         for s in out.scheduled:
             kv_len = s.start + s.num_new_tokens
             tokens += s.num_new_tokens
             context += kv_len
             pairs += s.num_new_tokens * kv_len
-        return cls(tokens, len(out.scheduled), context, pairs)
+        return cls(tokens, len(out.scheduled), context, pairs, out.num_rows)
 
 
 def bucket_tokens(num_tokens: int, max_num_batched_tokens: int) -> int:
@@ -89,7 +99,7 @@ class CostModel:
     bucket_base_s: list[float]
     per_context_token_s: float = 0.0
     per_attention_pair_s: float = 0.0
-    per_seq_s: float = 0.0
+    per_seq_s: float = 0.0  # c: per row of logits (the name is from before speculation: a row per sequence)
     per_prefill_step_s: float = 0.0  # p: extra time of a step that carries a prefill chunk
     request_latency_s: float = 0.0  # serving front-end, per request (see the module docstring)
     idle_wake_s: float = 0.0  # extra time of the first step after the engine was idle
@@ -111,8 +121,8 @@ class CostModel:
             self.base(bucket_tokens(shape.num_tokens, max_num_batched_tokens))
             + self.per_context_token_s * shape.context_tokens
             + self.per_attention_pair_s * shape.attention_pairs
-            + self.per_seq_s * shape.num_seqs
-            + (self.per_prefill_step_s if shape.num_tokens > shape.num_seqs else 0.0)
+            + self.per_seq_s * shape.num_rows
+            + (self.per_prefill_step_s if shape.num_tokens > shape.num_rows else 0.0)
         )
 
     def event_costs(self) -> EventCosts:
@@ -137,7 +147,7 @@ class CostModel:
 def fit_cost_model(samples: list[tuple[StepShape, float]], max_num_batched_tokens: int) -> CostModel:
     """Least squares on relative error (every step counts alike, short or long), coefficients >= 0.
 
-    Unknowns: one base per bucket seen, then a, b, c. A term whose coefficient comes out negative
+    Unknowns: one base per bucket seen, then a, b, c (c per row of logits). A term whose coefficient comes out negative
     (noise, or work the hardware hides) is dropped and the rest refitted.
     """
     if not samples:
@@ -148,7 +158,7 @@ def fit_cost_model(samples: list[tuple[StepShape, float]], max_num_batched_token
     y = np.array([t for _, t in samples])
     for row, (s, _) in enumerate(samples):
         x[row, column[bucket_tokens(s.num_tokens, max_num_batched_tokens)]] = 1.0
-        x[row, len(buckets) :] = (s.context_tokens, s.attention_pairs, s.num_seqs)
+        x[row, len(buckets) :] = (s.context_tokens, s.attention_pairs, s.num_rows)
     active = list(range(x.shape[1]))
     while True:
         weights = 1.0 / y  # relative error

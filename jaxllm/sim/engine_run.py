@@ -116,8 +116,9 @@ def run_trace_on_engine(core, trace: list[TraceRequest], *, seed: int = 0) -> En
             for output in outputs:
                 i = int(output.request_id)
                 record = records[i]
-                for _ in range(len(output.outputs[0].token_ids) - received[i]):
-                    record_token(record, end, last_token[i])
+                new = len(output.outputs[0].token_ids) - received[i]  # several when drafts were accepted
+                if new > 0:
+                    record_token(record, end, last_token[i], new)
                     last_token[i] = end
                 received[i] = len(output.outputs[0].token_ids)
                 if output.finished:

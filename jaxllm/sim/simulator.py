@@ -10,12 +10,30 @@ as they reach a running engine — `request_latency_s` after they were sent, the
 front-end's share (`CostModel.request_latency_s`); latencies count from the send. Nothing is
 random: the result depends on the trace and the seed (which fixes made-up prompt tokens, hence
 prefix-cache hits) only.
+
+Speculative decoding (`SimConfig.speculative`, n-gram): before each step every running request
+about to decode is given made-up drafts, as many as the engine's `Drafter` would propose (k, or the
+load-aware cap's fewer; n-gram proposing is host work, not priced, and finds a match every time
+here); the real scheduler decides how many it verifies (the cap again, the token budget, the rows
+of logits, max_tokens) and schedules them as extra query rows; the cost model prices that step's
+real shape;
+and the sampled row of each draft is made to equal the draft exactly as often as the acceptance
+model says, so the real `Scheduler.update` accepts that many and appends them plus one token. The
+acceptance model: a draft is accepted with probability `acceptance_rate` (the trace request's, else
+the run's) given the draft before it was. Whether the draft for a request's output position p is
+accepted is drawn once per (seed, request, p), from a generator seeded by the seed: reproducible,
+and the same positions are accepted whatever k, load or policy (common random numbers, so two
+configurations differ by their own effect, not by luck). The scheduler's `DraftBudget` is fed each
+step's simulated time, as the engine feeds it measured ones, so the load-aware rule acts as it would.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from jaxllm.bench.results import RequestRecord, summarize
 from jaxllm.config import SchedulerConfig
@@ -25,8 +43,11 @@ from jaxllm.engine.scheduler import Scheduler, SchedulerOutput
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sim.costmodel import CostModel, StepShape
 from jaxllm.sim.trace import TOKEN_RANGE, TraceRequest, prompt_token_ids
+from jaxllm.spec_decode.config import SpeculativeConfig
+from jaxllm.spec_decode.stats import SpecDecodingStats
 
 DUMMY_TOKEN = TOKEN_RANGE[0]  # what every simulated step "samples"; lengths are forced, values never matter
+DRAFT_TOKEN = DUMMY_TOKEN + 1  # every made-up draft; a row that rejects its draft samples DUMMY_TOKEN instead
 MAX_SERIES_POINTS = 2000  # KV-usage samples kept in the JSON (evenly thinned)
 
 StepTime = Callable[[SchedulerOutput], float]
@@ -38,6 +59,14 @@ class SimConfig:
     num_blocks: int  # the KV pool, scratch block included (as `ModelRunner.num_blocks`)
     block_size: int = 16
     enable_prefix_caching: bool = True
+    speculative: SpeculativeConfig | None = None  # n-gram speculation (see the module docstring)
+
+    def __post_init__(self):
+        if self.speculative is not None and self.speculative.method != "ngram":
+            raise ValueError(
+                f"the simulator prices n-gram speculation only (drafts proposed on the host, free); method "
+                f"{self.speculative.method!r} would need its draft model's steps in the cost model"
+            )
 
 
 def cost_model_step_time(cost: CostModel, config: SimConfig) -> StepTime:
@@ -71,6 +100,8 @@ class SimResult:
     num_usable_blocks: int
     steps: list[list[str]] | None = None  # request ids scheduled in each step, when recorded
     extra: dict = field(default_factory=dict)
+    draft_tokens: list[int] | None = None  # speculation: draft tokens each trace request verified
+    accepted_tokens: list[int] | None = None  # ... and how many of them were accepted
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -97,13 +128,40 @@ class SimResult:
         return result
 
 
-def record_token(record: RequestRecord, now: float, previous: float) -> None:
-    """One more token at `now`; `previous` is when the request's last one came."""
+def record_token(record: RequestRecord, now: float, previous: float, count: int = 1) -> None:
+    """`count` more tokens at `now` (a verification step brings several); `previous` is when the request's
+    last one came. As `jaxllm bench serve` records a stream chunk of several tokens: the first chunk's extra
+    tokens 0 s apart, a later chunk's gap spread evenly over its tokens."""
     if record.ttft is None:
         record.ttft = now - record.start
+        record.itl.extend([0.0] * (count - 1))
     else:
-        record.itl.append(now - previous)
-    record.output_len += 1
+        record.itl.extend([(now - previous) / count] * count)
+    record.output_len += count
+
+
+def acceptance_draws(seed: int) -> np.random.Generator:
+    """The generator of the acceptance model's draws (a stable digest of the seed, apart from the prompts')."""
+    key = hashlib.blake2b(f"{seed}/acceptance".encode(), digest_size=8).digest()
+    return np.random.default_rng(int.from_bytes(key, "little"))
+
+
+def spec_summary(stats: SpecDecodingStats, num_decodes: int) -> dict:
+    """Speculation's counters (vLLM's names) and derived figures for the result JSON. `num_decodes`: request
+    steps that computed one known token (with or without drafts to verify), i.e. could speculate; the
+    speculated fraction is how many did (the load-aware cap, the token budget and the rows of logits, or
+    max_tokens, left the others none)."""
+    return {
+        "spec_decode_num_drafts": stats.num_drafts,
+        "spec_decode_num_draft_tokens": stats.num_draft_tokens,
+        "spec_decode_num_accepted_tokens": stats.num_accepted_tokens,
+        "spec_decode_num_accepted_tokens_per_pos": list(stats.accepted_per_pos),
+        "spec_decode_acceptance_rate": stats.acceptance_rate,
+        "spec_decode_mean_acceptance_length": stats.mean_acceptance_length,
+        "spec_decode_num_decodes": num_decodes,
+        "spec_decode_speculated_fraction": stats.num_drafts / num_decodes if num_decodes else None,
+        "spec_decode_mean_draft_tokens": stats.num_draft_tokens / stats.num_drafts if stats.num_drafts else None,
+    }
 
 
 def simulate(
@@ -116,15 +174,28 @@ def simulate(
     record_steps: bool = False,
     request_latency_s: float = 0.0,
     idle_wake_s: float = 0.0,
+    acceptance_rate: float | None = None,
 ) -> SimResult:
     """Run `trace` (sorted by arrival) to completion; `oracle_output_len` tells policies each true output length.
 
     `request_latency_s` and `idle_wake_s` are `CostModel`'s (see there): a request reaches the scheduler
     that long after it was sent; the first step after the engine was idle takes that much longer.
+    `acceptance_rate`: with `config.speculative`, the per-position acceptance rate of requests whose trace
+    record has none (see the module docstring).
     """
     for name, value in (("request_latency_s", request_latency_s), ("idle_wake_s", idle_wake_s)):
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
+    speculative = config.speculative
+    if acceptance_rate is not None and not 0 <= acceptance_rate <= 1:
+        raise ValueError(f"acceptance_rate must be in [0, 1], got {acceptance_rate}")
+    if speculative is not None and acceptance_rate is None:
+        missing = sum(1 for r in trace if r.acceptance_rate is None)
+        if missing:
+            raise ValueError(
+                f"speculation needs an acceptance rate: {missing} trace request(s) carry none and no global "
+                f"rate was given (--acceptance-rate)"
+            )
     sched_cfg = config.scheduler
     kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
     if kv.num_usable_blocks * config.block_size < sched_cfg.max_model_len:
@@ -132,16 +203,24 @@ def simulate(
             f"the KV pool holds {kv.num_usable_blocks * config.block_size} tokens, fewer than "
             f"max_model_len={sched_cfg.max_model_len}: raise the number of blocks"
         )
-    scheduler = Scheduler(sched_cfg, kv)
+    scheduler = Scheduler(sched_cfg, kv, speculative)
     records = [RequestRecord(prompt_len=0, start=r.arrival_time) for r in trace]
     index: dict[int, int] = {}  # id(Request) → trace index
     last_token: list[float] = [0.0] * len(trace)
-    sampled = [DUMMY_TOKEN] * sched_cfg.max_num_seqs
+    plain_sampled = [DUMMY_TOKEN] * sched_cfg.max_num_seqs
     kv_usage: list[tuple[float, float]] = []
     steps: list[list[str]] | None = [] if record_steps else None
+    draws = acceptance_draws(seed) if speculative is not None else None
+    accepts: dict[int, np.ndarray] = {}  # trace index → whether the draft for output position p is accepted
+    num_decodes = 0
+    drafted, accepted_total = [0] * len(trace), [0] * len(trace)
 
     def arrive(i: int) -> None:
         r = trace[i]
+        if draws is not None:  # drawn for every request in trace order, refused ones too: the same draws per index
+            rate = r.acceptance_rate if r.acceptance_rate is not None else acceptance_rate
+            assert rate is not None  # checked above
+            accepts[i] = draws.random(r.output_len) < rate
         tokens = prompt_token_ids(r, i, seed)
         records[i].prompt_len = len(tokens)
         if len(tokens) > sched_cfg.max_model_len:  # the engine refuses it at the door
@@ -161,6 +240,40 @@ def simulate(
         index[id(request)] = i
         scheduler.add_request(request)
 
+    def propose() -> None:
+        """As the engine's `Drafter` between steps: each running request that decodes next gets drafts, as many
+        as the load-aware cap allows (none at all when it allows none). n-gram proposing costs no device time."""
+        assert speculative is not None and scheduler.draft_budget is not None
+        decoding = []
+        for request in scheduler.running:
+            request.draft_token_ids = []
+            if request.num_tokens - request.num_computed_tokens == 1:
+                decoding.append(request)
+        k = speculative.num_speculative_tokens
+        cap = scheduler.draft_budget.cap([k] * len(decoding), 0) if decoding else 0
+        drafts = [DRAFT_TOKEN] * cap  # one list for all: nothing mutates it
+        for request in decoding:
+            request.draft_token_ids = drafts
+
+    def verdicts(out: SchedulerOutput) -> list[int]:
+        """A token per row of logits: each verified draft's row equals it while the acceptance model accepts."""
+        nonlocal num_decodes
+        sampled = [DUMMY_TOKEN] * out.num_rows
+        for s in out.scheduled:
+            request, d = s.request, len(s.draft_token_ids)
+            if s.samples and s.num_new_tokens - d == 1:  # a decode: a step that may verify drafts
+                num_decodes += 1
+            if d:
+                i = index[id(request)]
+                first = request.num_output_tokens  # the output position the first draft stands for
+                n = 0
+                while n < d and accepts[i][first + n]:
+                    n += 1
+                sampled[s.logits_row : s.logits_row + n] = s.draft_token_ids[:n]
+                drafted[i] += d
+                accepted_total[i] += n
+        return sampled
+
     def reaches_engine(i: int) -> float:
         return trace[i].arrival_time + request_latency_s
 
@@ -175,6 +288,8 @@ def simulate(
         while next_arrival < len(trace) and reaches_engine(next_arrival) <= clock:
             arrive(next_arrival)
             next_arrival += 1
+        if speculative is not None:
+            propose()
         out = scheduler.schedule()
         if out.is_empty:
             if scheduler.num_unfinished and not scheduler.running:
@@ -182,12 +297,16 @@ def simulate(
             continue
         if steps is not None:
             steps.append([s.request.request_id for s in out.scheduled])
-        clock += step_time(out) + (idle_wake_s if idle else 0.0)
+        seconds = step_time(out) + (idle_wake_s if idle else 0.0)
+        clock += seconds
         idle = False
-        for request, _, _ in scheduler.update(out, sampled):
+        if scheduler.draft_budget is not None:  # as the engine feeds it each step's measured time
+            scheduler.draft_budget.observe_step(out.num_tokens, seconds)
+        sampled = plain_sampled if speculative is None else verdicts(out)
+        for request, _, count in scheduler.update(out, sampled):
             i = index[id(request)]
             record = records[i]
-            record_token(record, clock, last_token[i])
+            record_token(record, clock, last_token[i], count)
             last_token[i] = clock
             if request.is_finished:
                 record.latency = clock - record.start
@@ -205,4 +324,7 @@ def simulate(
         free_blocks_at_end=kv.num_free_blocks,
         num_usable_blocks=kv.num_usable_blocks,
         steps=steps,
+        extra=spec_summary(scheduler.spec_stats, num_decodes) if scheduler.spec_stats is not None else {},
+        draft_tokens=drafted if speculative is not None else None,
+        accepted_tokens=accepted_total if speculative is not None else None,
     )

@@ -76,6 +76,7 @@ def synthesize(
     num_users: int = 0,
     user_skew: float = 0.0,
     num_priorities: int = 1,
+    acceptance_rate: float | tuple[float, float] | None = None,
     start: float = 0.0,
     seed: int = 0,
 ) -> list[TraceRequest]:
@@ -84,6 +85,9 @@ def synthesize(
     With prefix groups, each request joins one group (uniformly) and its prompt is the group's
     `prefix_len` shared tokens followed by `input_len` tokens of its own. Users are drawn with
     Zipf-like weights 1/(k+1)^user_skew (0: uniform); priorities uniformly from 0..num_priorities-1.
+    `acceptance_rate` (speculative decoding, for `jaxllm simulate`): every request's, or a (low, high)
+    range each request's is drawn from uniformly (after every other draw: the rest of the trace is the
+    same with or without it).
     """
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
@@ -99,6 +103,14 @@ def synthesize(
         weights = 1.0 / np.arange(1, num_users + 1) ** user_skew
         users = rng.choice(num_users, size=num_requests, p=weights / weights.sum())
     priorities = rng.integers(num_priorities, size=num_requests) if num_priorities > 1 else None
+    rates: list[float | None]
+    if isinstance(acceptance_rate, tuple):
+        low, high = acceptance_rate
+        if not 0 <= low <= high <= 1:
+            raise ValueError(f"an acceptance-rate range needs 0 <= low <= high <= 1, got {acceptance_rate}")
+        rates = [round(float(r), 4) for r in rng.uniform(low, high, num_requests)]  # short in the JSON
+    else:
+        rates = [acceptance_rate] * num_requests
     trace = []
     for i in range(num_requests):
         shared = prefix_len if groups is not None else 0
@@ -111,6 +123,7 @@ def synthesize(
                 user=f"user-{users[i]}" if users is not None else None,
                 prefix_group=f"g{groups[i]}" if groups is not None else None,
                 prefix_len=shared,
+                acceptance_rate=rates[i],
             )
         )
     return trace

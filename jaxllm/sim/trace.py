@@ -9,7 +9,9 @@ and `jaxllm simulate`: JSON Lines, one request per line, in arrival order.
   tokens are then made up deterministically by `prompt_token_ids`, below).
 - `output_len`: tokens to generate (replayed exactly with min_tokens = max_tokens, EOS ignored).
 - optional: `priority` (lower is served first), `user` (the tenant, for fair scheduling),
-  `prefix_group` + `prefix_len` (requests of one group share their first `prefix_len` tokens).
+  `prefix_group` + `prefix_len` (requests of one group share their first `prefix_len` tokens),
+  `acceptance_rate` (speculative decoding, simulator only: the chance that a draft token of this
+  request is accepted given the one before it was; absent: `jaxllm simulate --acceptance-rate`).
 
 Made-up tokens depend only on (seed, group or request index), so a simulator and a real server
 replaying the same trace see the same token ids — and the same prefix-cache hits.
@@ -40,6 +42,7 @@ class TraceRequest:
     user: str | None = None
     prefix_group: str | None = None
     prefix_len: int = 0
+    acceptance_rate: float | None = None
 
     def __post_init__(self):
         given = [k for k in ("prompt", "prompt_token_ids", "prompt_len") if getattr(self, k) is not None]
@@ -53,6 +56,9 @@ class TraceRequest:
             raise ValueError(f"prompt_len must be an integer >= 1, got {self.prompt_len!r}")
         if self.prefix_group is not None and not 0 <= self.prefix_len <= (self.prompt_len or 0):
             raise ValueError(f"prefix_len must be in [0, prompt_len] for a prefix group, got {self.prefix_len!r}")
+        rate = self.acceptance_rate
+        if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate <= 1):
+            raise ValueError(f"acceptance_rate must be a number in [0, 1], got {rate!r}")
 
     @property
     def num_prompt_tokens(self) -> int | None:

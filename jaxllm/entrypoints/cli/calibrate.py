@@ -37,6 +37,11 @@ def run(args) -> None:
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     engine_args = EngineArgs.from_cli_args(args)
+    if engine_args.speculative_config is not None:
+        raise ValueError(
+            "calibrate times verification steps itself (drafts as extra rows) and replays its traces without "
+            "speculation: leave out --speculative-config, and give it to `jaxllm simulate` instead"
+        )
     core = EngineCore(engine_args)
     model = calibrate(core, repeats=args.repeats)
     if args.server:
@@ -51,6 +56,11 @@ def run(args) -> None:
         f"mean {fit['engine_mean_abs_rel_error']:.1%}, total time {fit['engine_total_rel_error']:.1%}; "
         f"{event_costs(fit, 'engine')}"
     )
+    if fit.get("verify_samples"):
+        print(
+            f"verification steps (speculative decoding, {fit['verify_samples']} of the device steps): mean |error| "
+            f"{fit['verify_mean_abs_rel_error']:.1%}, max {fit['verify_max_abs_rel_error']:.1%}"
+        )
     if args.server:
         print(
             f"server: +{fit['server_overhead_per_step_s'] * 1e3:.1f} ms per step, "

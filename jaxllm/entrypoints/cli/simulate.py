@@ -28,7 +28,25 @@ def register(sub) -> None:
     for name, kind in ENGINE_FLAGS.items():
         engine.add_argument("--" + name.replace("_", "-"), type=kind, default=None, metavar=name.upper())
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    parser.add_argument("--seed", type=int, default=0, help="seed of made-up prompt tokens (as bench serve's)")
+    spec = parser.add_argument_group("speculative decoding")
+    spec.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='vLLM\'s JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' (n-gram only: its drafts '
+        "cost no device time)",
+    )
+    spec.add_argument(
+        "--acceptance-rate",
+        type=float,
+        default=None,
+        metavar="RATE",
+        help="chance a draft is accepted given the one before it was, for requests whose trace record carries "
+        "no acceptance_rate (draws seeded by --seed)",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of made-up prompt tokens (as bench serve's) and of draft acceptance"
+    )
     parser.add_argument(
         "--oracle-output-len",
         action="store_true",
@@ -45,6 +63,7 @@ def register(sub) -> None:
 def sim_config(args, cost):
     from jaxllm.config import SchedulerConfig
     from jaxllm.sim.simulator import SimConfig
+    from jaxllm.spec_decode.config import SpeculativeConfig
 
     def setting(name):
         value = getattr(args, name)
@@ -64,6 +83,7 @@ def sim_config(args, cost):
         num_blocks=setting("num_gpu_blocks_override"),
         block_size=setting("block_size"),
         enable_prefix_caching=setting("enable_prefix_caching"),
+        speculative=SpeculativeConfig.parse(args.speculative_config),
     )
 
 
@@ -76,6 +96,8 @@ def run(args) -> dict:
 
     cost = CostModel.load(args.cost)
     config = sim_config(args, cost)
+    if args.acceptance_rate is not None and config.speculative is None:
+        raise ValueError("--acceptance-rate needs --speculative-config")
     trace = load_trace(args.trace)
     if not trace:
         raise ValueError(f"{args.trace}: the trace is empty")
@@ -87,6 +109,7 @@ def run(args) -> dict:
         seed=args.seed,
         **cost.event_costs(),
         oracle_output_len=args.oracle_output_len,
+        acceptance_rate=args.acceptance_rate,
     )
     wall = time.perf_counter() - started
     sched = config.scheduler
@@ -103,6 +126,8 @@ def run(args) -> dict:
         "num_blocks": config.num_blocks,
         "block_size": config.block_size,
         "enable_prefix_caching": config.enable_prefix_caching,
+        "speculative_config": json.loads(config.speculative.to_json()) if config.speculative else None,
+        "acceptance_rate": args.acceptance_rate,
         "seed": args.seed,
         "simulation_seconds": wall,
         **sim.to_json(
@@ -114,9 +139,14 @@ def run(args) -> dict:
         f"{sim.num_steps} steps, {sim.num_preemptions} preemptions, prefix-cache hit rate "
         f"{sim.prefix_cache_hit_rate:.1%}, mean KV usage {result['mean_kv_cache_usage']:.1%}; simulated in {wall:.2f} s"
     )
+    if config.speculative is not None:
+        print(speculation_line(result))
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.output).write_text(json.dumps({**result, **per_request(sim.records)}) + "\n")
+        arrays = per_request(sim.records)
+        if sim.draft_tokens is not None:  # speculation, per request (vLLM's per-request arrays' style)
+            arrays.update({"draft_tokens": sim.draft_tokens, "accepted_tokens": sim.accepted_tokens})
+        Path(args.output).write_text(json.dumps({**result, **arrays}) + "\n")
         print(f"result JSON: {args.output}")
     if args.plot:
         from jaxllm.bench.plots import save_plots
@@ -126,3 +156,17 @@ def run(args) -> dict:
         paths.append(plot_kv_usage(sim, Path(args.plot) / "kv_cache_usage.png", title=f"{sched.policy} (simulated)"))
         print("plots:", ", ".join(str(p) for p in paths))
     return result
+
+
+def speculation_line(result: dict) -> str:
+    """The summary's speculation figures (vLLM's stats-line terms)."""
+    rate, length = result["spec_decode_acceptance_rate"], result["spec_decode_mean_acceptance_length"]
+    if rate is None:
+        return "speculation: no drafts were verified"
+    return (
+        f"speculation: acceptance rate {rate:.1%}, mean acceptance length {length:.2f}, "
+        f"{result['spec_decode_num_drafts']} verifications of {result['spec_decode_num_draft_tokens']} draft tokens "
+        f"({result['spec_decode_mean_draft_tokens']:.2f} each), drafts in "
+        f"{result['spec_decode_speculated_fraction']:.1%} of {result['spec_decode_num_decodes']} decodes; "
+        f"accepted per position {result['spec_decode_num_accepted_tokens_per_pos']}"
+    )

@@ -42,7 +42,27 @@ def register(sub) -> None:
     mix.add_argument("--num-users", type=int, default=0, help="tenants (the `user` field)")
     mix.add_argument("--user-skew", type=float, default=0.0, help="Zipf exponent of tenant shares (0: equal)")
     mix.add_argument("--num-priorities", type=int, default=1, help="priorities drawn from 0..N-1")
+    mix.add_argument(
+        "--acceptance-rate",
+        default=None,
+        metavar="RATE|LOW:HIGH",
+        help="speculative decoding (jaxllm simulate): each request's draft acceptance rate, or a range each "
+        "request's is drawn from uniformly",
+    )
     synth.set_defaults(func=run_synth)
+
+
+def parse_acceptance_rate(value: str | None) -> float | tuple[float, float] | None:
+    """`0.7` or `0.3:0.9` (a range), or None."""
+    if value is None:
+        return None
+    try:
+        parts = [float(p) for p in value.split(":")]
+    except ValueError:
+        raise ValueError(f"--acceptance-rate takes RATE or LOW:HIGH (numbers in [0, 1]), got {value!r}") from None
+    if len(parts) > 2 or not all(0 <= p <= 1 for p in parts):
+        raise ValueError(f"--acceptance-rate takes RATE or LOW:HIGH (numbers in [0, 1]), got {value!r}")
+    return parts[0] if len(parts) == 1 else (parts[0], parts[1])
 
 
 def run_synth(args) -> None:
@@ -69,6 +89,7 @@ def run_synth(args) -> None:
         num_users=args.num_users,
         user_skew=args.user_skew,
         num_priorities=args.num_priorities,
+        acceptance_rate=parse_acceptance_rate(args.acceptance_rate),
         seed=args.seed,
     )
     save_trace(trace, args.out)
