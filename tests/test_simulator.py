@@ -393,12 +393,13 @@ def test_full_acceptance_with_four_drafts_finishes_a_request_in_a_fifth_of_the_s
     assert "spec_decode_num_drafts" not in plain.to_json()
 
 
-def test_zero_acceptance_costs_no_fewer_steps_than_no_speculation():
+def test_zero_acceptance_takes_no_less_time_than_no_speculation():
     trace = busy_trace(20)
     plain_config, spec = spec_config(0), spec_config(3)
     plain = simulate(trace, plain_config, cost_model_step_time(COST, plain_config))
     none = simulate(trace, spec, cost_model_step_time(COST, spec), acceptance_rate=0.0)
-    assert none.num_steps >= plain.num_steps and none.duration >= plain.duration
+    # (step counts may differ either way: slower steps see more arrivals at once, and batch them)
+    assert none.duration >= plain.duration
     summary = none.to_json()
     assert summary["spec_decode_num_draft_tokens"] > 0 and summary["spec_decode_num_accepted_tokens"] == 0
     assert summary["spec_decode_mean_acceptance_length"] == 1.0

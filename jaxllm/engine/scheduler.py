@@ -9,7 +9,6 @@ be recomputed. `update()` applies the sampled tokens and the token-level stop ru
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -70,6 +69,13 @@ class SchedulerOutput:
         scheduled.logits_row = self.num_rows
         self.scheduled.append(scheduled)
         self.num_rows += scheduled.num_rows
+
+    def renumber(self) -> None:
+        """Give every scheduled request its rows again, in order (after drafts were added)."""
+        self.num_rows = 0
+        for scheduled in self.scheduled:
+            scheduled.logits_row = self.num_rows
+            self.num_rows += scheduled.num_rows
 
     @property
     def num_tokens(self) -> int:
@@ -138,7 +144,6 @@ class Scheduler:
 
         # running: decodes first, then unfinished prefills
         order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
-        max_drafts = self._max_drafts(order)
         for i, request in enumerate(order):
             if budget == 0:
                 break
@@ -149,10 +154,7 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if _scores_prompt(request, request.num_computed_tokens):
                 num_new = min(num_new, rows + 1)
-            drafts = self._drafts(request, min(max_drafts, budget - num_new, rows)) if num_new == 1 else []
-            if drafts and not self.kv.allocate_slots(request, num_new + len(drafts)):
-                drafts = []  # no room to verify: decode plainly (and preempt only if even that does not fit)
-            while not drafts and not self.kv.allocate_slots(request, num_new):
+            while not self.kv.allocate_slots(request, num_new):
                 scheduled = {id(s.request) for s in out.scheduled}
                 candidates = [r for r in self.running if r is request or id(r) not in scheduled]
                 victim = self.waiting.select_victim(candidates)
@@ -161,8 +163,8 @@ class Scheduler:
                 if victim is request:
                     break
             if request.status is RequestStatus.RUNNING:
-                self._schedule(out, request, num_new, now, drafts)
-                budget -= num_new + len(drafts)
+                self._schedule(out, request, num_new, now)
+                budget -= num_new
 
         # waiting, in policy order — not while preempting: the pool is full
         if not out.preempted and budget > 0 and len(self.waiting) and len(self.running) < self.config.max_num_seqs:
@@ -194,19 +196,29 @@ class Scheduler:
             self.running.append(request)
             self._schedule(out, request, num_new, now)
             budget -= num_new
+
+        # drafts: in the rows and tokens left once every request has its place (never displacing one)
+        if self.draft_budget is not None and not out.preempted:
+            self._add_drafts(out, budget)
         return out
 
-    def _max_drafts(self, order: list[Request]) -> int:
-        """This step's cap on drafts per request (the load-aware rule), 0 without speculation."""
-        if self.draft_budget is None:
-            return 0
-        drafts = [len(r.draft_token_ids) for r in order if r.num_tokens - r.num_computed_tokens == 1]
-        if not any(drafts):
-            return 0
-        prefill = sum(r.num_tokens - r.num_computed_tokens for r in order) - len(drafts)
-        prefill += sum(r.num_tokens for r in itertools.islice(self.waiting, self.config.max_num_seqs))
-        other = min(prefill, self.config.max_num_batched_tokens - len(drafts))
-        return self.draft_budget.cap(drafts, max(other, 0))
+    def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
+        """Give this step's decodes their drafts, up to the load-aware cap and what is left of the step."""
+        assert self.draft_budget is not None
+        decodes = [s for s in out.scheduled if s.num_new_tokens == 1 and s.samples]
+        if not any(s.request.draft_token_ids for s in decodes):
+            return
+        prefill = out.num_tokens - len(decodes)
+        limit = self.config.max_num_batched_tokens
+        cap = self.draft_budget.cap([len(s.request.draft_token_ids) for s in decodes], prefill, limit)
+        rows = self.max_num_rows - out.num_rows
+        for scheduled in decodes:
+            drafts = self._drafts(scheduled.request, min(cap, budget, rows))
+            if drafts and self.kv.allocate_slots(scheduled.request, 1 + len(drafts)):
+                scheduled.draft_token_ids = drafts
+                scheduled.num_new_tokens += len(drafts)
+                budget, rows = budget - len(drafts), rows - len(drafts)
+        out.renumber()
 
     def _drafts(self, request: Request, limit: int) -> list[int]:
         """The request's drafts to verify: at most `limit`, and never past max_tokens or max_model_len."""
@@ -216,15 +228,11 @@ class Scheduler:
             limit = min(limit, params.max_tokens - request.num_output_tokens - 1)
         return request.draft_token_ids[: max(limit, 0)]
 
-    def _schedule(
-        self, out: SchedulerOutput, request: Request, num_new: int, now: float, drafts: list[int] | None = None
-    ) -> None:
+    def _schedule(self, out: SchedulerOutput, request: Request, num_new: int, now: float) -> None:
         if request.metrics.first_scheduled_time is None:
             request.metrics.first_scheduled_time = now
-        drafts = drafts or []
         start, block_ids = request.num_computed_tokens, self.kv.block_ids(request.request_id)
-        scores = _scores_prompt(request, start)
-        out.add(ScheduledRequest(request, num_new + len(drafts), start, block_ids, drafts, scores))
+        out.add(ScheduledRequest(request, num_new, start, block_ids, scores_prompt=_scores_prompt(request, start)))
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

@@ -74,10 +74,10 @@ class DraftBudget:
         share = (math.log2(size) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
         return self.step_seconds[lo] + share * (self.step_seconds[hi] - self.step_seconds[lo])
 
-    def cap(self, drafts: list[int], other_tokens: int) -> int:
+    def cap(self, drafts: list[int], other_tokens: int, limit: int | None = None) -> int:
         """The drafts per request to verify this step; `drafts`: how many each decode has, `other_tokens`:
-        the step's prefill tokens. Sizes never measured are tried first: no speculation, then full speculation
-        (one step each), so the choice rests on measured costs."""
+        the step's prefill tokens, `limit`: the most tokens a step takes. Sizes never measured are tried
+        first: no speculation, then full speculation (one step each), so the choice rests on measured costs."""
         if not drafts or not any(drafts):
             return 0
         if self.disable_by_batch_size is not None and len(drafts) >= self.disable_by_batch_size:
@@ -85,6 +85,8 @@ class DraftBudget:
         if not self.step_seconds:
             return self.k
         tokens = [other_tokens + sum(1 + min(d, k) for d in drafts) for k in range(self.k + 1)]
+        if limit is not None:
+            tokens = [min(t, limit) for t in tokens]
         for k in (0, self.k):
             if _pow2_at_least(tokens[k]) not in self.step_seconds:
                 return k
