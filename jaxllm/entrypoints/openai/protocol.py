@@ -71,8 +71,8 @@ class SamplingRequest(OpenAIModel):
     # OpenAI's fields that do not change the output: accepted
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's: logprobs of the prompt's tokens (not with stream)
     # known fields refused unless left at their default (unsupported.py)
-    prompt_logprobs: Any = None
     use_beam_search: Any = None
     length_penalty: Any = None
     spaces_between_special_tokens: Any = None
@@ -183,6 +183,15 @@ class CompletionChoice(OpenAIModel):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None  # vLLM's extra
+
+
+class PromptLogprob(OpenAIModel):
+    """vLLM's entry of `prompt_logprobs`: a token's logprob, rank and text."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 class CompletionResponse(OpenAIModel):
@@ -229,6 +238,7 @@ class ChatCompletionResponse(OpenAIModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None  # vLLM's extra
 
 
 class DeltaMessage(OpenAIModel):

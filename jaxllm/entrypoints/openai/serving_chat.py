@@ -33,6 +33,7 @@ from jaxllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     convert_engine_errors,
     engine_error,
+    prompt_logprobs_json,
     sse,
     usage,
 )
@@ -229,6 +230,7 @@ class OpenAIServingChat(OpenAIServing):
             model=self.model_name(request),
             choices=choices,
             usage=usage(len(prepared.prompt["prompt_token_ids"]), generated),
+            prompt_logprobs=prompt_logprobs_json(final),
         )
 
     async def stream(self, request, request_id, prepared: PreparedChat, outputs) -> AsyncIterator[str]:

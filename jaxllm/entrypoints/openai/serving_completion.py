@@ -19,6 +19,7 @@ from jaxllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     convert_engine_errors,
     engine_error,
+    prompt_logprobs_json,
     sse,
     usage,
 )
@@ -47,12 +48,32 @@ class OpenAIServingCompletion(OpenAIServing):
         """The request's SamplingParams for a prompt of `prompt_len` tokens."""
         if request.suffix is not None:
             raise not_supported("suffix")
-        if request.echo and request.logprobs is not None:
-            raise bad_request("echo with logprobs needs prompt logprobs, which are not supported yet", param="echo")
-        max_tokens = self.token_budget(request.max_tokens, prompt_len, "max_tokens")
+        max_tokens = self.token_budget(request.max_tokens, prompt_len, "max_tokens", allow_zero=request.echo)
+        scores_prompt = request.echo and request.logprobs is not None  # the prompt's logprobs are echoed too
         return self.sampling_params(
-            request, max_tokens=max_tokens, logprobs=request.logprobs, structured_outputs=structured_outputs
+            request,
+            max_tokens=max_tokens,
+            logprobs=request.logprobs,
+            structured_outputs=structured_outputs,
+            prompt_logprobs=max(request.logprobs or 0, request.prompt_logprobs or 0) if scores_prompt else None,
         )
+
+    def choice_logprobs(
+        self, request: CompletionRequest, out: RequestOutput, c: CompletionOutput, offset: int, echoed: bool = True
+    ) -> CompletionLogProbs | None:
+        """The legacy logprobs of a choice's new tokens, text offsets from `offset`; with echo, the echoed
+        prompt's tokens first (their logprobs from prompt_logprobs, the first one null)."""
+        if request.logprobs is None:
+            return None
+        as_ids = request.return_tokens_as_token_ids
+        if not (request.echo and echoed):
+            return completion_logprobs(c, offset, as_ids)[0]
+        prompt = _echoed_prompt_logprobs(out, self.engine.tokenizer, request.logprobs, as_ids)
+        end = prompt.text_offset[-1] + len(prompt.tokens[-1]) if prompt.tokens and not as_ids else len(out.prompt or "")
+        completion = completion_logprobs(c, end, as_ids)[0]
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            getattr(prompt, name).extend(getattr(completion, name))
+        return prompt
 
     async def prompts(self, request: CompletionRequest) -> list[dict]:
         """Every prompt as {"prompt": text, "prompt_token_ids": ids}, checked against the model's limits.
@@ -108,13 +129,10 @@ class OpenAIServingCompletion(OpenAIServing):
                     CompletionChoice(
                         index=i * request.n + c.index,
                         text=echo + c.text,
-                        logprobs=(
-                            completion_logprobs(c, len(echo), request.return_tokens_as_token_ids)[0]
-                            if request.logprobs is not None
-                            else None
-                        ),
+                        logprobs=self.choice_logprobs(request, out, c, 0),
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
+                        prompt_logprobs=prompt_logprobs_json(out) if request.prompt_logprobs is not None else None,
                     )
                 )
         prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
@@ -144,11 +162,7 @@ class OpenAIServingCompletion(OpenAIServing):
                             offset = 0
                             if request.echo:
                                 text = (out.prompt or "") + text
-                        logprobs = None
-                        if request.logprobs is not None:
-                            logprobs, _ = completion_logprobs(
-                                c, offset + len(text) - len(c.text), request.return_tokens_as_token_ids
-                            )
+                        logprobs = self.choice_logprobs(request, out, c, offset, echoed=len(text) > len(c.text))
                         offsets[index] = offset + len(text)
                         generated[index] += len(c.token_ids)
                         chunk = CompletionResponse(
@@ -180,6 +194,29 @@ class OpenAIServingCompletion(OpenAIServing):
         except Exception as e:
             yield convert_engine_errors(e).sse()
         yield SSE_DONE
+
+
+def _echoed_prompt_logprobs(out: RequestOutput, tokenizer, k: int, as_token_ids: bool) -> CompletionLogProbs:
+    """The legacy logprobs of the echoed prompt: null for its first token, then each token's and the top k."""
+    result = CompletionLogProbs()
+    offset = 0
+    for position, token in enumerate(out.prompt_token_ids):
+        entry = out.prompt_logprobs[position] if out.prompt_logprobs else None
+        if entry is None:
+            text = tokenizer.decode([token]) if tokenizer is not None else ""
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+        else:
+            text = entry[token].decoded_token or ""
+            result.token_logprobs.append(entry[token].logprob)
+            top = sorted(entry.items(), key=lambda item: item[1].rank)[: max(k, 1)]
+            result.top_logprobs.append(
+                {(f"token_id:{t}" if as_token_ids else e.decoded_token or ""): e.logprob for t, e in top}
+            )
+        result.tokens.append(f"token_id:{token}" if as_token_ids else text)
+        result.text_offset.append(offset)
+        offset += len(text)
+    return result
 
 
 def completion_logprobs(c: CompletionOutput, offset: int, as_token_ids: bool = False) -> tuple[CompletionLogProbs, int]:

@@ -4,6 +4,7 @@ the token budget, request logging, merging several streams, server-sent events a
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from pydantic import BaseModel
 from jaxllm.engine.async_llm import AsyncLLM, EngineDeadError
 from jaxllm.entrypoints.openai.async_tokenizer import AsyncTokenizer
 from jaxllm.entrypoints.openai.errors import OpenAIError, bad_request, from_value_error
-from jaxllm.entrypoints.openai.protocol import SamplingRequest, UsageInfo
+from jaxllm.entrypoints.openai.protocol import PromptLogprob, SamplingRequest, UsageInfo
 from jaxllm.entrypoints.openai.unsupported import refuse_unsupported
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams, StructuredOutputsParams
@@ -89,8 +90,9 @@ class OpenAIServing:
         except ValueError as e:
             raise bad_request(f"{param}: {e}", param=param) from None
 
-    def token_budget(self, max_tokens: int | None, prompt_len: int, param: str) -> int:
-        """vLLM's rule: prompt + completion must fit max_model_len; no max_tokens means all that is left."""
+    def token_budget(self, max_tokens: int | None, prompt_len: int, param: str, *, allow_zero: bool = False) -> int:
+        """vLLM's rule: prompt + completion must fit max_model_len; no max_tokens means all that is left.
+        `allow_zero`: 0 asks for the prompt alone (completions with echo)."""
         room = self.max_model_len - prompt_len
         if max_tokens is None:
             if room < 1:
@@ -100,8 +102,9 @@ class OpenAIServing:
                     param=param,
                 )
             return room
-        if max_tokens < 1:
-            raise bad_request(f"{param} must be at least 1, got {max_tokens}", param=param)
+        if max_tokens < (0 if allow_zero else 1):
+            at_least = "0 (with echo)" if allow_zero else "1 (0 only with echo, on /v1/completions)"
+            raise bad_request(f"{param} must be at least {at_least}, got {max_tokens}", param=param)
         if max_tokens > room:
             raise bad_request(
                 f"This model's maximum context length is {self.max_model_len} tokens. However, you requested "
@@ -128,6 +131,7 @@ class OpenAIServing:
         max_tokens: int,
         logprobs: int | None,
         structured_outputs: StructuredOutputsParams | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """The fields both endpoints share; range errors name the request field."""
         if request.stream_options is not None and not request.stream:
@@ -140,10 +144,13 @@ class OpenAIServing:
             )
         if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
             raise bad_request(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}", param="logprobs")
-        if request.logit_bias:
-            raise bad_request("'logit_bias' is not supported yet by this server", param="logit_bias")
         stop_ids = request.stop_token_ids or []
         vocab = self.engine.info.vocab_size
+        if request.prompt_logprobs is not None and request.stream:
+            raise bad_request("prompt_logprobs is not available with stream", param="prompt_logprobs")
+        bias = request.logit_bias or None
+        if bias and any(not str(t).isdigit() or int(t) >= vocab for t in bias):
+            raise bad_request(f"logit_bias keys must be token ids in [0, {vocab})", param="logit_bias")
         if any(not 0 <= t < vocab for t in stop_ids):
             raise bad_request(f"stop_token_ids must be token ids in [0, {vocab})", param="stop_token_ids")
         try:
@@ -163,6 +170,8 @@ class OpenAIServing:
                 max_tokens=max_tokens,
                 min_tokens=request.min_tokens,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs if prompt_logprobs is not None else request.prompt_logprobs,
+                logit_bias={int(t): v for t, v in bias.items()} if bias else None,
                 skip_special_tokens=request.skip_special_tokens,
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
@@ -192,6 +201,16 @@ class OpenAIServing:
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
         ]
         return merge_async_iterators(streams)
+
+
+def prompt_logprobs_json(out: RequestOutput) -> list[dict[int, PromptLogprob] | None] | None:
+    """vLLM's `prompt_logprobs` of a response (None when not asked for)."""
+    if out.prompt_logprobs is None:
+        return None
+    return [
+        None if entry is None else {t: PromptLogprob(**dataclasses.asdict(lp)) for t, lp in entry.items()}
+        for entry in out.prompt_logprobs
+    ]
 
 
 async def merge_async_iterators(iterators: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:

@@ -2,7 +2,6 @@
 
 The rule for every request field: one the server knows is honoured, or refused here when it is
 set to anything but its no-op value; a field nobody defines is ignored (clients send extras).
-`logit_bias` is refused where the sampling parameters are built (serving_engine.py).
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ NOT_YET = "is not supported yet by this server"
 # field → (is it asking for something?, why it is refused)
 REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     # vLLM's sampling and request extras
-    "prompt_logprobs": (_set, NOT_YET),
     "use_beam_search": (_true, "is not supported: beam search is not implemented"),
     "length_penalty": (lambda v: v not in (None, 1, 1.0), "applies to beam search, which is not implemented"),
     "spaces_between_special_tokens": (
