@@ -7,7 +7,7 @@ from pathlib import Path
 import jax.numpy as jnp
 
 from jaxllm.parallel.mesh import make_mesh
-from jaxllm.weights import load_model
+from jaxllm.weights import load_model, open_model
 from jaxllm.weights.orbax import save_checkpoint
 
 
@@ -21,3 +21,13 @@ def convert(source: str | None, out: str, dtype: str = "auto") -> Path:
         dtype=jnp.dtype(loaded.dtype).name,
         source=loaded.name,
     )
+
+
+def export_tokenizer(source: str | None, out: str) -> Path:
+    """The model's tokenizer alone, as Hugging Face tokenizer files, for tools that load one by path (lm-eval's
+    `huggingface` backend, guidellm): the default model ships only a GGUF."""
+    tokenizer = open_model(source).tokenizer()
+    if tokenizer is None:
+        raise ValueError(f"{source}: this model has no tokenizer")
+    tokenizer.save_pretrained(out)
+    return Path(out)

@@ -110,6 +110,15 @@ class ModelSource:
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, param_shardings(specs, mesh)
         )
 
+    def tokenizer(self, override: str | None = None):
+        """The model's transformers tokenizer (a GGUF's built from its metadata), `override`'s if given, or None
+        for a bare config."""
+        if override is not None:
+            return _load_tokenizer(override)
+        if self.gguf_file is not None:
+            return self.gguf_file.tokenizer()
+        return None if self.format == "config" else _load_tokenizer(self.path)
+
     def load(
         self, mesh: Mesh, tokenizer: str | None = None, seed: int = 0, layout: Layout | None = None
     ) -> LoadedModel:
@@ -143,14 +152,7 @@ class ModelSource:
         if layout and (self.dummy or self.format == "orbax"):  # made or restored whole: rearranged on the devices
             params = layout.apply(params)
         weights_loaded = time.perf_counter()
-        if tokenizer is not None:
-            tok = _load_tokenizer(tokenizer)
-        elif self.gguf_file is not None:
-            tok = self.gguf_file.tokenizer()
-        elif self.format == "config":
-            tok = None
-        else:
-            tok = _load_tokenizer(path)
+        tok = self.tokenizer(tokenizer)
         seconds = {"weights": weights_loaded - started, "tokenizer": time.perf_counter() - weights_loaded}
         return LoadedModel(
             name=self.name,

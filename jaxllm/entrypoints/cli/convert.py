@@ -8,11 +8,14 @@ def register(sub) -> None:
     conv.add_argument("source", nargs="?", default=None, help="GGUF file, HF directory (default: the default model)")
     conv.add_argument("--out", required=True, help="output folder, e.g. checkpoints/NAME")
     conv.add_argument("--dtype", default="auto")
+    conv.add_argument(
+        "--tokenizer-only", action="store_true", help="write only the tokenizer's Hugging Face files (for eval tools)"
+    )
     conv.set_defaults(func=run)
 
 
 def run(args) -> None:
-    from jaxllm.entrypoints.convert import convert
+    from jaxllm.entrypoints.convert import convert, export_tokenizer
 
-    out = convert(args.source, args.out, dtype=args.dtype)
+    out = export_tokenizer(args.source, args.out) if args.tokenizer_only else convert(args.source, args.out, args.dtype)
     print(f"wrote {out}")
