@@ -489,9 +489,9 @@ def test_greedy_tokens_equal_non_speculative_decoding(llm, spec_llm, reference):
             o for i in range(0, len(prompts), 3) for o in spec_llm.generate(prompts[i : i + 3], GREEDY, use_tqdm=False)
         ]
     assert_identical(llm, reference, threes, "3 at a time", allowed=1)
-    # drafts were verified beside other requests (the load-aware rule may verify few with 8 running)
-    for log in (batched, small):
-        assert log.accepted() > 0 and any(len(step) > 1 and any(d for _, d, _ in step) for step in log.steps)
+    # drafts were verified beside other requests (with 8 running, the load-aware rule decides from measured step
+    # times: on a busy machine it may verify none, so only the pinned run is held to it)
+    assert small.accepted() > 0 and any(len(step) > 1 and any(d for _, d, _ in step) for step in small.steps)
     print(f"drafts accepted: {batched.accepted()} with 12 at once, {small.accepted()} three at a time")
     assert small.accepted() > 40
     # the copy prompts accept runs of several drafts in one step
@@ -709,13 +709,12 @@ def test_aborting_a_speculating_request_returns_its_blocks(spec_llm):
     assert not engine.has_unfinished_requests() and all_blocks_back(engine)
 
 
-@pytest.mark.xfail(strict=True, reason="EngineCore._fail leaves the status update() gave (core.py: see the report)")
 def test_a_request_failing_in_post_processing_at_its_last_step_reports_an_error(spec_llm):
     """A verification step hands post-processing several tokens, the last of which may finish the request
-    (EOS, a stop id, max_tokens). If post-processing then fails, the request must end with finish_reason
-    "error"; it ends with the scheduler's "stop" or "length" and the error only in `RequestOutput.error` (which is
-    how the failed grammar rollback of test_drafts_through_the_grammars_end_keep_the_matcher_usable showed: a
-    short "stop" answer)."""
+    (EOS, a stop id, max_tokens). If post-processing then fails, the request ends with finish_reason "error", not
+    the scheduler's "stop" or "length" with the error hidden in `RequestOutput.error` (as it once did: that is how
+    the failed grammar rollback of test_drafts_through_the_grammars_end_keep_the_matcher_usable showed, as a short
+    "stop" answer)."""
     engine, tok = spec_llm.engine, spec_llm.get_tokenizer()
     engine.add_request("fails-late", tok.encode("Hello there"), SamplingParams(temperature=0, max_tokens=1))
     engine._detok["fails-late"].update = lambda ids: 1 / 0

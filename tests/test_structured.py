@@ -186,6 +186,7 @@ def _one_of(text, choices):
 def generated(llm):
     """Every case in one batch (the engine interleaves them, 8 at a time)."""
     tok = llm.get_tokenizer()
+    llm.engine.structured._cache.clear()  # the session's engine: grammars other modules compiled are not counted
     all_cases = cases()
     outputs = llm.generate([chat(tok, q) for _, q, _, _ in all_cases], [p for _, _, p, _ in all_cases], use_tqdm=False)
     return [(label, check, o.outputs[0]) for (label, _, _, check), o in zip(all_cases, outputs, strict=True)]

@@ -342,6 +342,8 @@ class EngineCore:
 
     def _fail(self, request: Request, message: str, *, uncache: bool = False) -> None:
         request.error = message
+        if request.is_finished:  # by the same step (EOS, length): its blocks are back, the error is what it ended in
+            request.status = RequestStatus.FINISHED_ERROR
         self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR, uncache=uncache)
         if (detok := self._detok.get(request.request_id)) is not None:
             detok.finish()
