@@ -262,8 +262,9 @@ def main() -> None:
         "--max-num-seqs",
         type=int,
         default=None,
-        help="both engines' max_num_seqs (default: the largest batch x (k + 1): a step's rows of logits, one per "
-        "request and one per draft, stay within max_num_seqs, so at batch = max_num_seqs no draft could be verified)",
+        help="both engines' max_num_seqs (default: the engine's). A step's rows of logits, one per request and one "
+        "per draft, stay within max(max_num_seqs, k + 1): at batch = max_num_seqs no draft can be verified, so give "
+        "room above the largest batch to let the load-aware rule decide (the committed run: 128)",
     )
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -281,8 +282,6 @@ def main() -> None:
         parser.error(str(e))
     assert speculative is not None
     spec_json = json.loads(speculative.to_json())
-    if args.max_num_seqs is None:
-        args.max_num_seqs = max([1, *args.batches]) * (speculative.num_speculative_tokens + 1)
     load_start = [round(x, 2) for x in os.getloadavg()]
 
     # max_model_len 512 holds every prompt and 128 tokens; longer outputs (rare) start the engine again
