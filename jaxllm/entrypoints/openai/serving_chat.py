@@ -33,6 +33,7 @@ from jaxllm.entrypoints.openai.serving_engine import (
     OpenAIServing,
     convert_engine_errors,
     engine_error,
+    last_output,
     prompt_logprobs_json,
     sse,
     usage,
@@ -200,14 +201,7 @@ class OpenAIServingChat(OpenAIServing):
         return ""
 
     async def full_response(self, request, request_id, prepared: PreparedChat, outputs) -> ChatCompletionResponse:
-        final = None
-        async with aclosing(outputs):
-            async for _, out in outputs:
-                if (error := engine_error(out)) is not None:
-                    raise error
-                final = out
-        if final is None:
-            raise RuntimeError("the engine ended the request without an output")
+        final = await last_output(outputs)
         choices = []
         for c in final.outputs:
             parsed, finish_reason = prepared.reader().step(c.text, c.finish_reason)

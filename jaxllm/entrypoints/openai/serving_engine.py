@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
@@ -201,6 +202,20 @@ class OpenAIServing:
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
         ]
         return merge_async_iterators(streams)
+
+
+async def last_output(outputs) -> RequestOutput:
+    """The final output of a one-prompt request's stream of (index, output), an async generator (closed on the way
+    out); an engine error is raised as its OpenAI error."""
+    final = None
+    async with aclosing(outputs):
+        async for _, out in outputs:
+            if (error := engine_error(out)) is not None:
+                raise error
+            final = out
+    if final is None:
+        raise RuntimeError("the engine ended the request without an output")
+    return final
 
 
 def prompt_logprobs_json(out: RequestOutput) -> list[dict[int, PromptLogprob] | None] | None:

@@ -23,7 +23,7 @@ from typing import Any
 from jaxllm.entrypoints.openai.errors import OpenAIError
 from jaxllm.entrypoints.openai.responses_protocol import ResponsesRequest, chat_request
 from jaxllm.entrypoints.openai.serving_chat import OpenAIServingChat, PreparedChat
-from jaxllm.entrypoints.openai.serving_engine import convert_engine_errors, engine_error
+from jaxllm.entrypoints.openai.serving_engine import convert_engine_errors, engine_error, last_output
 from jaxllm.entrypoints.openai.tool_parsers import ParsedDelta, ToolParser
 
 # chat's names for the fields a Responses request has under other names
@@ -215,14 +215,7 @@ class OpenAIServingResponses:
         }
 
     async def full_response(self, head: dict, prepared: PreparedChat, outputs) -> dict:
-        final = None
-        async with aclosing(outputs):
-            async for _, out in outputs:
-                if (error := engine_error(out)) is not None:
-                    raise error
-                final = out
-        if final is None:
-            raise RuntimeError("the engine ended the request without an output")
+        final = await last_output(outputs)
         (c,) = final.outputs
         parsed, finish_reason = prepared.reader().step(c.text, c.finish_reason)
         items = OutputItems()
