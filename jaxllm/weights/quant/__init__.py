@@ -1,0 +1,1 @@
+"""Quantized weights kept as their bits (GGUF blocks repacked at load)."""
