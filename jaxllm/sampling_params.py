@@ -73,9 +73,9 @@ def _check_logit_bias(bias) -> dict[int, float]:
         except (TypeError, ValueError):
             token = -1
         if isinstance(key, bool) or token < 0 or (isinstance(key, float) and key != token):
-            raise ValueError(f"SamplingParams.logit_bias: {key!r} is not a token id (an integer >= 0)")
+            raise ValueError(f"SamplingParams.logit_bias keys must be token ids (integers >= 0), got {key!r}")
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not -100 <= value <= 100:
-            raise ValueError(f"SamplingParams.logit_bias[{key!r}] must be a number in [-100, 100], got {value!r}")
+            raise ValueError(f"SamplingParams.logit_bias values must be numbers in [-100, 100], got {key!r}: {value!r}")
         checked[token] = float(value)
     return checked
 
