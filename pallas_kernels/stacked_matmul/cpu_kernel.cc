@@ -27,10 +27,13 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512BF16__)
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
 #include <omp.h>
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
 
 #include "../cpu_simd.h"
 #include "xla/ffi/api/ffi.h"
@@ -336,6 +339,301 @@ ffi::Error Impl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> layer,
   return ffi::Error::Success();
 }
 
+// ---- Quantized weights (quantized.py): x float32 times int8 / 4-bit quants dequantized in registers ----
+//
+// A packed quantized layer is, per panel of kPanel columns, its quants [rows, kPanel] (int8: K rows; 4-bit:
+// K / 2 rows of bytes, row 16 b + j holding k = 32 b + j in its low nibble and 32 b + 16 + j in its high one)
+// and its float16 scales (and mins) [K / G, kPanel], each array panel-major like the float weights. Weight
+// (k, c) of group g is d q (8-bit), d q + m (4-bit with mins) or d (q - 8) (4-bit without). Two regimes:
+// - few rows (T <= kQuantStreamRows: a decode step): bound by reading the weights. Per panel and group,
+//   sum_k x[r, k] q[k, c] accumulates in registers, the quants widened straight from memory (one widened
+//   byte of 4-bit quants gives k and k + 16: `& 15` and `>> 4`), then folds into y at the group's end:
+//   y[r, c] += d[g, c] blk[r, c] + m[g, c] xsum[r, g] (m = -8 d without mins, no m term for 8-bit), with
+//   xsum[r, g] the sum of x's row r over group g, computed once per call. A panel's whole width is one
+//   tile where registers allow (kPanelVecs, one or two rows), else half-panel strips of more rows.
+// - more rows: each panel is dequantized into a thread-local float32 [K, kPanel] buffer (in L2) and
+//   multiplied by the float32 register tiles above (PanelRows): the dequantization is amortized over the
+//   rows, so from a few dozen rows on it runs at the float32 packed kernel's rate.
+// Panels are shared out by TeamSize as in PackedPanels, the weights counted at their float32 size: the
+// dequantization is arithmetic a second core shares even for one row.
+
+constexpr int64_t kQuantStreamRows = 8;  // up to this many rows of x: quants dequantized in registers
+
+using jaxllm_simd::kVecBytes;
+typedef int32_t VecI __attribute__((vector_size(kVecBytes)));
+
+// kLanes float16 values (scales, mins) as float32: F16C's vcvtph2ps, NEON's fcvtl, else by their bits.
+inline VecF LoadHalf(const uint16_t* p) {
+#if defined(__F16C__)
+  typedef _Float16 VecF16 __attribute__((vector_size(kVecBytes / 2)));
+  VecF16 h;
+  std::memcpy(&h, p, sizeof h);
+  return __builtin_convertvector(h, VecF);
+#elif defined(__aarch64__)
+  static_assert(kLanes == 4, "NEON vectors hold 4 float32");
+  return (VecF)vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
+#else
+  jaxllm_simd::VecH h16;
+  std::memcpy(&h16, p, sizeof h16);
+  const VecU h = __builtin_convertvector(h16, VecU);
+  // exponent and mantissa moved into place and rebiased by 2^112 (exact for normal and subnormal halves),
+  // infinities and NaN given the float32 all-ones exponent, then the sign
+  const VecF mag = (VecF)((h & 0x7fffu) << 13) * 0x1p112f;
+  const VecU inf_nan = (VecU)((h & 0x7c00u) == 0x7c00u) & 0x7f800000u;
+  return (VecF)((VecU)mag | inf_nan | ((h & 0x8000u) << 16));
+#endif
+}
+
+// kLanes bytes widened to int32 lanes, sign- or zero-extended: one vpmovsxbd / vpmovzxbd (pmov*xbd, two
+// NEON widenings). GCC lowers __builtin_convertvector of a vector this narrow byte by byte, hence the intrinsics.
+template <bool SIGNED>
+inline VecI WidenBytes(const void* p) {
+#if defined(__AVX512F__)
+  const __m128i b = _mm_loadu_si128(static_cast<const __m128i*>(p));
+  return (VecI)(SIGNED ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadl_epi64(static_cast<const __m128i*>(p));
+  return (VecI)(SIGNED ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+#elif defined(__SSE4_1__) && !defined(__AVX__)
+  int32_t word;
+  std::memcpy(&word, p, sizeof word);
+  const __m128i b = _mm_cvtsi32_si128(word);
+  return (VecI)(SIGNED ? _mm_cvtepi8_epi32(b) : _mm_cvtepu8_epi32(b));
+#elif defined(__aarch64__)
+  uint32_t word;
+  std::memcpy(&word, p, sizeof word);
+  if constexpr (SIGNED) return (VecI)vmovl_s16(vget_low_s16(vmovl_s8(vcreate_s8(word))));
+  return (VecI)vmovl_u16(vget_low_u16(vmovl_u8(vcreate_u8(word))));
+#else
+  using Byte = std::conditional_t<SIGNED, int8_t, uint8_t>;
+  VecI out;
+  for (int i = 0; i < kLanes; ++i) out[i] = static_cast<const Byte*>(p)[i];
+  return out;
+#endif
+}
+
+inline VecF WidenQ8(const int8_t* p) { return __builtin_convertvector(WidenBytes<true>(p), VecF); }
+inline void WidenQ4(const uint8_t* p, VecF& lo, VecF& hi) {
+  const VecI u = WidenBytes<false>(p);
+  lo = __builtin_convertvector(u & 15, VecF);
+  hi = __builtin_convertvector(u >> 4, VecF);
+}
+
+// Registers a strip of VECS vectors of quants takes widened (4-bit: the low and the high nibbles), and the
+// rows of x that fit beside it: accumulators, a broadcast or two of x and a temporary.
+template <int BITS>
+constexpr int QuantRowsFor(int vecs) {
+  return std::max(0, std::min(8, (kVecRegs - (BITS == 4 ? 2 : 1) * vecs - 3) / vecs));
+}
+template <int BITS>
+constexpr int kQuantWideRows = QuantRowsFor<BITS>(kPanelVecs);
+template <int BITS>
+constexpr int kQuantStripRows = QuantRowsFor<BITS>(kTileVecs);
+static_assert(QuantRowsFor<4>(kTileVecs) > 0, "a half-panel strip fits the registers on every target");
+
+struct QuantLayer {  // one packed layer
+  const void* qs;
+  const uint16_t* scales;
+  const uint16_t* mins;  // null: none
+  int64_t k_dim, group, n;
+};
+
+// Group g of the panel at `q` (its quants' first row for this group), columns [c, c + VECS * kLanes), rows
+// [0, ROWS) of x (`ldx` apart, already at the group's first k): y[r, c + ...] += d blk + m xsum[r] (see above).
+template <int ROWS, int VECS, int BITS, bool MIN>
+inline void QuantStrip(const float* x, int64_t ldx, int64_t group, const void* q, int c, const uint16_t* d16,
+                       const uint16_t* m16, const float* xsum, int64_t groups, float* y, int64_t ldy) {
+  VecF acc[ROWS][VECS];
+#pragma GCC unroll 8
+  for (int r = 0; r < ROWS; ++r)
+    for (int v = 0; v < VECS; ++v) acc[r][v] = VecF{};
+  if constexpr (BITS == 8) {
+    const int8_t* qp = static_cast<const int8_t*>(q) + c;
+    for (int64_t k = 0; k < group; ++k) {
+      VecF w[VECS];
+#pragma GCC unroll 8
+      for (int v = 0; v < VECS; ++v) w[v] = WidenQ8(qp + k * kPanel + v * kLanes);
+#pragma GCC unroll 8
+      for (int r = 0; r < ROWS; ++r) {
+        const float a = x[r * ldx + k];
+#pragma GCC unroll 8
+        for (int v = 0; v < VECS; ++v) acc[r][v] += a * w[v];
+      }
+    }
+  } else {
+    const uint8_t* qp = static_cast<const uint8_t*>(q) + c;
+    for (int64_t b = 0; b < group; b += 32) {
+      for (int j = 0; j < 16; ++j) {
+        VecF lo[VECS], hi[VECS];
+#pragma GCC unroll 8
+        for (int v = 0; v < VECS; ++v) WidenQ4(qp + ((b >> 1) + j) * kPanel + v * kLanes, lo[v], hi[v]);
+#pragma GCC unroll 8
+        for (int r = 0; r < ROWS; ++r) {
+          const float a_lo = x[r * ldx + b + j], a_hi = x[r * ldx + b + 16 + j];
+#pragma GCC unroll 8
+          for (int v = 0; v < VECS; ++v) acc[r][v] += a_lo * lo[v] + a_hi * hi[v];
+        }
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int v = 0; v < VECS; ++v) {
+    const VecF d = LoadHalf(d16 + c + v * kLanes);
+    VecF m{};
+    if constexpr (BITS == 4) m = MIN ? LoadHalf(m16 + c + v * kLanes) : -8.f * d;
+#pragma GCC unroll 8
+    for (int r = 0; r < ROWS; ++r) {
+      float* o = y + r * ldy + c + v * kLanes;
+      VecF out = Load(o) + d * acc[r][v];
+      if constexpr (BITS == 4) out += m * xsum[r * groups];
+      Store(o, out);
+    }
+  }
+}
+
+template <int ROWS, int VECS, int BITS, bool MIN>
+void QuantStripRemainder(int rows, const float* x, int64_t ldx, int64_t group, const void* q, int c,
+                         const uint16_t* d16, const uint16_t* m16, const float* xsum, int64_t groups, float* y,
+                         int64_t ldy) {
+  if constexpr (ROWS > 0) {
+    if (rows == ROWS) return QuantStrip<ROWS, VECS, BITS, MIN>(x, ldx, group, q, c, d16, m16, xsum, groups, y, ldy);
+    QuantStripRemainder<ROWS - 1, VECS, BITS, MIN>(rows, x, ldx, group, q, c, d16, m16, xsum, groups, y, ldy);
+  }
+}
+
+// y[0:rows, panel p's columns] = x @ panel p, dequantizing in registers (rows <= kQuantStreamRows).
+template <int BITS, bool MIN>
+void QuantPanelStream(const float* xp, int64_t rows, const QuantLayer& w, int64_t p, const float* xsum, float* y) {
+  const int64_t k_dim = w.k_dim, group = w.group, groups = k_dim / group;
+  const int64_t q_rows = BITS == 4 ? k_dim / 2 : k_dim, q_group = BITS == 4 ? group / 2 : group;
+  const auto* q = static_cast<const int8_t*>(w.qs) + p * q_rows * kPanel;
+  const uint16_t* d16 = w.scales + p * groups * kPanel;
+  const uint16_t* m16 = MIN ? w.mins + p * groups * kPanel : nullptr;
+  float* yp = y + p * kPanel;
+  for (int64_t r = 0; r < rows; ++r) std::memset(yp + r * w.n, 0, sizeof(float) * kPanel);
+  for (int64_t g = 0; g < groups; ++g) {
+    const void* qg = q + g * q_group * kPanel;
+    const uint16_t* dg = d16 + g * kPanel;
+    const uint16_t* mg = MIN ? m16 + g * kPanel : nullptr;
+    if (rows <= kQuantWideRows<BITS>) {
+      QuantStripRemainder<kQuantWideRows<BITS>, kPanelVecs, BITS, MIN>(static_cast<int>(rows), xp + g * group, k_dim,
+                                                                       group, qg, 0, dg, mg, xsum + g, groups, yp, w.n);
+      continue;
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += kQuantStripRows<BITS>) {
+      const int n_rows = static_cast<int>(std::min<int64_t>(kQuantStripRows<BITS>, rows - r0));
+      for (int c = 0; c < kPanel; c += kTileCols)
+        QuantStripRemainder<kQuantStripRows<BITS>, kTileVecs, BITS, MIN>(n_rows, xp + r0 * k_dim + g * group, k_dim,
+                                                                         group, qg, c, dg, mg, xsum + r0 * groups + g,
+                                                                         groups, yp + r0 * w.n, w.n);
+    }
+  }
+}
+
+// Panel p dequantized into `out` [K, kPanel] float32, the formulas in float32.
+template <int BITS, bool MIN>
+void DequantPanel(const QuantLayer& w, int64_t p, float* out) {
+  const int64_t k_dim = w.k_dim, group = w.group, groups = k_dim / group;
+  const int64_t q_rows = BITS == 4 ? k_dim / 2 : k_dim, q_group = BITS == 4 ? group / 2 : group;
+  const auto* q = static_cast<const uint8_t*>(w.qs) + p * q_rows * kPanel;
+  for (int64_t g = 0; g < groups; ++g) {
+    VecF d[kPanelVecs], m[kPanelVecs];
+    for (int v = 0; v < kPanelVecs; ++v) {
+      d[v] = LoadHalf(w.scales + (p * groups + g) * kPanel + v * kLanes);
+      m[v] = MIN ? LoadHalf(w.mins + (p * groups + g) * kPanel + v * kLanes) : -8.f * d[v];
+    }
+    const uint8_t* qg = q + g * q_group * kPanel;
+    float* o = out + g * group * kPanel;
+    if constexpr (BITS == 8) {
+      for (int64_t k = 0; k < group; ++k)
+        for (int v = 0; v < kPanelVecs; ++v)
+          Store(o + k * kPanel + v * kLanes, d[v] * WidenQ8(reinterpret_cast<const int8_t*>(qg) + k * kPanel + v * kLanes));
+    } else {
+      for (int64_t b = 0; b < group; b += 32)
+        for (int j = 0; j < 16; ++j)
+          for (int v = 0; v < kPanelVecs; ++v) {
+            VecF lo, hi;
+            WidenQ4(qg + ((b >> 1) + j) * kPanel + v * kLanes, lo, hi);
+            Store(o + (b + j) * kPanel + v * kLanes, d[v] * lo + m[v]);
+            Store(o + (b + 16 + j) * kPanel + v * kLanes, d[v] * hi + m[v]);
+          }
+    }
+  }
+}
+
+template <int BITS, bool MIN>
+void QuantPanels(const float* xp, int64_t rows, const QuantLayer& w, float* y) {
+  const int64_t panels = w.n / kPanel, k_dim = w.k_dim, groups = k_dim / w.group;
+  const bool stream = rows <= kQuantStreamRows;
+  // sum of each row of x over each group (the min term), once per call
+  std::vector<float> xsum(BITS == 4 && stream ? rows * groups : 0);
+  for (size_t i = 0; i < xsum.size(); ++i) {
+    const float* xg = xp + static_cast<int64_t>(i) * w.group;  // row i / groups, group i % groups
+    float s = 0;
+    for (int64_t k = 0; k < w.group; ++k) s += xg[k];
+    xsum[i] = s;
+  }
+  const int threads = TeamSize(rows, panels, k_dim * w.n * static_cast<int64_t>(sizeof(float)));
+#pragma omp parallel num_threads(threads)
+  {
+    const int id = omp_get_thread_num(), team = omp_get_num_threads();
+    const int64_t begin = panels * id / team, end = panels * (id + 1) / team;
+    if (stream) {
+      for (int64_t p = begin; p < end; ++p) QuantPanelStream<BITS, MIN>(xp, rows, w, p, xsum.data(), y);
+    } else {
+      static thread_local std::vector<float> panel;  // reused across calls (see Panels)
+      if (panel.size() < static_cast<size_t>(k_dim) * kPanel) panel.resize(static_cast<size_t>(k_dim) * kPanel);
+      for (int64_t p = begin; p < end; ++p) {
+        DequantPanel<BITS, MIN>(w, p, panel.data());
+        for (int64_t r0 = 0; r0 < rows; r0 += kTileRows<float, float>) {
+          const int n_rows = static_cast<int>(std::min<int64_t>(kTileRows<float, float>, rows - r0));
+          PanelRows(n_rows, xp + r0 * k_dim, k_dim, panel.data(), y + r0 * w.n + p * kPanel, w.n, Ahead<float>{});
+        }
+      }
+    }
+  }
+}
+
+void QuantMatmul(const float* xp, int64_t rows, const QuantLayer& w, int bits, float* y) {
+  if (bits == 8) return QuantPanels<8, false>(xp, rows, w, y);
+  if (w.mins) return QuantPanels<4, true>(xp, rows, w, y);
+  QuantPanels<4, false>(xp, rows, w, y);
+}
+
+// x float32 [T, K]; qs int8 [L, K, N...] or uint8 [L, K / 2, N...]; scales float16 [L, K / G, N...]; mins
+// float16 like scales, or size 0 (none); layer [1]; out [T, N]. Every weight array packed (quantized.py).
+ffi::Error QuantImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qs, ffi::AnyBuffer scales, ffi::AnyBuffer mins,
+                     ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
+  auto xd = x.dimensions(), qd = qs.dimensions(), sd = scales.dimensions();
+  const int bits = qs.element_type() == ffi::S8 ? 8 : qs.element_type() == ffi::U8 ? 4 : 0;
+  if (!bits || scales.element_type() != ffi::F16 || mins.element_type() != ffi::F16)
+    return ffi::Error::InvalidArgument("quantized_matmul_cpu: qs int8 or uint8, scales and mins float16");
+  if (xd.size() != 2 || qd.size() < 3 || sd.size() != qd.size() || sd[0] != qd[0])
+    return ffi::Error::InvalidArgument("quantized_matmul_cpu: x [T, K], qs [L, Kq, ...], scales [L, K / G, ...]");
+  const int64_t rows = xd[0], k_dim = xd[1], num_layers = qd[0], groups = sd[1];
+  int64_t n = 1, n_scales = 1;
+  for (size_t i = 2; i < qd.size(); ++i) n *= qd[i], n_scales *= sd[i];
+  if (qd[1] * (bits == 4 ? 2 : 1) != k_dim || n != n_scales || groups <= 0 || k_dim % groups)
+    return ffi::Error::InvalidArgument("quantized_matmul_cpu: qs and scales do not match x's K");
+  const int64_t group = k_dim / groups;
+  if (n % kPanel || (bits == 4 && group % 32))
+    return ffi::Error::InvalidArgument("quantized_matmul_cpu: N whole panels of 32, 4-bit groups whole blocks of 32");
+  const bool has_min = mins.element_count() != 0;
+  if (has_min && (bits == 8 || static_cast<int64_t>(mins.element_count()) != num_layers * groups * n))
+    return ffi::Error::InvalidArgument("quantized_matmul_cpu: mins only for 4-bit weights, shaped like scales");
+  const int64_t l = layer.typed_data()[0];
+  if (l < 0 || l >= num_layers) return ffi::Error::InvalidArgument("quantized_matmul_cpu: layer out of range");
+  const int64_t q_layer = qd[1] * n, s_layer = groups * n;
+  QuantLayer w{static_cast<const int8_t*>(qs.untyped_data()) + l * q_layer,
+               static_cast<const uint16_t*>(scales.untyped_data()) + l * s_layer,
+               has_min ? static_cast<const uint16_t*>(mins.untyped_data()) + l * s_layer : nullptr,
+               k_dim,
+               group,
+               n};
+  QuantMatmul(x.typed_data(), rows, w, bits, out->typed_data());
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(StackedMatmulCpu, Impl,
@@ -345,3 +643,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StackedMatmulCpu, Impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<bool>("packed"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizedMatmulCpu, QuantImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

@@ -1,0 +1,293 @@
+"""`x @ W[layer]` for weights kept quantized (GGUF Q8_0 / Q4_0 / Q4_1 blocks, jaxllm's int8 / int4): float32 x.
+
+A stacked weight of logical float shape `[L, K, *N]` is a `QuantizedWeight` of its quants and per-group
+float16 scales (and mins), N innermost like the float weights:
+
+- `qs`: int8 `[L, K, *N]` (8-bit, signed), or uint8 `[L, K // 2, *N]` (4-bit): for group b of 32 k's and
+  j in 0..15, row 16*b + j holds k = 32*b + j in its low nibble and k = 32*b + 16 + j in its high nibble
+  (GGUF's own nibble order, transposed so that N is innermost);
+- `scales`: float16 `[L, K // G, *N]`, G the group size along K (G = K: one scale per output channel);
+- `mins`: float16 `[L, K // G, *N]` (Q4_1) or None.
+
+Weight (k, n) of group g = k // G is `d * q` (8-bit), `d * q + m` (4-bit with mins, q in 0..15) or
+`d * (q - 8)` (4-bit without mins); 8-bit with mins is not a format. Bits, G and the min are read off the
+dtypes and shapes. Activations are not quantized: every path equals the float32 matmul on the
+dequantized weights up to summation order.
+
+Backends of `quantized_matmul`: "reference" (unpacked weights: XLA dequantizes the layer and runs its dot;
+every platform, and the tensor-parallel path: qs, scales and mins sharded alike along N or K partition as
+an ordinary dot) and "cpu_packed" (every array `pack`ed into 32-column panels like the float "cpu_packed"
+weights: the C++ kernel in `cpu_kernel.cc`, which dequantizes in registers, up to `kernel_max_rows` rows,
+XLA's dequantize-and-dot on the same packed arrays above).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from pallas_kernels import cpu_ffi
+from pallas_kernels import stacked_matmul as sm
+
+TARGET = "jaxllm_quantized_matmul_cpu"
+PANEL = sm.PANEL
+
+
+class QuantFormat(NamedTuple):
+    bits: int
+    group: int | None  # weights of K per scale; None: one group per whole column (per output channel)
+    has_min: bool
+
+
+FORMATS: dict[str, QuantFormat] = {
+    "q8_0": QuantFormat(8, 32, False),
+    "q4_0": QuantFormat(4, 32, False),
+    "q4_1": QuantFormat(4, 32, True),
+    "int8": QuantFormat(8, None, False),
+    "int4": QuantFormat(4, 32, False),
+}
+
+
+class QuantizedWeight(NamedTuple):
+    """A stacked weight of logical shape `[L, K, *N]` kept in its quants (see the module docstring)."""
+
+    qs: Array | np.ndarray  # int8 [L, K, *N] or uint8 [L, K // 2, *N] (device or host arrays)
+    scales: Array | np.ndarray  # float16 [L, K // G, *N]
+    mins: Array | np.ndarray | None  # float16 [L, K // G, *N] or None
+
+
+class _Layout(NamedTuple):
+    bits: int
+    k: int  # the logical K
+    group: int
+    n: int  # the flattened N
+
+
+def _layout(qw: QuantizedWeight) -> _Layout:
+    """Bits, K, G and N of `qw`, checked; ValueError when it is not a weight of a supported format."""
+    qs, scales, mins = qw
+    if qs.dtype == jnp.int8:
+        bits = 8
+    elif qs.dtype == jnp.uint8:
+        bits = 4
+    else:
+        raise ValueError(f"qs must be int8 (8-bit) or uint8 (4-bit), got {qs.dtype}")
+    if qs.ndim < 3 or scales.ndim != qs.ndim or scales.dtype != jnp.float16:
+        raise ValueError(
+            f"qs [L, K, *N] and float16 scales [L, K // G, *N] expected, got {qs.shape}, {scales.dtype}{scales.shape}"
+        )
+    k = qs.shape[1] * (2 if bits == 4 else 1)
+    if scales.shape[0] != qs.shape[0] or scales.shape[2:] != qs.shape[2:] or not scales.shape[1] or k % scales.shape[1]:
+        raise ValueError(f"scales {scales.shape} do not match qs {qs.shape} (K = {k})")
+    group = k // scales.shape[1]
+    if mins is not None:
+        if bits == 8:
+            raise ValueError("8-bit weights with mins are not a supported format")
+        if mins.shape != scales.shape or mins.dtype != jnp.float16:
+            raise ValueError(f"mins must be float16 {scales.shape}, got {mins.dtype}{mins.shape}")
+    if bits == 4 and group % 32:
+        raise ValueError(f"4-bit groups must be whole blocks of 32 along K, got G = {group}")
+    return _Layout(bits, k, group, math.prod(qs.shape[2:]))
+
+
+def packable(qw: QuantizedWeight) -> bool:
+    """Whether `pack` rearranges `qw` and the kernel reads it: valid dtypes, N in whole panels of 32, K in whole
+    blocks of 32 where grouped."""
+    try:
+        lay = _layout(qw)
+    except ValueError:
+        return False
+    return lay.n % PANEL == 0 and (lay.group == lay.k or lay.k % 32 == 0)
+
+
+def _pack_array(a):
+    num_layers, rows = a.shape[:2]
+    n = math.prod(a.shape[2:])
+    xp = jnp if isinstance(a, jax.Array) else np
+    panels = xp.reshape(a, (num_layers, rows, n // PANEL, PANEL))
+    return xp.reshape(xp.transpose(panels, (0, 2, 1, 3)), a.shape)
+
+
+def pack(qw: QuantizedWeight) -> QuantizedWeight:
+    """Every array of `qw` panel-major over N (as `stacked_matmul.pack`: same shapes, each layer's contents
+    `[N / 32, rows, 32]`); host (numpy) or device arrays."""
+    if not packable(qw):
+        raise ValueError("not packable: N must be whole panels of 32 and K whole blocks of 32")
+    return QuantizedWeight(
+        _pack_array(qw.qs), _pack_array(qw.scales), None if qw.mins is None else _pack_array(qw.mins)
+    )
+
+
+def _dequant(qs, scales, mins, bits: int, dtype):
+    """`[Kq, *C]` quants with `[K // G, *C]` scales (and mins) → `[K, *C]` in `dtype`, the formulas in float32."""
+    cols = qs.shape[1:]
+    if bits == 4:
+        q = jnp.reshape(qs, (qs.shape[0] // 16, 1, 16, *cols))
+        q = jnp.concatenate([q & 15, q >> 4], axis=1)  # each block of 32: its low nibbles, then its high ones
+        q = jnp.reshape(q, (qs.shape[0] * 2, *cols)).astype(jnp.float32)
+        if mins is None:
+            q = q - 8.0
+    else:
+        q = qs.astype(jnp.float32)
+    k, groups = q.shape[0], scales.shape[0]
+
+    def expand(a):
+        a = jnp.broadcast_to(a.astype(jnp.float32)[:, None], (groups, k // groups, *cols))
+        return jnp.reshape(a, (k, *cols))
+
+    w = expand(scales) * q
+    if mins is not None:
+        w = w + expand(mins)
+    return w.astype(dtype)
+
+
+def dequantize(qw: QuantizedWeight, layer: Int[Array, ""] | int, *, packed: bool, dtype=jnp.float32):
+    """Layer `layer` of `qw` as `[K, *N]` in `dtype` (XLA; `layer` may be traced); `packed`: `qw` as `pack`
+    returns it (the result is then in the logical layout all the same)."""
+    lay = _layout(qw)
+
+    def one(a):
+        return None if a is None else jax.lax.dynamic_index_in_dim(a, layer, axis=0, keepdims=False)
+
+    qs, scales, mins = (one(a) for a in qw)
+    if not packed:
+        return _dequant(qs, scales, mins, lay.bits, dtype)
+    qs, scales, mins = _panels(qs, scales, mins, lay)
+    panels = _dequant(qs, scales, mins, lay.bits, dtype)  # [K, P, 32]
+    return jnp.reshape(panels, (lay.k, *qw.qs.shape[2:]))
+
+
+def _panels(qs, scales, mins, lay: _Layout):
+    """One packed layer's arrays viewed as `[rows, P, 32]` (rows of each panel's first, P panels)."""
+
+    def view(a):
+        if a is None:
+            return None
+        rows = a.shape[0]
+        return jnp.transpose(jnp.reshape(a, (lay.n // PANEL, rows, PANEL)), (1, 0, 2))
+
+    return view(qs), view(scales), view(mins)
+
+
+def quantized_matmul(
+    x: Float[Array, "T K"],
+    qw: QuantizedWeight,
+    layer: Int[Array, ""] | int,
+    *,
+    backend: str,
+    kernel_max_rows: int | None = None,
+) -> Float[Array, " T *N"]:
+    """`x @ W[layer]` in float32 for the quantized W. backend "reference": `qw` unpacked, XLA's dequantize and
+    dot; "cpu_packed": `qw = pack(...)`, the C++ kernel up to `kernel_max_rows` rows of x (None: every row
+    count), above it XLA's dequantize and dot on the packed arrays."""
+    out_shape = (x.shape[0], *qw.qs.shape[2:])
+    if backend == "reference":
+        w = dequantize(qw, layer, packed=False)
+        return jax.lax.dot_general(x.astype(jnp.float32), w, (((x.ndim - 1,), (0,)), ((), ())))
+    if backend != "cpu_packed":
+        raise ValueError(f"backend must be 'reference' or 'cpu_packed', got {backend!r}")
+    if kernel_max_rows is not None and x.shape[0] > kernel_max_rows:
+        return quantized_matmul_packed_xla(x, qw, layer)
+    return jnp.reshape(quantized_matmul_cpu(x, qw, layer), out_shape)
+
+
+def quantized_matmul_packed_xla(x, qw: QuantizedWeight, layer) -> Array:
+    """`x @ W[layer]` by XLA on the packed arrays as they are (dequantized panels `[K, P, 32]`, one dot)."""
+    lay = _layout(qw)
+    qs, scales, mins = (None if a is None else jax.lax.dynamic_index_in_dim(a, layer, 0, keepdims=False) for a in qw)
+    qs, scales, mins = _panels(qs, scales, mins, lay)
+    w = _dequant(qs, scales, mins, lay.bits, jnp.float32)
+    out = jnp.einsum("tk,kpc->tpc", x.astype(jnp.float32), w)
+    return out.reshape(x.shape[0], *qw.qs.shape[2:])
+
+
+def available() -> bool:
+    return cpu_ffi.register(sm.SOURCE, "QuantizedMatmulCpu", TARGET)
+
+
+def quantized_matmul_cpu(x, qw: QuantizedWeight, layer) -> Array:
+    """The C++ kernel on packed `qw`: float32 `[T, N]` (N flattened)."""
+    if not available():
+        raise RuntimeError("the CPU stacked-matmul kernel could not be built (see the warning above)")
+    lay = _layout(qw)
+    if x.ndim != 2 or x.shape[1] != lay.k or not packable(qw):
+        raise ValueError(f"x [T, {lay.k}] and a packable weight expected, got x {x.shape}")
+    mins = qw.mins if qw.mins is not None else jnp.zeros((0,), jnp.float16)
+    out = jax.ShapeDtypeStruct((x.shape[0], lay.n), jnp.float32)
+    index = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+    return jax.ffi.ffi_call(TARGET, out)(x.astype(jnp.float32), qw.qs, qw.scales, mins, index)
+
+
+def quantized_rows(qw: QuantizedWeight, index: Int[Array, " T"], *, packed: bool, dtype=jnp.float32):
+    """Rows `index` of E `[T, K]` in `dtype` for a tied embedding stored as the one-layer stack of E.T (`qw` of
+    logical shape `[1, K, V]`): row v is column v of the `[K, V]` matrix, dequantized; `packed`: column v % 32 of
+    panel v // 32."""
+    lay = _layout(qw)
+
+    def cols(a):
+        if a is None:
+            return None
+        a = a[0]
+        if packed:
+            rows = a.shape[0]
+            return jnp.transpose(jnp.reshape(a, (lay.n // PANEL, rows, PANEL))[index // PANEL, :, index % PANEL])
+        return jnp.reshape(a, (a.shape[0], lay.n))[:, index]
+
+    qs, scales, mins = (cols(a) for a in qw)
+    return jnp.transpose(_dequant(qs, scales, mins, lay.bits, dtype))
+
+
+def random_weight(rng: np.random.Generator, fmt: str, shape: tuple[int, ...]) -> QuantizedWeight:
+    """A random `fmt` weight of logical shape `(L, K, *N)` in numpy (unpacked): no quant dequantizes to zero
+    (8-bit q never 0, Q4_0 / int4 q never 8, Q4_1 mins keep `d * q + m` off zero), scales and mins nonzero."""
+    f = FORMATS[fmt]
+    num_layers, k, *n = shape
+    group = f.group or k
+    if k % group or (f.bits == 4 and k % 32):
+        raise ValueError(f"K = {k} is not whole groups of {group}")
+    groups_shape = (num_layers, k // group, *n)
+    scales = (rng.uniform(0.5, 1.5, groups_shape) * rng.choice([-1, 1], groups_shape) * 0.01).astype(np.float16)
+    if f.bits == 8:
+        q = rng.integers(1, 128, shape) * rng.choice([-1, 1], shape)
+        return QuantizedWeight(q.astype(np.int8), scales, None)
+    if f.has_min:
+        q = rng.integers(0, 16, shape)
+        scales = np.abs(scales)
+        mins = (-scales.astype(np.float32) * rng.choice([8.25, 8.5, 8.75], groups_shape)).astype(np.float16)
+    else:
+        q = rng.integers(0, 15, shape)
+        q = q + (q >= 8)  # 0..15 without 8
+        mins = None
+    blocks = q.reshape(num_layers, k // 32, 2, 16, *n)
+    qs = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(num_layers, k // 2, *n).astype(np.uint8)
+    return QuantizedWeight(qs, scales, mins)
+
+
+def _dequant_numpy(qw: QuantizedWeight, layer: int) -> np.ndarray:
+    """Layer `layer` of unpacked `qw` as float64 `[K, *N]`, straight from the formulas."""
+    qs = np.asarray(qw.qs[layer])
+    scales = np.asarray(qw.scales[layer]).astype(np.float64)
+    if qs.dtype == np.uint8:
+        blocks = qs.reshape(qs.shape[0] // 16, 1, 16, *qs.shape[1:]).astype(np.int64)
+        q = np.concatenate([blocks & 15, blocks >> 4], axis=1).reshape(qs.shape[0] * 2, *qs.shape[1:])
+        if qw.mins is None:
+            q = q - 8
+    else:
+        q = qs.astype(np.int64)
+    group = q.shape[0] // scales.shape[0]
+    w = np.repeat(scales, group, axis=0) * q
+    if qw.mins is not None:
+        w = w + np.repeat(np.asarray(qw.mins[layer]).astype(np.float64), group, axis=0)
+    return w
+
+
+def reference_matmul(x, qw: QuantizedWeight, layer: int) -> np.ndarray:
+    """The oracle: `x @ W[layer]` in float64 numpy, W dequantized from the formulas (unpacked `qw`)."""
+    w = _dequant_numpy(qw, layer)
+    k = w.shape[0]
+    return (np.asarray(x, np.float64) @ w.reshape(k, -1)).reshape(x.shape[0], *w.shape[1:])
