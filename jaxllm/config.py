@@ -21,6 +21,12 @@ DTYPES = {
     "fp16": "float16",
 }
 LOAD_FORMATS = ("auto", "hf", "safetensors", "gguf", "orbax", "dummy")
+QUANTIZATIONS = (None, "int8", "int4", "none")  # weights/quant/plan.py says what each keeps quantized
+
+
+def check_quantization(quantization) -> None:
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of None, 'int8', 'int4', 'none'; got {quantization!r}")
 
 
 def resolve_dtype(dtype):
@@ -60,6 +66,7 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own limit
     attention_backend: str = "auto"
     scan_layers: bool = True  # False: unrolled layers (faster CPU decode, compile grows with depth)
+    quantization: str | None = None  # vLLM's: None (a GGUF keeps its blocks), "int8", "int4", "none"
 
     def __post_init__(self):
         if isinstance(self.dtype, str) and self.dtype != "auto" and self.dtype.lower() not in DTYPES:
@@ -69,6 +76,7 @@ class ModelConfig:
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         _positive("max_model_len", self.max_model_len, allow_none=True)
+        check_quantization(self.quantization)
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,8 @@ from jaxllm.spec_decode.config import SpeculativeConfig
 CPU_DEFAULTS = {"max_num_seqs": 64, "max_num_batched_tokens": 512}
 ACCELERATOR_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 4096}
 HELP = {
+    "quantization": "weights kept quantized: default (a GGUF keeps its Q8_0/Q4_0/Q4_1 blocks), int8 (per output "
+    "channel), int4 (groups of 32), none (all float) (docs/quantization.md)",
     "speculative_config": 'speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
     'or {"method": "draft_model", "model": ..., "num_speculative_tokens": 4} (docs/speculative_decoding.md)',
 }
@@ -46,6 +48,7 @@ class EngineArgs:
     master_port: int = 29501
     distributed_timeout: float = 60.0  # seconds a node waits for the others before exiting with an error
     load_format: str = "auto"
+    quantization: str | None = None  # None: a GGUF keeps its Q8_0/Q4_0/Q4_1 blocks; "int8", "int4"; "none": float
     scheduling_policy: str = "fcfs"
     attention_backend: str = "auto"
     scan_layers: bool = True
@@ -65,6 +68,7 @@ class EngineArgs:
             self.max_model_len,
             self.attention_backend,
             self.scan_layers,
+            self.quantization,
         )
 
     def create_engine_config(self, model_max_len: int, platform: str) -> EngineConfig:

@@ -66,7 +66,13 @@ class EngineCore:
             raise ValueError("data_parallel_size > 1 is not supported yet")
         initialize_from_args(args)  # multi-host: join the other nodes first (the mesh spans them all)
         mesh = make_mesh(args.tensor_parallel_size, args.data_parallel_size)
-        source = open_model(args.model, load_format=args.load_format, dtype=args.dtype)
+        source = open_model(
+            args.model,
+            load_format=args.load_format,
+            dtype=args.dtype,
+            quantization=args.quantization,
+            tensor_parallel_size=args.tensor_parallel_size,
+        )
         arch = source.arch
         self.config = args.create_engine_config(arch.max_position_embeddings, jax.default_backend())
         self.seed = args.seed

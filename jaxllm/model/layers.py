@@ -13,7 +13,8 @@ gate/up) pieces for its own heads or columns, and no shard ever needs another's.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, cast
 
 import flax.linen as nn
@@ -22,8 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from jaxllm.model.quant import QuantPlan, packs_quantized, quantized_params
 from jaxllm.model.registry import ModelArch
-from pallas_kernels.stacked_matmul import packed_matmul, packed_rows, stacked_matmul
+from pallas_kernels.stacked_matmul import packed_matmul, packed_rows, quantized, stacked_matmul
 
 Dtype = Any
 INIT_STD = 0.02
@@ -49,6 +51,7 @@ class Stacking:
     num_layers: int | None = None
     matmul_backend: str = "auto"
     kernel_max_rows: int | None = None  # "cpu_packed": XLA's dot above this many rows (stacked_matmul's)
+    quant: QuantPlan = field(default_factory=QuantPlan)  # which projections (by module name) are quantized
 
     def param(self, module: nn.Module, name: str, init, spec: tuple, shape: tuple, dtype: Dtype) -> Array:
         """The module's parameter as stored: `[L, *shape]` when stacked."""
@@ -68,6 +71,18 @@ class Stacking:
             return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
         return stacked_matmul(x, kernel, layer, backend=self.matmul_backend, kernel_max_rows=self.kernel_max_rows)
 
+    def quantized_matmul(self, x: Array, qw: quantized.QuantizedWeight, layer, packed: bool) -> Array:
+        """`x @ W` (float32) for a quantized weight: the CPU kernel on packed panels (`packed`), else XLA
+        dequantizing inside the step (tensor parallelism, accelerators, kernels off). Unstacked: a stack of one."""
+        if self.num_layers is None:
+            qw, layer = stack_of_one(qw), 0
+        backend = "cpu_packed" if packed else "reference"
+        return quantized.quantized_matmul(x, qw, layer, backend=backend, kernel_max_rows=self.kernel_max_rows)
+
+
+def stack_of_one(qw: quantized.QuantizedWeight) -> quantized.QuantizedWeight:
+    return quantized.QuantizedWeight(qw.qs[None], qw.scales[None], None if qw.mins is None else qw.mins[None])
+
 
 class Linear(nn.Module):
     """`x @ W` with a kernel `[in, *out_shape]` (the layout stored: no step reshapes or transposes it).
@@ -85,16 +100,25 @@ class Linear(nn.Module):
 
     @nn.compact
     def __call__(self, x: Float[Array, "T H"], layer=None) -> Array:
-        out_spec = tuple("model" if i == self.shard_axis else None for i in range(len(self.out_shape)))
+        st = self.stacking
         in_spec = "model" if self.shard_axis is None else None
-        init, st = nn.initializers.normal(INIT_STD), self.stacking
-        kernel = st.param(self, "kernel", init, (in_spec, *out_spec), (x.shape[-1], *self.out_shape), self.dtype)
-        if self.packed:
-            y = packed_matmul(x, kernel, kernel_max_rows=st.kernel_max_rows)
+        out_spec = tuple("model" if i == self.shard_axis else None for i in range(len(self.out_shape)))
+        if fmt := st.quant.get(self.name):
+            qw = quantized_params(partial(st.param, self), fmt, x.shape[-1], self.out_shape, in_spec, out_spec)
+            # stacked layers: packed with the float kernels (whole panels); an unstacked head: as `packed` says
+            stacked_packed = st.matmul_backend == "cpu_packed" and packs_quantized(qw.qs.shape)
+            packed = self.packed if st.num_layers is None else stacked_packed
+            y = st.quantized_matmul(x, qw, layer, packed).astype(self.dtype)
         else:
-            y = st.matmul(x.astype(self.dtype), kernel, layer)
+            init = nn.initializers.normal(INIT_STD)
+            kernel = st.param(self, "kernel", init, (in_spec, *out_spec), (x.shape[-1], *self.out_shape), self.dtype)
+            if self.packed:
+                y = packed_matmul(x, kernel, kernel_max_rows=st.kernel_max_rows)
+            else:
+                y = st.matmul(x.astype(self.dtype), kernel, layer)
         if self.bias:
-            y = y + st.at(st.param(self, "bias", init, out_spec, self.out_shape, self.dtype), layer)
+            bias = st.param(self, "bias", nn.initializers.normal(INIT_STD), out_spec, self.out_shape, self.dtype)
+            y = y + st.at(bias, layer)
         return y
 
 
@@ -127,8 +151,13 @@ class Embed(nn.Module):
     dtype: Dtype
     packed: bool = False
     kernel_max_rows: int | None = None  # packed: XLA's dot above this many rows (stacked_matmul's)
+    quant: str | None = None  # a quantized table: stored as E.T `[H, V]` (a kernel of the LM head), model/quant.py
 
     def setup(self):
+        if self.quant:
+            declare = partial(partitioned_param, self)
+            self.table = quantized_params(declare, self.quant, self.features, (self.vocab_size,), None, ("model",))
+            return
         self.embedding = partitioned_param(
             self,
             "embedding",
@@ -139,11 +168,17 @@ class Embed(nn.Module):
         )
 
     def __call__(self, token_ids: Int[Array, " T"]) -> Float[Array, "T H"]:
+        if self.quant:
+            return quantized.quantized_rows(stack_of_one(self.table), token_ids, packed=self.packed, dtype=self.dtype)
         if self.packed:
             return packed_rows(self.embedding, token_ids)
         return jnp.take(self.embedding, token_ids, axis=0)
 
     def attend(self, x: Float[Array, "S H"]) -> Float[Array, "S V"]:
+        if self.quant:
+            backend = "cpu_packed" if self.packed else "reference"
+            table = stack_of_one(self.table)
+            return quantized.quantized_matmul(x, table, 0, backend=backend, kernel_max_rows=self.kernel_max_rows)
         if self.packed:
             return packed_matmul(x, self.embedding, kernel_max_rows=self.kernel_max_rows)
         # E @ x.T reads the embedding's contiguous rows; x @ E.T makes XLA (CPU) copy E transposed per step

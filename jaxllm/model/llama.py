@@ -26,6 +26,7 @@ from jaxtyping import Array, Float, Int
 
 import pallas_kernels
 from jaxllm.model.layers import Dtype, Embed, GatedMLP, Linear, RMSNorm, Stacking, apply_rotary, rotary_cos_sin
+from jaxllm.model.quant import QUANT_LEAVES, QuantPlan, packs_quantized
 from jaxllm.model.registry import ModelArch
 from pallas_kernels import stacked_matmul
 
@@ -135,6 +136,7 @@ class CausalLM(nn.Module):
     scan_layers: bool = True
     matmul_backend: str = "auto"  # pallas_kernels.stacked_matmul's, for the scanned layers
     matmul_kernel_max_rows: int | None = None  # "cpu_packed": XLA's dot above this many rows (the self-check's)
+    quant: QuantPlan = QuantPlan()  # projections kept quantized (model/quant.py); empty: all float
 
     def packs_head(self) -> bool:
         """Whether "cpu_packed" reads the LM head (tied embedding or lm_head) packed too: whole panels, and an
@@ -146,13 +148,20 @@ class CausalLM(nn.Module):
 
     def pack_leaf(self, path: tuple[str, ...], value):
         """One leaf of the parameter tree as "cpu_packed" reads it (`stacked_matmul.pack`): a packable kernel of
-        the stacked layers, and the LM head when `packs_head`; others as they are. Shapes unchanged. A weights
-        `Layout`: each layer of a stack packs alone."""
-        if path[-1] == "kernel" and any("layers" in k for k in path[:-1]):
-            return stacked_matmul.pack(value) if stacked_matmul.packable(value) else value
-        if self.packs_head() and path[-2:] == ("embed_tokens", "embedding") and self.arch.tie_word_embeddings:
+        the stacked layers (float, or a quantized weight's arrays), and the LM head when `packs_head`; others as
+        they are. Shapes unchanged. A weights `Layout`: each layer of a stack packs alone."""
+        leaf, head = path[-1], path[-2:-1] in (("embed_tokens",), ("lm_head",))
+        if any("layers" in k for k in path[:-1]):
+            if leaf == "kernel" and stacked_matmul.packable(value):
+                return stacked_matmul.pack(value)
+            return stacked_matmul.pack(value) if leaf in QUANT_LEAVES and packs_quantized(value.shape) else value
+        if not self.packs_head() or not head:
+            return value
+        if leaf in QUANT_LEAVES:  # stored [K, V] as a kernel is, tied or not
+            return stacked_matmul.pack_matrix(value)
+        if path[-2:] == ("embed_tokens", "embedding") and self.arch.tie_word_embeddings:
             return stacked_matmul.pack_matrix(value, transposed=True)
-        if self.packs_head() and path[-2:] == ("lm_head", "kernel"):
+        if path[-2:] == ("lm_head", "kernel"):
             return stacked_matmul.pack_matrix(value)
         return value
 
@@ -167,7 +176,7 @@ class CausalLM(nn.Module):
         return jax.tree_util.tree_map_with_path(leaf, params)
 
     def layer_stacking(self, num_layers: int | None) -> Stacking:
-        return Stacking(num_layers, self.matmul_backend, self.matmul_kernel_max_rows)
+        return Stacking(num_layers, self.matmul_backend, self.matmul_kernel_max_rows, self.quant)
 
     @nn.compact
     def __call__(self, cache: KVCache, batch: StepInputs[Array]) -> tuple[Float[Array, "R V"], KVCache]:
@@ -179,6 +188,7 @@ class CausalLM(nn.Module):
             self.dtype,
             head_packed and a.tie_word_embeddings,
             self.matmul_kernel_max_rows,
+            self.quant.get("embed_tokens"),
             name="embed_tokens",
         )
         hidden = embed(batch.token_ids).astype(self.dtype)
@@ -196,9 +206,9 @@ class CausalLM(nn.Module):
             carry, _ = layers(carry, batch, cos, sin)
         else:
             for i in range(a.num_layers):
-                carry, _ = DecoderLayer(a, self.dtype, self.attention_backend, name=f"layers_{i}")(
-                    carry, batch, cos, sin
-                )
+                stacking = self.layer_stacking(None)
+                layer = DecoderLayer(a, self.dtype, self.attention_backend, stacking, name=f"layers_{i}")
+                carry, _ = layer(carry, batch, cos, sin)
         hidden, cache, _ = carry
         hidden = RMSNorm(a.rms_norm_eps, self.dtype, name="norm")(hidden[batch.logits_indices])
         if a.tie_word_embeddings:

@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 from jaxllm.config import EngineConfig
 from jaxllm.engine.scheduler import SchedulerOutput, max_logits_rows
 from jaxllm.model import CausalLM, KVCache, StepInputs
+from jaxllm.model.quant import NO_QUANT, QuantPlan
 from jaxllm.parallel.mesh import replicated
 from jaxllm.runner.buckets import Bucket, make_buckets, pick_bucket
 from jaxllm.runner.cpu_kernels import kernel_choice
@@ -83,20 +84,20 @@ class StepStats:
         return self.steps, self.device_s, self.pack_s
 
 
-def cpu_kernel_choice(arch, config: EngineConfig, dtype, mesh: Mesh) -> KernelChoice | None:
+def cpu_kernel_choice(arch, config: EngineConfig, dtype, mesh: Mesh, quant: QuantPlan) -> KernelChoice | None:
     """Which C++ kernels a step on this platform runs, where they beat XLA (the machine's self-check,
     `JAXLLM_CPU_KERNELS`); None off the CPU, and on a CPU mesh (the kernels have no partitioning rules)."""
     if jax.default_backend() != "cpu" or mesh.size > 1:
         return None
     packable = config.model.scan_layers and jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16)
-    return kernel_choice(arch, config, dtype, matmul=packable)
+    return kernel_choice(arch, config, dtype, quant, matmul=packable)
 
 
-def step_model(arch, config: EngineConfig, dtype, mesh: Mesh) -> CausalLM:
+def step_model(arch, config: EngineConfig, dtype, mesh: Mesh, quant: QuantPlan = NO_QUANT) -> CausalLM:
     """The model the step runs: attention and matmul backends, and the dtype it computes in, for this platform."""
     scan, attention = config.model.scan_layers, config.model.attention_backend
     matmul, compute_dtype, kernel_max_rows = "auto", dtype, None
-    choice = cpu_kernel_choice(arch, config, dtype, mesh)
+    choice = cpu_kernel_choice(arch, config, dtype, mesh, quant)
     if mesh.size > 1 and jax.default_backend() == "cpu":  # the C++ kernels have no partitioning rules:
         attention = "reference" if attention == "auto" else attention  # XLA would all-gather the cache
         matmul = "reference"  # and the weights
@@ -118,12 +119,13 @@ def step_model(arch, config: EngineConfig, dtype, mesh: Mesh) -> CausalLM:
         scan_layers=scan,
         matmul_backend=matmul,
         matmul_kernel_max_rows=kernel_max_rows,
+        quant=quant,
     )
 
 
-def weight_layout(arch, config: EngineConfig, dtype, mesh: Mesh) -> Layout | None:
+def weight_layout(arch, config: EngineConfig, dtype, mesh: Mesh, quant: QuantPlan = NO_QUANT) -> Layout | None:
     """How the step wants the loaded weights rearranged (the loader may keep the result on disk), or None."""
-    model = step_model(arch, config, dtype, mesh)
+    model = step_model(arch, config, dtype, mesh, quant)
     return Layout(model.matmul_backend, model.pack_leaf) if model.matmul_backend == "cpu_packed" else None
 
 
@@ -152,8 +154,9 @@ class ModelRunner:
             arch.vocab_size,
             self.block_size,
         )
-        self.model = step_model(arch, config, loaded.dtype, mesh)
-        self.cpu_kernels = cpu_kernel_choice(arch, config, loaded.dtype, mesh)  # for reports (cached: no 2nd check)
+        self.model = step_model(arch, config, loaded.dtype, mesh, loaded.quant)
+        # for reports (cached: no second check)
+        self.cpu_kernels = cpu_kernel_choice(arch, config, loaded.dtype, mesh, loaded.quant)
         self.set_params(loaded.params, laid_out=loaded.laid_out)
         loaded.params = None  # the runner owns the weights now (the stacked copy can go)
         self._executables = ExecutableCache(executable_dir)
@@ -203,6 +206,7 @@ class ModelRunner:
             model.scan_layers,
             model.matmul_backend,
             model.matmul_kernel_max_rows,
+            model.quant,
             kernels,
             self.mesh.shape,
             devices,

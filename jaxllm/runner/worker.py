@@ -39,13 +39,14 @@ class Worker:
         arch = source.arch
         overlap = config.model.scan_layers and jax.process_count() == 1
         with ThreadPoolExecutor(1, thread_name_prefix="jaxllm-load") as pool:
-            layout = weight_layout(arch, config, source.dtype, mesh)
+            layout = weight_layout(arch, config, source.dtype, mesh, source.quant)
             reading = pool.submit(source.load, mesh, tokenizer, seed, layout)
             model = (
                 LoadedModel(source.name, arch, source.hf_config, source.abstract_params(mesh), None, source.dtype)
                 if overlap
                 else reading.result()
             )
+            model.quant = source.quant
             self.runner = ModelRunner(model, config, mesh, executable_dir=executable_dir)
             capacity = (self.runner.num_blocks - 1) * config.cache.block_size  # block 0 is scratch
             if capacity < config.scheduler.max_model_len:

@@ -53,7 +53,9 @@ class DraftModelProposer:
     ):
         assert config.model is not None, "SpeculativeConfig checks that draft_model has a model"
         model: ModelConfig = target.model
-        source = open_model(config.model, load_format=model.load_format, dtype=model.dtype)
+        source = open_model(
+            config.model, load_format=model.load_format, dtype=model.dtype, quantization=model.quantization
+        )
         if source.arch.vocab_size != target_vocab_size:
             raise ValueError(
                 f"speculative_config: the draft model {config.model} has a vocabulary of {source.arch.vocab_size} "

@@ -3,11 +3,12 @@
 | what `model` names | format |
 |---|---|
 | None | the embedded default model (SmolLM2-135M-Instruct GGUF) |
-| a `.gguf` file | GGUF, dequantized on load |
+| a `.gguf` file | GGUF: Q8_0/Q4_0/Q4_1 kept in their bits, other types dequantized on load |
 | a folder with `jaxllm.json` | an Orbax checkpoint written by `jaxllm convert` |
 | a folder with `config.json` | an HF model (safetensors) |
 | `org/name` not on disk | an HF Hub repository, downloaded with `huggingface_hub` |
 
+`quantization` (weights/quant/plan.py) decides which projections stay quantized, and how.
 `load_format="dummy"` reads only the config (any of the above, or a `config.json` file)
 and makes random weights. `open_model` reads only the config, so an engine can compile its
 steps from `ModelSource.abstract_params` while `ModelSource.load` reads the weights.
@@ -25,6 +26,7 @@ import jax
 from jax.sharding import Mesh
 
 from jaxllm.config import LOAD_FORMATS, resolve_dtype
+from jaxllm.model.quant import QuantPlan
 from jaxllm.model.registry import ModelArch, arch_from_hf_config
 from jaxllm.weights import converted, hf, orbax
 from jaxllm.weights.default import DEFAULT_MODEL_NAME, default_model_path
@@ -34,7 +36,10 @@ from jaxllm.weights.params import (
     host_params_from_hf_tensors,
     param_shardings,
     params_from_hf_tensors,
+    place,
+    quantize_params,
 )
+from jaxllm.weights.quant.plan import make_plan
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +54,7 @@ class LoadedModel:
     dtype: Any
     load_seconds: dict[str, float] = field(default_factory=dict)  # "weights", "tokenizer" (start-up report)
     laid_out: bool = False  # params already in the step's layout (`load(layout=...)`)
+    quant: QuantPlan = field(default_factory=QuantPlan)  # the projections kept quantized
 
 
 def _resolve_source(model: str | None) -> Path:
@@ -102,10 +108,11 @@ class ModelSource:
     format: str  # "gguf", "hf", "orbax", or "config" (a bare config.json, dummy weights only)
     dummy: bool
     gguf_file: Any = None
+    quant: QuantPlan = field(default_factory=QuantPlan)
 
     def abstract_params(self, mesh: Mesh) -> Any:
         """The parameter tree as ShapeDtypeStructs carrying their shardings (what compiling needs)."""
-        shapes, specs = abstract_params(self.arch, self.dtype)
+        shapes, specs = abstract_params(self.arch, self.dtype, self.quant)
         return jax.tree.map(
             lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), shapes, param_shardings(specs, mesh)
         )
@@ -125,32 +132,34 @@ class ModelSource:
         """The weights, placed on `mesh` (and rearranged by `layout`), and the tokenizer (`tokenizer`
         overrides the model's own)."""
         started = time.perf_counter()
-        arch, jdtype, path = self.arch, self.dtype, self.path
+        arch, jdtype, path, quant = self.arch, self.dtype, self.path, self.quant
+        shapes, specs = abstract_params(arch, jdtype, quant)
         if self.dummy:
             from jaxllm.weights.dummy import dummy_params
 
-            params = dummy_params(arch, jdtype, mesh, seed)
-        elif self.format == "gguf":  # dequantizing takes seconds: later starts map what the first converted
-            shapes, specs = abstract_params(arch, jdtype)
+            params = dummy_params(arch, jdtype, mesh, seed, quant)
+        elif self.format == "gguf":  # converting takes seconds: later starts map what the first converted
+            gguf = self.gguf_file
             params = converted.load_or_convert(
                 path,
                 arch,
                 jdtype,
                 shapes,
                 param_shardings(specs, mesh),
-                layout.name if layout else "",
+                f"{layout.name if layout else ''}/{quant.describe()}",
                 lambda allocate: host_params_from_hf_tensors(
-                    arch, jdtype, self.gguf_file.tensor, str(path), layout, allocate
+                    arch, jdtype, gguf.tensor, str(path), layout, allocate, quant, gguf.blocks
                 ),
             )  # laid out as it is converted
-        elif self.format == "orbax":
-            shapes, specs = abstract_params(arch, jdtype)
-            params = orbax.restore_params(path, shapes, param_shardings(specs, mesh))
+        elif self.format == "orbax":  # checkpoints hold float weights: quantized here when asked
+            float_shapes, float_specs = abstract_params(arch, jdtype)
+            params = orbax.restore_params(path, float_shapes, param_shardings(float_specs, mesh))
+            if quant:
+                params = place(quantize_params(params, quant), param_shardings(specs, mesh))
         else:
-            params = params_from_hf_tensors(arch, jdtype, hf.SafetensorsReader(path), mesh, str(path), layout)
+            reader = hf.SafetensorsReader(path)
+            params = params_from_hf_tensors(arch, jdtype, reader, mesh, str(path), layout, quant)
 
-        if layout and (self.dummy or self.format == "orbax"):  # made or restored whole: rearranged on the devices
-            params = layout.apply(params)
         weights_loaded = time.perf_counter()
         tok = self.tokenizer(tokenizer)
         seconds = {"weights": weights_loaded - started, "tokenizer": time.perf_counter() - weights_loaded}
@@ -163,11 +172,20 @@ class ModelSource:
             dtype=jdtype,
             load_seconds=seconds,
             laid_out=layout is not None,
+            quant=quant,
         )
 
 
-def open_model(model: str | None = None, *, load_format: str = "auto", dtype: str = "auto") -> ModelSource:
-    """Find the model and read its config (a GGUF: its header), nothing more."""
+def open_model(
+    model: str | None = None,
+    *,
+    load_format: str = "auto",
+    dtype: str = "auto",
+    quantization: str | None = None,
+    tensor_parallel_size: int = 1,
+) -> ModelSource:
+    """Find the model and read its config (a GGUF: its header), nothing more; decide what stays quantized
+    (`quantization`, checked against the shapes and the tensor-parallel split before anything loads)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
     jdtype = resolve_dtype(dtype)
@@ -192,7 +210,10 @@ def open_model(model: str | None = None, *, load_format: str = "auto", dtype: st
         hf_config = gguf_file.hf_config()
     else:
         hf_config = hf.read_config(path)
-    return ModelSource(name, arch_from_hf_config(hf_config), hf_config, jdtype, path, fmt, dummy, gguf_file)
+    arch = arch_from_hf_config(hf_config)
+    gguf_types = gguf_file.tensor_types() if gguf_file is not None else None
+    quant = make_plan(arch, quantization, gguf_types, tensor_parallel_size)
+    return ModelSource(name, arch, hf_config, jdtype, path, fmt, dummy, gguf_file, quant)
 
 
 def load_model(
@@ -203,9 +224,10 @@ def load_model(
     dtype: str = "auto",
     tokenizer: str | None = None,
     seed: int = 0,
+    quantization: str | None = None,
 ) -> LoadedModel:
     started = time.perf_counter()
-    source = open_model(model, load_format=load_format, dtype=dtype)
+    source = open_model(model, load_format=load_format, dtype=dtype, quantization=quantization)
     opened = time.perf_counter() - started
     loaded = source.load(mesh, tokenizer, seed)
     loaded.load_seconds["weights"] += opened

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from jaxllm.weights.default import cache_dir
+from jaxllm.weights.quant.gguf_blocks import QuantizedTensor, repack
 
 logger = logging.getLogger(__name__)
 
@@ -225,14 +226,35 @@ class GGUFFile:
 
     def tensor(self, hf_name: str) -> np.ndarray:
         """Dequantized float32 tensor in transformers' `[out, in]` layout."""
+        name = self._name(hf_name)
+        return self._unpermuted(name, _dequantize(self._raw(name), self._tensors[name].ggml_type))
+
+    def blocks(self, hf_name: str) -> QuantizedTensor:
+        """A Q8_0, Q4_0 or Q4_1 tensor in its bits (`gguf_blocks.repack`), rows as `tensor` orders them."""
+        name = self._name(hf_name)
+        qt = repack(self._raw(name), self._tensors[name].ggml_type)
+        mins = None if qt.mins is None else self._unpermuted(name, qt.mins)
+        rows = self._unpermuted(name, qt.qs), self._unpermuted(name, qt.scales)
+        return QuantizedTensor(qt.format, qt.shape, *rows, mins)
+
+    def tensor_types(self) -> dict[str, str]:
+        """GGUF tensor name → GGML type name ("Q4_1", "F32", ...)."""
+        import gguf
+
+        return {name: gguf.GGMLQuantizationType(info.ggml_type).name for name, info in self._tensors.items()}
+
+    def _name(self, hf_name: str) -> str:
         name = hf_name_to_gguf(hf_name)
         if name not in self._tensors:
             raise KeyError(f"{self.path}: tensor {name!r} (for {hf_name}) is missing")
-        data = _dequantize(self._raw(name), self._tensors[name].ggml_type)
+        return name
+
+    def _unpermuted(self, name: str, rows: np.ndarray) -> np.ndarray:
+        """`rows` (a tensor's, `[out, ...]`) with llama.cpp's rotary interleaving of Q and K undone."""
         if self.gguf_architecture in PERMUTED_QK and name.split(".")[-2] in ("attn_q", "attn_k"):
             heads_key = "attention.head_count" if name.split(".")[-2] == "attn_q" else "attention.head_count_kv"
-            data = unpermute_rows(data, self.metadata[f"{self.gguf_architecture}.{heads_key}"])
-        return data
+            return unpermute_rows(rows, self.metadata[f"{self.gguf_architecture}.{heads_key}"])
+        return rows
 
     def _raw(self, name: str) -> np.ndarray:
         """A tensor's bytes in the file, as `gguf.quants.dequantize` takes them: typed for float and integer

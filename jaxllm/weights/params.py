@@ -22,10 +22,16 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxllm.model.llama import CausalLM, KVCache, StepInputs
+from jaxllm.model.quant import NO_QUANT, QUANT_LEAVES, QuantPlan
 from jaxllm.model.registry import ModelArch
+from jaxllm.weights.quant.gguf_blocks import QuantizedTensor
+from jaxllm.weights.quant.plan import GGUF_KEPT
+from jaxllm.weights.quant.quantize import Parts, from_blocks, quantize_kernel
+from pallas_kernels.stacked_matmul.quantized import FORMATS
 
 Params = Any
 GetTensor = Callable[[str], np.ndarray]
+GetBlocks = Callable[[str], QuantizedTensor]  # a GGUF tensor kept in its bits, by transformers name
 
 
 def _tiny_inputs(arch: ModelArch, dtype) -> tuple[KVCache, StepInputs[jax.Array]]:
@@ -45,10 +51,10 @@ def _tiny_inputs(arch: ModelArch, dtype) -> tuple[KVCache, StepInputs[jax.Array]
 
 
 @lru_cache(maxsize=8)  # an engine start asks twice (compiling, loading): tracing `init` costs ~0.3 s
-def abstract_params(arch: ModelArch, dtype) -> tuple[Params, Params]:
-    """(tree of ShapeDtypeStruct, tree of PartitionSpec) — computed without allocating anything. Shared: do not
-    mutate."""
-    model = CausalLM(arch, dtype, attention_backend="reference", matmul_backend="reference")
+def abstract_params(arch: ModelArch, dtype, quant: QuantPlan = NO_QUANT) -> tuple[Params, Params]:
+    """(tree of ShapeDtypeStruct, tree of PartitionSpec) — computed without allocating anything; `quant`: the
+    projections kept quantized (their arrays in place of a float kernel). Shared: do not mutate."""
+    model = CausalLM(arch, dtype, attention_backend="reference", matmul_backend="reference", quant=quant)
     boxed = jax.eval_shape(lambda: model.init(jax.random.key(0), *_tiny_inputs(arch, dtype))["params"])
     return nn.unbox(boxed), nn.get_partition_spec(boxed)
 
@@ -126,36 +132,72 @@ def host_params_from_hf_tensors(
     source: str,
     layout: Layout | None = None,
     allocate: Allocate = aligned_empty,
+    quant: QuantPlan = NO_QUANT,
+    get_blocks: GetBlocks | None = None,
 ) -> Params:
     """The parameter tree as host arrays from `allocate`, read by transformers name and laid out by `layout`,
-    one layer at a time (no second copy of the tree)."""
-    shapes, _ = abstract_params(arch, dtype)
-    np_dtype = np.dtype(jnp.dtype(dtype))
+    one layer at a time (no second copy of the tree). Projections in `quant` are quantized from the float
+    tensors ("int8", "int4"), or taken in their bits from `get_blocks` (a GGUF's kept formats)."""
+    shapes, _ = abstract_params(arch, dtype, quant)
+    quantized: dict[tuple, Parts] = {}  # the current module's quantized arrays, per layer (three leaves share them)
+
+    def assembled(path, shape, names, is_kernel: bool) -> np.ndarray:
+        parts = [np.asarray(get_tensor(name)) for name in names]
+        try:
+            value = _assemble(parts, is_kernel, shape)
+        except ValueError:
+            value = None
+        if value is None or value.shape != shape:
+            got = ", ".join(f"{n} {p.shape}" for n, p in zip(names, parts, strict=True))
+            raise ValueError(f"{source}: tensor shapes {got} do not make {path[-2]} {shape} for {arch.architecture}")
+        return value
+
+    def quantized_leaf(path, layer, shape, names) -> np.ndarray:
+        """One of a quantized weight's arrays (`path[-1]`: qweight, scales or mins) for one layer."""
+        module = path[:-1]
+        if (module, layer) not in quantized:
+            if any(key[0] != module for key in quantized):
+                quantized.clear()
+            fmt = quant.get(module[-1])
+            assert fmt is not None, module
+            if get_blocks is not None and fmt in GGUF_KEPT.values():  # in its bits: [K', out] per part
+                blocks = [from_blocks(get_blocks(name)) for name in names]
+                qs, scales = ([b[i] for b in blocks] for i in range(2))
+                mins = None if blocks[0][2] is None else [b[2] for b in blocks]
+                joined = lambda parts: _assemble(parts, False, (parts[0].shape[0], *shape[1:]))  # noqa: E731
+                quantized[module, layer] = (joined(qs), joined(scales), None if mins is None else joined(mins))
+            else:
+                qweight = _subtree(shapes, module)["qweight"]
+                k = qweight.shape[path[0] == "layers"] * 8 // FORMATS[fmt].bits
+                quantized[module, layer] = quantize_kernel(assembled(path, (k, *shape[1:]), names, True), fmt)
+        value = quantized[module, layer][QUANT_LEAVES.index(path[-1])]
+        assert value is not None and value.shape == shape, (path, shape)
+        return value
 
     def load(key_path, shape):
         path = leaf_path(key_path)
         stacked = path[0] == "layers"
         layer_shape = shape.shape[1:] if stacked else shape.shape
-        host = allocate(path, shape.shape, np_dtype)
+        host = allocate(path, shape.shape, np.dtype(shape.dtype))
         for i, layer in enumerate(range(arch.num_layers) if stacked else [None]):
             names = hf_tensor_names_of(path, layer)
-            parts = [np.asarray(get_tensor(name)) for name in names]
-            try:
-                value = _assemble(parts, path[-1] == "kernel", layer_shape)
-            except ValueError:
-                value = None
-            if value is None or value.shape != layer_shape:
-                got = ", ".join(f"{n} {p.shape}" for n, p in zip(names, parts, strict=True))
-                raise ValueError(
-                    f"{source}: tensor shapes {got} do not make {path[-2]} {layer_shape} for {arch.architecture}"
-                ) from None
-            value = value.astype(np_dtype, copy=False)
+            if path[-1] in QUANT_LEAVES:
+                value = quantized_leaf(path, layer, layer_shape, names)
+            else:
+                value = assembled(path, layer_shape, names, path[-1] == "kernel")
+            value = value.astype(shape.dtype, copy=False)
             if layout is not None:
                 value = layout.leaf(path, value[None])[0] if stacked else layout.leaf(path, value)
             (host[i] if stacked else host)[...] = value
         return host
 
     return jax.tree_util.tree_map_with_path(load, shapes)
+
+
+def _subtree(tree: Params, path: tuple[str, ...]) -> Params:
+    for key in path:
+        tree = tree[key]
+    return tree
 
 
 def place(host: Params, shardings: Params) -> Params:
@@ -165,11 +207,18 @@ def place(host: Params, shardings: Params) -> Params:
 
 
 def params_from_hf_tensors(
-    arch: ModelArch, dtype, get_tensor: GetTensor, mesh: Mesh, source: str, layout: Layout | None = None
+    arch: ModelArch,
+    dtype,
+    get_tensor: GetTensor,
+    mesh: Mesh,
+    source: str,
+    layout: Layout | None = None,
+    quant: QuantPlan = NO_QUANT,
 ) -> Params:
     """Build the device parameter tree, reading each tensor by its transformers name."""
-    _, specs = abstract_params(arch, dtype)
-    return place(host_params_from_hf_tensors(arch, dtype, get_tensor, source, layout), param_shardings(specs, mesh))
+    _, specs = abstract_params(arch, dtype, quant)
+    host = host_params_from_hf_tensors(arch, dtype, get_tensor, source, layout, quant=quant)
+    return place(host, param_shardings(specs, mesh))
 
 
 def hf_tensor_names(arch: ModelArch) -> list[str]:
@@ -198,3 +247,24 @@ def unstack_layers(params: Params, num_layers: int) -> Params:
 
     rest = {k: v for k, v in params.items() if k != "layers"}
     return {**rest, **{f"layers_{i}": layer(i) for i in range(num_layers)}}
+
+
+def quantize_params(params: Params, quant: QuantPlan) -> Params:
+    """A float parameter tree (`[L, ...]` stacked, as checkpoints hold it) with the projections in `quant`
+    quantized on the host: each float kernel (a tied embedding as the LM head's `[H, V]`) becomes its arrays."""
+
+    def module(name: str, node: dict, stacked: bool) -> dict:
+        fmt = quant.get(name)
+        if fmt is None or not ({"kernel", "embedding"} & node.keys()):
+            return {k: module(k, v, stacked or k == "layers") if isinstance(v, dict) else v for k, v in node.items()}
+        rest = {k: v for k, v in node.items() if k not in ("kernel", "embedding")}
+        if "embedding" in node:
+            parts = quantize_kernel(np.asarray(node["embedding"], np.float32).T, fmt)
+        elif stacked:
+            layers = [quantize_kernel(layer, fmt) for layer in np.asarray(node["kernel"], np.float32)]
+            parts = tuple(None if p[0] is None else np.stack(p) for p in zip(*layers, strict=True))  # type: ignore[assignment]
+        else:
+            parts = quantize_kernel(np.asarray(node["kernel"], np.float32), fmt)
+        return {**rest, **{leaf: a for leaf, a in zip(QUANT_LEAVES, parts, strict=True) if a is not None}}
+
+    return module("", jax.device_get(params), False)
