@@ -1,0 +1,173 @@
+"""Weight-only quantized matmul (`pallas_kernels.stacked_matmul.quantized`): every format through the C++ kernel,
+XLA on the packed arrays and the unpacked reference, against a float64 oracle on random weights (no weight zero);
+dequantization bit for bit against the formulas; the embedding lookup; the reference path partitioned over a
+2-device mesh along N and along K."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from pallas_kernels.stacked_matmul import quantized as qm
+
+FORMATS = sorted(qm.FORMATS)
+ROWS = (1, 2, 3, 5, 8, 17, 64)  # the kernel: every regime and tile remainder; XLA's paths a few of them
+XLA_ROWS = (1, 5, 17)
+# (L, K, *N): N of several panels (one as two axes), K of several groups
+SHAPES = ((3, 96, 64), (3, 64, 3, 32), (2, 160, 96))
+LAYER = 1
+needs_kernel = pytest.mark.skipif(not qm.available(), reason="the CPU kernel did not build")
+
+
+def poisoned(qw: qm.QuantizedWeight, layer: int) -> qm.QuantizedWeight:
+    """`qw` with NaN scales in every layer but `layer`: a path reading another layer fails."""
+    nan = np.full_like(qw.scales, np.nan)
+    nan[layer] = qw.scales[layer]
+    return qw._replace(scales=nan)
+
+
+def x_rows(rng, rows: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """x with NaN in the rows not compared (every third from the second): (x, mask of the compared rows)."""
+    x = rng.standard_normal((rows, k)).astype(np.float32)
+    keep = np.ones(rows, bool)
+    if rows > 1:
+        keep[1::3] = False
+    x[~keep] = np.nan
+    return x, keep
+
+
+def check(got, x, keep, qw, layer):
+    """`got` against the oracle on the compared rows: within 1e-5 of sum |x| |w| (float32 accumulation)."""
+    got = np.asarray(got, np.float64)
+    ref = qm.reference_matmul(x[keep], qw, layer)
+    w = np.abs(qm._dequant_numpy(qw, layer)).reshape(x.shape[1], -1)
+    bound = (1e-5 * (np.abs(x[keep]).astype(np.float64) @ w) + 1e-30).reshape(ref.shape)
+    assert got.shape == (x.shape[0], *ref.shape[1:])
+    assert np.isfinite(got[keep]).all(), "a NaN row of x leaked into another row"
+    err = np.abs(got[keep] - ref) / bound
+    assert err.max() <= 1, f"worst error {err.max():.3g} x the bound"
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("backend", ["kernel", "packed_xla", "reference"])
+def test_matmul_matches_the_float64_oracle(fmt, backend):
+    if backend == "kernel" and not qm.available():
+        pytest.skip("the CPU kernel did not build")
+    rng = np.random.default_rng(hash((fmt, backend)) % 2**32)
+    for shape in SHAPES:
+        qw = qm.random_weight(rng, fmt, shape)
+        weight = poisoned(qw, LAYER)
+        if backend == "reference":
+            weight = jax.device_put(weight)
+            fn = jax.jit(lambda x, w, i: qm.quantized_matmul(x, w, i, backend="reference"))
+        else:
+            weight = jax.device_put(qm.pack(weight))
+            max_rows = None if backend == "kernel" else 0
+            fn = jax.jit(
+                lambda x, w, i, m=max_rows: qm.quantized_matmul(x, w, i, backend="cpu_packed", kernel_max_rows=m)
+            )
+        for rows in ROWS if backend == "kernel" else XLA_ROWS:
+            x, keep = x_rows(rng, rows, shape[1])
+            check(fn(x, weight, LAYER), x, keep, qw, LAYER)
+
+
+@needs_kernel
+def test_kernel_max_rows_hands_larger_row_counts_to_xla():
+    rng = np.random.default_rng(1)
+    qw = qm.random_weight(rng, "q4_1", (2, 64, 64))
+    packed = qm.pack(qw)
+    x = rng.standard_normal((5, 64)).astype(np.float32)
+    jaxpr = str(jax.make_jaxpr(lambda x: qm.quantized_matmul(x, packed, 0, backend="cpu_packed", kernel_max_rows=4))(x))
+    assert qm.TARGET not in jaxpr
+    jaxpr = str(jax.make_jaxpr(lambda x: qm.quantized_matmul(x, packed, 0, backend="cpu_packed", kernel_max_rows=5))(x))
+    assert qm.TARGET in jaxpr
+
+
+def numpy_dequant32(qw: qm.QuantizedWeight, layer: int) -> np.ndarray:
+    """The formulas in float32 numpy, each operation rounded once: `d * q`, `d * q + m`, `d * (q - 8)`."""
+    qs, d = np.asarray(qw.qs[layer]), np.asarray(qw.scales[layer]).astype(np.float32)
+    if qs.dtype == np.uint8:
+        b = qs.reshape(qs.shape[0] // 16, 1, 16, *qs.shape[1:])
+        q = np.concatenate([b & 15, b >> 4], axis=1).reshape(qs.shape[0] * 2, *qs.shape[1:]).astype(np.float32)
+    else:
+        q = qs.astype(np.float32)
+    group = q.shape[0] // d.shape[0]
+    d = np.repeat(d, group, axis=0)
+    if qw.mins is not None:
+        return d * q + np.repeat(np.asarray(qw.mins[layer]).astype(np.float32), group, axis=0)
+    return d * (q - np.float32(8)) if qs.dtype == np.uint8 else d * q
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantize_is_the_formulas_bit_for_bit(fmt):
+    rng = np.random.default_rng(2)
+    shape = (3, 96, 2, 32)
+    qw = qm.random_weight(rng, fmt, shape)
+    want = numpy_dequant32(qw, LAYER)
+    assert want.shape == shape[1:] and (want != 0).all()
+    for packed, weight in ((False, qw), (True, qm.pack(qw))):
+        got = jax.jit(lambda w, i, p=packed: qm.dequantize(w, i, packed=p))(jax.device_put(weight), LAYER)
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"packed={packed}")
+    bf16 = qm.dequantize(qw, LAYER, packed=False, dtype=jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(bf16), want.astype(jnp.bfloat16))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_quantized_rows_are_the_embedding_rows(fmt):
+    rng = np.random.default_rng(3)
+    qw = qm.random_weight(rng, fmt, (1, 64, 96))  # E.T of a 96-token embedding
+    table = numpy_dequant32(qw, 0).T  # E [V, K]
+    index = np.array([0, 95, 31, 32, 64, 7, 7], np.int32)
+    for packed, weight in ((False, qw), (True, qm.pack(qw))):
+        got = jax.jit(lambda w, i, p=packed: qm.quantized_rows(w, i, packed=p))(jax.device_put(weight), index)
+        np.testing.assert_array_equal(np.asarray(got), table[index], err_msg=f"packed={packed}")
+
+
+def test_pack_and_packable():
+    rng = np.random.default_rng(4)
+    qw = qm.random_weight(rng, "q4_1", (2, 64, 64))
+    packed = qm.pack(qw)
+    assert packed.mins is not None and qw.mins is not None
+    assert all(a.shape == b.shape and a.dtype == b.dtype for a, b in zip(packed[:2], qw[:2], strict=True))
+    # panel p of layer l: its 32 columns of every row, contiguous
+    np.testing.assert_array_equal(packed.qs[1].reshape(2, 32, 32)[1], qw.qs[1][:, 32:])
+    np.testing.assert_array_equal(packed.mins[1].reshape(2, 2, 32)[0], qw.mins[1][:, :32])
+    assert not qm.packable(qm.random_weight(rng, "q8_0", (1, 64, 48)))  # N not whole panels
+    with pytest.raises(ValueError, match="mins"):
+        qm.quantized_matmul(
+            jnp.ones((1, 64), jnp.float32), qw._replace(qs=qw.qs.view(np.int8).repeat(2, 1)), 0, backend="reference"
+        )
+    for fmt, f in qm.FORMATS.items():
+        w = qm.random_weight(rng, fmt, (1, 64, 32))
+        assert w.qs.dtype == (np.int8 if f.bits == 8 else np.uint8) and (w.mins is not None) == f.has_min
+        assert w.scales.shape[1] == 64 // (f.group or 64)
+        assert (qm._dequant_numpy(w, 0) != 0).all()
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "int8", "q4_0"])
+def test_reference_partitions_along_n_and_along_k(fmt):
+    devices = jax.devices()[:2]
+    if len(devices) < 2:
+        pytest.skip("needs two devices (conftest.py sets --xla_force_host_platform_device_count)")
+    mesh = Mesh(np.array(devices), ("tp",))
+    rng = np.random.default_rng(5)
+    qw = qm.random_weight(rng, fmt, (2, 128, 64))
+    x = rng.standard_normal((3, 128)).astype(np.float32)
+    want = qm.reference_matmul(x, qw, LAYER)
+    fn = jax.jit(lambda x, w, i: qm.quantized_matmul(x, w, i, backend="reference"))
+    column = P(None, None, "tp")  # column-parallel: every array split along N
+    per_channel = qw.scales.shape[1] == 1  # int8: one scale per column, not split along K
+    row = P(None, "tp", None)  # row-parallel: split along K (x too)
+    for spec, scale_spec, x_spec in ((column, column, P()), (row, P() if per_channel else row, P(None, "tp"))):
+        put = [
+            jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(qw, (spec, scale_spec, scale_spec), strict=False)
+        ]
+        weight = qm.QuantizedWeight(put[0], put[1], None if qw.mins is None else put[2])
+        got = fn(jax.device_put(x, NamedSharding(mesh, x_spec)), weight, LAYER)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-4, atol=1e-4)
+        if spec is column:
+            assert got.sharding.spec == P(None, "tp"), got.sharding  # partitioned like an ordinary dot
