@@ -35,7 +35,7 @@ def test_tokenizer_matches_transformers(default_model):
 def test_default_model_greedy_matches_transformers(default_model, hf_default_model):
     arch, tok = default_model.arch, default_model.tokenizer
     assert (arch.num_layers, arch.num_heads, arch.num_kv_heads, arch.tie_word_embeddings) == (30, 9, 3, True)
-    model = CausalLM(arch, jnp.float32, attention_backend="reference")
+    model = CausalLM(arch, jnp.float32, attention_backend="reference", quant=default_model.quant)
     step_fn = jax.jit(model.apply, donate_argnums=(1,))
 
     block_size, max_blocks = 16, 8
