@@ -4,7 +4,9 @@ The kernels are compiled for one target (`cpu_ffi.march()`); a CPU, or a target,
 XLA's own path on some shapes must not run them there. `choose` times, on the model's own shapes:
 - the stacked matmul kernel against XLA's dot on the same packed weights
   (`stacked_matmul.stacked_matmul_packed_xla`, so either choice reads one copy of the weights), each
-  projection of a layer, at a few row counts (decode rows, a prefill chunk). The kernel serves every
+  projection of a layer, at a few row counts (decode rows, a prefill chunk); a projection kept quantized
+  (`(K, N, fmt)`, `stacked_matmul.quantized.FORMATS`) on random packed quants of its format, the kernel
+  against XLA's dequantize-and-dot on them (`quantized.quantized_matmul_packed_xla`). The kernel serves every
   row count up to the last one from which on it stops winning (`matmul_max_rows`; None: all of them).
 - the attention kernel (with its KV write) against the jnp reference on a decode batch and a
   prefill chunk, kept where it is the faster in total.
@@ -30,11 +32,12 @@ import numpy as np
 
 from pallas_kernels import cpu_ffi, stacked_matmul
 from pallas_kernels.ragged_paged_attention import cpu as attention_cpu
+from pallas_kernels.stacked_matmul import quantized
 
 logger = logging.getLogger(__name__)
 
 MODES = ("auto", "on", "off")
-FORMAT = 1  # bump when the timed cases or the decision rule change: stored decisions are then retaken
+FORMAT = 2  # bump when the timed cases or the decision rule change: stored decisions are then retaken
 MAX_WEIGHT_ELEMENTS = 8 << 20  # a larger projection is timed on its first columns (the ratio is what counts)
 
 
@@ -90,22 +93,31 @@ def _median_ms(fn, *args, reps: int = 5) -> float:
 
 
 def _time_matmuls(shapes, dtype, row_counts, rng) -> dict[int, tuple[float, float]]:
-    """Per row count: (kernel ms, XLA ms) for one x @ W of every shape."""
+    """Per row count: (kernel ms, XLA ms) for one x @ W of every shape: `(K, N)` in `dtype`, `(K, N, fmt)` quantized."""
     weights = []
-    for k, n in shapes:
+    for k, n, *fmt in shapes:
         n = max(stacked_matmul.PANEL, min(n, MAX_WEIGHT_ELEMENTS // k // stacked_matmul.PANEL * stacked_matmul.PANEL))
+        if fmt:
+            weights.append(jax.device_put(quantized.pack(quantized.random_weight(rng, fmt[0], (1, k, n)))))
+            continue
         w = rng.standard_normal((1, k, n), np.float32).astype(jnp.dtype(dtype))
         weights.append(jnp.asarray(stacked_matmul.pack(w)))
 
-    def chain(xs, ws, *, xla):
+    def one(x, w, xla: bool):
+        if isinstance(w, quantized.QuantizedWeight):
+            x = x.astype(jnp.float32)  # quantized weights multiply float32 activations
+            return quantized.quantized_matmul_packed_xla(x, w, 0) if xla else quantized.quantized_matmul_cpu(x, w, 0)
         if xla:
-            return [stacked_matmul.stacked_matmul_packed_xla(x, w, 0) for x, w in zip(xs, ws, strict=True)]
-        return [stacked_matmul.stacked_matmul_cpu(x, w, 0, packed=True) for x, w in zip(xs, ws, strict=True)]
+            return stacked_matmul.stacked_matmul_packed_xla(x, w, 0)
+        return stacked_matmul.stacked_matmul_cpu(x, w, 0, packed=True)
+
+    def chain(xs, ws, *, xla):
+        return [one(x, w, xla) for x, w in zip(xs, ws, strict=True)]
 
     kernel, xla = jax.jit(functools.partial(chain, xla=False)), jax.jit(functools.partial(chain, xla=True))
     out = {}
     for rows in row_counts:
-        xs = [jnp.asarray(rng.standard_normal((rows, k), np.float32), dtype) for k, _ in shapes]
+        xs = [jnp.asarray(rng.standard_normal((rows, shape[0]), np.float32), dtype) for shape in shapes]
         out[rows] = (_median_ms(kernel, xs, weights), _median_ms(xla, xs, weights))
     return out
 
@@ -160,21 +172,27 @@ def _store(key: str, record: dict) -> None:
         logger.warning("could not store the CPU kernel choice: %s", e)
 
 
+MatmulShape = tuple[int, int] | tuple[int, int, str]
+
+
 def choose(
-    matmul_shapes: tuple[tuple[int, int], ...], dtype: str, max_rows: int, attention: AttentionShape | None
+    matmul_shapes: tuple[MatmulShape, ...], dtype: str, max_rows: int, attention: AttentionShape | None
 ) -> KernelChoice:
     """The kernels a step of these shapes runs: `matmul_shapes` (K, N) of a layer's packed projections in
-    `dtype` ("float32" or "bfloat16"), up to `max_rows` rows of x; `attention`: the model's heads and cache
+    `dtype` ("float32" or "bfloat16"), or (K, N, fmt) for one kept quantized in `fmt` (a key of
+    `stacked_matmul.quantized.FORMATS`), up to `max_rows` rows of x; `attention`: the model's heads and cache
     (None: no attention kernel wanted). Self-checked under "auto" (see the module's docstring)."""
     return _choose(matmul_shapes, dtype, max_rows, attention, mode())
 
 
 @functools.cache
 def _choose(
-    matmul_shapes: tuple[tuple[int, int], ...], dtype: str, max_rows: int, attention: AttentionShape | None, how: str
+    matmul_shapes: tuple[MatmulShape, ...], dtype: str, max_rows: int, attention: AttentionShape | None, how: str
 ) -> KernelChoice:
     target = f"{cpu_ffi.isa()} (-march={cpu_ffi.march()})"
     matmul_ok = bool(matmul_shapes) and stacked_matmul.available()
+    if any(len(shape) > 2 for shape in matmul_shapes):
+        matmul_ok = matmul_ok and quantized.available()
     attention_ok = attention is not None and attention_cpu.available()
     if how != "auto" or not (matmul_ok or attention_ok):
         on = how != "off"

@@ -376,11 +376,15 @@ inline VecF LoadHalf(const uint16_t* p) {
   jaxllm_simd::VecH h16;
   std::memcpy(&h16, p, sizeof h16);
   const VecU h = __builtin_convertvector(h16, VecU);
-  // exponent and mantissa moved into place and rebiased by 2^112 (exact for normal and subnormal halves),
-  // infinities and NaN given the float32 all-ones exponent, then the sign
-  const VecF mag = (VecF)((h & 0x7fffu) << 13) * 0x1p112f;
-  const VecU inf_nan = (VecU)((h & 0x7c00u) == 0x7c00u) & 0x7f800000u;
-  return (VecF)((VecU)mag | inf_nan | ((h & 0x8000u) << 16));
+  // normal halves: exponent and mantissa moved into place, the exponent rebiased (+112); subnormal ones (and
+  // zero) are their mantissa times 2^-24, in float arithmetic (-ffast-math flushes a float32 denormal input to
+  // zero, so no denormal float may stand in between); infinities and NaN get the all-ones exponent; then the sign
+  const VecU em = h & 0x7fffu, exponent = h & 0x7c00u;
+  const VecU is_subnormal = (VecU)(exponent == 0u), is_inf_nan = (VecU)(exponent == 0x7c00u);
+  const VecU normal = (em << 13) + (112u << 23);
+  const VecU subnormal = (VecU)(__builtin_convertvector((VecI)em, VecF) * 0x1p-24f);
+  const VecU bits = (normal & ~is_subnormal) | (subnormal & is_subnormal) | (is_inf_nan & 0x7f800000u);
+  return (VecF)(bits | ((h & 0x8000u) << 16));
 #endif
 }
 

@@ -138,3 +138,18 @@ def test_one_kernel_missing_leaves_the_other_to_its_check(monkeypatch, fresh):
     timed(monkeypatch, {1: (1, 2), 8: (1, 2), 64: (1, 2)}, {})
     choice = cpu_choice.choose(SHAPES, "float32", 64, ATTENTION)
     assert (choice.matmul, choice.matmul_max_rows, choice.attention) == (True, None, False)
+
+
+def test_the_self_check_times_quantized_projections_too(monkeypatch, fresh):
+    """(K, N, fmt) shapes: random packed quants of the format, the quantized kernel against XLA's dequantize and
+    dot on them; a decision of their own (the format joins the key)."""
+    monkeypatch.setenv("JAXLLM_CPU_KERNELS", "auto")
+    shapes = ((64, 96, "q4_1"), (96, 64, "q8_0"), (64, 64, "int8"), (64, 96))
+    choice = cpu_choice.choose(shapes, "float32", 8, None)
+    assert set(choice.timings_ms["matmul"]) == {"1", "8"}
+    assert all(ms > 0 for pair in choice.timings_ms["matmul"].values() for ms in pair)
+    cpu_choice._choose.cache_clear()
+    untimed(monkeypatch)
+    assert cpu_choice.choose(shapes, "float32", 8, None) == choice  # stored
+    with pytest.raises(AssertionError, match="timed again"):
+        cpu_choice.choose(((64, 96, "q4_0"), *shapes[1:]), "float32", 8, None)

@@ -130,13 +130,13 @@ std::vector<W> Pack(const std::vector<W>& w, int64_t k, int64_t n, int pair) {
 // The kernel's y against x @ w[kLayer] in float64: |y - want| <= 2e-4 |want| + 2e-5 everywhere. bfloat16
 // cases pass the rounded values, so only the float32 accumulation may differ.
 void CheckMatmul(const std::string& name, const std::vector<float>& x, int64_t rows, const std::vector<float>& w,
-                 int64_t n, const std::vector<float>& y) {
+                 int64_t n, const std::vector<float>& y, int64_t k_dim = kK) {
   double worst = 0;  // largest |y - want| / tolerance
   int64_t bad = 0;
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t c = 0; c < n; ++c) {
       double want = 0;
-      for (int64_t k = 0; k < kK; ++k) want += double(x[r * kK + k]) * w[(kLayer * kK + k) * n + c];
+      for (int64_t k = 0; k < k_dim; ++k) want += double(x[r * k_dim + k]) * w[(kLayer * k_dim + k) * n + c];
       const float got = y[r * n + c];
       const double e = std::fabs(got - want) / (2e-5 + 2e-4 * std::fabs(want));
       if (!Finite(got) || e > 1) ++bad;
@@ -180,6 +180,87 @@ void MatmulCases(Rng& rng) {
                          kNPacked, yp.data());
 #endif
     CheckMatmul("matmul PackedPanels bfloat16" + r, Widened(x16), rows, Widened(w16), kNPacked, yp);
+  }
+}
+
+// --- quantized matmul: y = x @ dequantized w[layer] (quantized.py's formats, packed) ---------------
+
+float HalfToFloat(uint16_t h) {  // exact, by the formula: sign, 5-bit exponent, 10-bit mantissa
+  const int e = (h >> 10) & 31, m = h & 1023;
+  const float mag = e ? std::ldexp(1.f + m / 1024.f, e - 15) : std::ldexp(m / 1024.f, -14);
+  return (h & 0x8000) ? -mag : mag;
+}
+
+struct QuantCase {
+  const char* name;
+  int bits;
+  int64_t group;  // 0: K (one scale per column)
+  bool has_min;
+};
+constexpr QuantCase kQuantCases[] = {
+    {"q8_0", 8, 32, false}, {"int8", 8, 0, false}, {"q4_0", 4, 32, false}, {"q4_1", 4, 32, true}, {"q4 G=64", 4, 64, false},
+};
+constexpr int64_t kQK = 192, kQN = 96;  // K: several groups of 32 and of 64; N: three panels
+
+// A random nonzero float16 scale or min: exponent in [-9, -5], a random mantissa and sign; now and then a
+// subnormal (the conversions' other case).
+uint16_t RandomHalf(Rng& rng, bool positive) {
+  const uint16_t mantissa = static_cast<uint16_t>(rng.Below(1024));
+  const uint16_t bits = rng.Below(16) == 0 ? static_cast<uint16_t>(mantissa | 1)
+                                           : static_cast<uint16_t>(((6 + rng.Below(5)) << 10) | mantissa);
+  return static_cast<uint16_t>(bits | (!positive && rng.Below(2) ? 0x8000 : 0));
+}
+
+void QuantCases(Rng& rng) {
+  for (const QuantCase& c : kQuantCases) {
+    const int64_t group = c.group ? c.group : kQK, groups = kQK / group, q_rows = c.bits == 4 ? kQK / 2 : kQK;
+    // each layer's quants [q_rows, N] and scales / mins [groups, N] in the logical layout, other layers' scales NaN
+    std::vector<uint8_t> qs(kLayers * q_rows * kQN);
+    std::vector<uint16_t> d(kLayers * groups * kQN, 0x7e00), m(c.has_min ? d.size() : 0, 0x7e00);
+    for (auto& q : qs) {
+      q = static_cast<uint8_t>(rng.Below(256));
+      if (c.bits == 8 && q == 0) q = 1;
+    }
+    for (int64_t i = kLayer * groups * kQN; i < (kLayer + 1) * groups * kQN; ++i) {
+      d[i] = RandomHalf(rng, c.has_min);
+      if (c.has_min) m[i] = static_cast<uint16_t>(RandomHalf(rng, true) | 0x8000);
+    }
+    // the float weights of kLayer ([K, N], kK rows as CheckMatmul reads them: laid out as a [kLayers, K, N] stack)
+    std::vector<float> w(kLayers * kQK * kQN, 0.f);
+    for (int64_t k = 0; k < kQK; ++k)
+      for (int64_t n = 0; n < kQN; ++n) {
+        const int64_t g = k / group, s = (kLayer * groups + g) * kQN + n;
+        int q;
+        if (c.bits == 8) {
+          q = static_cast<int8_t>(qs[(kLayer * q_rows + k) * kQN + n]);
+        } else {
+          const int64_t b = k / 32, j = k % 32;
+          const uint8_t byte = qs[(kLayer * q_rows + 16 * b + j % 16) * kQN + n];
+          q = j < 16 ? byte & 15 : byte >> 4;
+        }
+        const float dv = HalfToFloat(d[s]);
+        w[(kLayer * kQK + k) * kQN + n] = c.bits == 8 ? dv * q : c.has_min ? dv * q + HalfToFloat(m[s]) : dv * (q - 8);
+      }
+    const std::vector<uint8_t> qp = Pack(qs, q_rows, kQN, 1);
+    // scales and mins packed alike: stacks of [groups, N]
+    std::vector<uint16_t> dp(d.size()), mp(m.size());
+    for (int64_t l = 0, i = 0; l < kLayers; ++l)
+      for (int64_t p = 0; p < kQN / matmul::kPanel; ++p)
+        for (int64_t g = 0; g < groups; ++g)
+          for (int64_t col = 0; col < matmul::kPanel; ++col, ++i) {
+            const int64_t from = (l * groups + g) * kQN + p * matmul::kPanel + col;
+            dp[i] = d[from];
+            if (c.has_min) mp[i] = m[from];
+          }
+    const matmul::QuantLayer layer{qp.data() + kLayer * q_rows * kQN, dp.data() + kLayer * groups * kQN,
+                                   c.has_min ? mp.data() + kLayer * groups * kQN : nullptr, kQK, group, kQN};
+    for (int64_t rows : {1, 2, 3, 5, 8, 9, 17, 37}) {  // both regimes, every strip remainder, a team
+      std::vector<float> x(rows * kQK);
+      for (float& v : x) v = rng.Uniform();
+      std::vector<float> y(rows * kQN, kNaN);
+      matmul::QuantMatmul(x.data(), rows, layer, c.bits, y.data());
+      CheckMatmul(std::string("quantized ") + c.name + " rows=" + std::to_string(rows), x, rows, w, kQN, y, kQK);
+    }
   }
 }
 
@@ -323,6 +404,7 @@ int main() {
               omp_get_max_threads());
   Rng rng{20240601};
   MatmulCases(rng);
+  QuantCases(rng);
   for (const AttentionCase& c : kAttentionCases) {
     CheckAttention<float>(rng, c);
     CheckAttention<uint16_t>(rng, c);
