@@ -11,11 +11,15 @@ weights once plus each sequence's K/V so far. Start-up is `LLM()` in a fresh pro
 empty and then a warm compilation cache.
 
 `--kernels auto on off` runs one jaxllm engine per `JAXLLM_CPU_KERNELS` setting in the same rounds
-(the first is "jaxllm"; the others are compared with it like peers, as `jaxllm-kernels-MODE`).
+(the first is "jaxllm"; the others are compared with it like peers, as `jaxllm-kernels-MODE`), and
+`--quantization native none int8 int4` one per `quantization` ("native": the GGUF's own blocks, the
+default; the others as `jaxllm-QUANTIZATION`), each with the roofline of the bytes its weights take.
 `--emulate-isa avx2` reruns the script with the kernels built for x86-64-v3 and XLA, PyTorch and
 oneDNN held to AVX2: an AVX2 machine's figures on an AVX-512 one, for jaxllm and the peers alike.
 
     python benchmarks/throughput.py --batches 1 16 64 256 --rounds 3 --out benchmarks/results/throughput_cpu.json
+    python benchmarks/throughput.py --batches 1 16 64 --quantization native none int8 int4 \
+        --peers transformers llama.cpp --out benchmarks/results/quantization_cpu.json
 """
 
 from __future__ import annotations
@@ -45,16 +49,17 @@ EMULATE = {
 }
 
 
-def engine_args(args) -> dict:
+def engine_args(args, quantization: str = "native") -> dict:
     return dict(
         max_num_seqs=max(args.batches),
         max_model_len=args.input_len + args.output_len,
         dtype=args.dtype,
         scan_layers=args.scan_layers,
+        quantization=None if quantization == "native" else quantization,
     )
 
 
-def fitted_engine(args, kernels: str = "auto"):
+def fitted_engine(args, kernels: str = "auto", quantization: str = "native"):
     """`LLM()` with a KV cache that holds every sequence of the largest batch whole: a peer that allocates
     its own cache per sequence is not preempted either (CPU's default budget, 2 GiB, holds ~45k tokens).
     `kernels`: `JAXLLM_CPU_KERNELS` while the engine picks its step (auto, on, off)."""
@@ -62,14 +67,21 @@ def fitted_engine(args, kernels: str = "auto"):
     from jaxllm import LLM
     from jaxllm.runner.kv_cache import bytes_per_block
 
-    llm = LLM(progress=False, **engine_args(args))
+    llm = LLM(progress=False, **engine_args(args, quantization))
     runner = llm.engine.runner
     needed = max(args.batches) * -(-(args.input_len + args.output_len) // runner.block_size)
     if runner.num_blocks > needed:
         return llm
     per_block = bytes_per_block(runner.loaded.arch, runner.block_size, runner.cache.k.dtype)
     del llm, runner
-    return LLM(progress=False, kv_cache_memory_bytes=(needed + 1) * per_block, **engine_args(args))
+    return LLM(progress=False, kv_cache_memory_bytes=(needed + 1) * per_block, **engine_args(args, quantization))
+
+
+def weight_bytes(llm) -> int:
+    """What one pass over the engine's weights reads: every array it holds (quantized ones in their bits)."""
+    import jax
+
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(llm.engine.runner.params))
 
 
 def startup(args, cache_dir: str) -> dict:
@@ -86,13 +98,13 @@ def startup(args, cache_dir: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def roofline(arch, dtype, batch: int, input_len: int, output_len: int, ceiling: dict) -> dict:
+def roofline(arch, dtype, weights: int, batch: int, input_len: int, output_len: int, ceiling: dict) -> dict:
     """Best output tok/s for the workload: compute time and weight/KV read time, whichever is larger.
 
     FLOPs: every token of the prompt and of the output but the last goes through the layers' matmuls,
     the LM head runs once per output token, and attention costs 4·context·Hq·D per token and layer.
-    Reads: one pass over the weights per decode step plus each sequence's K/V so far. `dtype`: the
-    weights' and the cache's, which picks the matmul ceiling too."""
+    Reads: one pass over the weights (`weights` bytes) per decode step plus each sequence's K/V so far.
+    `dtype`: the cache's and the compute's, which picks the matmul ceiling too."""
     dtype_bytes = np.dtype(dtype).itemsize
     h, i, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
     layer_params = arch.num_layers * (
@@ -104,7 +116,7 @@ def roofline(arch, dtype, batch: int, input_len: int, output_len: int, ceiling: 
     flops = batch * (2 * tokens * layer_params + 2 * output_len * head_params + attention)
     kv_per_token = 2 * arch.num_layers * arch.num_kv_heads * d * dtype_bytes
     kv_reads = sum(batch * (input_len + step) * kv_per_token for step in range(output_len))
-    read_bytes = output_len * (layer_params + head_params) * dtype_bytes + kv_reads
+    read_bytes = output_len * weights + kv_reads
     compute_s = flops / (ceiling[f"matmul_{np.dtype(dtype).name}_gflops"] * 1e9)
     memory_s = read_bytes / (ceiling["mem_read_gb_s"] * 1e9)
     return {
@@ -127,6 +139,7 @@ def main() -> None:
     ap.add_argument("--peer-threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--skip-startup", action="store_true")
     ap.add_argument("--kernels", nargs="+", default=["auto"], choices=["auto", "on", "off"])
+    ap.add_argument("--quantization", nargs="+", default=["native"], choices=["native", "none", "int8", "int4"])
     ap.add_argument("--emulate-isa", choices=sorted(EMULATE), default=None)
     ap.add_argument("--out", default=None, help="JSON file for the whole report")
     args = ap.parse_args()
@@ -146,8 +159,11 @@ def main() -> None:
             report["startup"] = {"cold_cache": startup(args, cache), "warm_cache": startup(args, cache)}
         print(json.dumps(report["startup"]), file=sys.stderr)
 
-    names = ["jaxllm", *(f"jaxllm-kernels-{mode}" for mode in args.kernels[1:])]
-    engines = {name: fitted_engine(args, mode) for name, mode in zip(names, args.kernels, strict=True)}
+    settings = {"jaxllm": (args.kernels[0], args.quantization[0])}
+    settings |= {f"jaxllm-kernels-{mode}": (mode, args.quantization[0]) for mode in args.kernels[1:]}
+    settings |= {f"jaxllm-{q}": (args.kernels[0], q) for q in args.quantization[1:]}
+    engines = {name: fitted_engine(args, *setting) for name, setting in settings.items()}
+    report["weight_bytes"] = {name: weight_bytes(llm) for name, llm in engines.items()}
     report["cpu_kernels"] = {name: offline.cpu_kernel_info(llm) for name, llm in engines.items()}
     llm = engines["jaxllm"]
     loaded = llm.engine.runner.loaded
@@ -178,8 +194,12 @@ def main() -> None:
         entry = {
             "jaxllm_tok_per_s": round(statistics.median(ours), 2),
             "host_ms_per_step": round(statistics.median(r["jaxllm"]["host_ms_per_step"] for r in rows), 2),
-            "roofline": roofline(arch, loaded.dtype, batch, args.input_len, args.output_len, report["ceilings"]),
         }
+        rooflines = {
+            name: roofline(arch, loaded.dtype, size, batch, args.input_len, args.output_len, report["ceilings"])
+            for name, size in report["weight_bytes"].items()
+        }
+        entry["roofline"] = rooflines["jaxllm"]
         for peer in [*others, *args.peers]:
             ok = [
                 (r["jaxllm"]["output_tokens_per_second"], r[peer]["output_tokens_per_second"])
@@ -194,6 +214,8 @@ def main() -> None:
                 if ok
                 else {"error": rows[0][peer]["error"][-300:]}
             )
+            if peer in rooflines:
+                entry[peer]["roofline"] = rooflines[peer]
         summary[f"batch_{batch}"] = entry
     report["summary"] = summary
     text = json.dumps(report, indent=2)
