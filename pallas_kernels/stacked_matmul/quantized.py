@@ -191,8 +191,8 @@ def quantized_matmul(
         return jax.lax.dot_general(x.astype(jnp.float32), w, (((x.ndim - 1,), (0,)), ((), ())))
     if backend != "cpu_packed":
         raise ValueError(f"backend must be 'reference' or 'cpu_packed', got {backend!r}")
-    if kernel_max_rows is not None and x.shape[0] > kernel_max_rows:
-        return quantized_matmul_packed_xla(x, qw, layer)
+    if (kernel_max_rows is not None and x.shape[0] > kernel_max_rows) or not available():
+        return quantized_matmul_packed_xla(x, qw, layer)  # also where the kernel did not build (warned once)
     return jnp.reshape(quantized_matmul_cpu(x, qw, layer), out_shape)
 
 
