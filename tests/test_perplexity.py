@@ -27,14 +27,13 @@ from benchmarks.perplexity import (
     summary,
     text_token_ids,
 )
-from tests.conftest import TEST_ENGINE, kv_bytes
+from tests.conftest import TEST_ENGINE, TEST_KV_BLOCKS, kv_bytes
 
 WINDOW = 128
 TEXT_TOKENS = 1024
 # TEST_ENGINE's shapes; make_engine sets float32 and progress=False
 ENGINE: dict[str, Any] = {k: v for k, v in TEST_ENGINE.items() if k not in ("dtype", "progress")}
-# windows score at most 8 positions a step (max_num_seqs rows of logits): 8 windows at once fill 72 blocks
-ENGINE["kv_cache_memory_bytes"] = kv_bytes(128)
+ENGINE["kv_cache_memory_bytes"] = kv_bytes(TEST_KV_BLOCKS)  # the session engine's cache shape too
 
 BOUNDS = {"native": 1e-3, "int8": 0.01, "int4": 0.05}  # |perplexity / perplexity(none) - 1| below this
 
