@@ -4,6 +4,8 @@ The same requests give the same tokens with it on and off (greedy, seeded sampli
 structured-output request, speculative decoding), nothing compiles after warm-up, aborts work mid-stream,
 and every KV block returns to the pool. One engine per mode and module."""
 
+import time
+
 import pytest
 
 from jaxllm import LLM, SamplingParams, StructuredOutputsParams
@@ -179,11 +181,16 @@ def test_seeded_sampling_stop_strings_logprobs_and_a_structured_request(llm, on)
         SamplingParams(temperature=0, max_tokens=40, stop=["."]),  # a stop string ends it
         SamplingParams(temperature=0, max_tokens=24, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])),
         SamplingParams(temperature=0.7, seed=3, max_tokens=20, repetition_penalty=1.3),  # penalties: waits
-        SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[13]),
+        SamplingParams(temperature=0, max_tokens=20, stop_token_ids=[13], prompt_logprobs=1),  # scores: waits
     ]
     expected = llm.generate(prompts(llm), params, use_tqdm=False)
     got = on.generate(prompts(on), params, use_tqdm=False)
     assert tokens(got) == tokens(expected)
+    scored, again_scored = got[5].prompt_logprobs, expected[5].prompt_logprobs
+    assert scored is not None and again_scored is not None
+    assert [None if d is None else sorted(d) for d in scored] == [
+        None if d is None else sorted(d) for d in again_scored
+    ]
     assert got[3].outputs[0].text in ("yes", "no")
     first, again = got[0].outputs[0], expected[0].outputs[0]
     assert first.logprobs is not None and again.logprobs is not None
@@ -252,3 +259,41 @@ def test_async_is_refused_across_nodes():
 
     with pytest.raises(ValueError, match="async_scheduling is not supported with nnodes > 1"):
         EngineCore(EngineArgs(async_scheduling=True, nnodes=2, node_rank=1))
+
+
+def test_async_llm_streams_and_drains(llm, on, monkeypatch):
+    """The server's path: AsyncLLM's engine thread steps the core until its last launched step is applied."""
+    import asyncio
+
+    from jaxllm.engine.args import EngineArgs
+    from jaxllm.engine.async_llm import AsyncLLM
+
+    monkeypatch.setattr("jaxllm.engine.core.EngineCore", lambda args, progress=True: on.engine)  # share the engine
+    engine = AsyncLLM(EngineArgs(async_scheduling=True), log_stats=False, progress=False)
+    params = mixed_params()
+    texts = prompts(on)
+    expected = tokens(llm.generate(texts, params, use_tqdm=False))
+
+    async def one(text, p):
+        last = None
+        async for out in engine.generate(text, p):
+            last = out
+        return last
+
+    async def left_early(text):  # the consumer leaves mid-stream: the request is aborted
+        async for out in engine.generate(text, SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)):
+            if len(out.outputs[0].token_ids) >= 3:
+                break
+
+    async def main():
+        return await asyncio.gather(*[one(t, p) for t, p in zip(texts, params, strict=True)], left_early(texts[0]))
+
+    try:
+        got = asyncio.run(main())[:-1]
+        assert tokens(got) == expected
+        deadline = time.monotonic() + 30
+        while on.engine.has_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        engine.shutdown()
+    assert_idle(on)

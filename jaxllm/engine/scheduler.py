@@ -292,8 +292,8 @@ class Scheduler:
         - positions, slot mapping, block table, kv_lens: counts, the placeholder included;
         - temperature, top_k/p, min_p, seeds, logit_bias, logprobs: the request's fixed parameters;
         - steps (the seed's stream index) and min_tokens' bans: the output count, placeholder included;
-        - history (repetition / frequency / presence penalties): filled from the host's tokens, which lack
-          the placeholder: such a request waits;
+        - history and prompt_lens (repetition / frequency / presence penalties): filled from the host's tokens,
+          which lack the placeholder: such a request waits;
         - allowed (structured outputs): the grammar's next mask needs the token: a constrained request waits;
         - prompt_logprobs rows (target_ids): a request scoring its prompt waits;
         - a token that would end the request by max_tokens or max_model_len: it finishes, nothing to follow.
