@@ -107,6 +107,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int = 2048
     policy: str = "fcfs"
+    # vLLM's async_scheduling: schedule and launch step N+1 while step N runs on the device (docs/design.md)
+    async_scheduling: bool = False
 
     def __post_init__(self):
         _positive("max_num_seqs", self.max_num_seqs)

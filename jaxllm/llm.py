@@ -157,3 +157,5 @@ class LLM:
         finally:  # interrupted or failed: nothing stays queued, every block returns to the pool
             aborted = [self.engine.abort_request(request_id) for request_id in ids]
             self._metrics.observe([out for out in aborted if out is not None])
+            if isinstance(self.engine, EngineCore):  # async scheduling: apply the last launched step now
+                self._metrics.observe(self.engine.drain())

@@ -23,6 +23,8 @@ HELP = {
     "channel), int4 (groups of 32), none (all float) (docs/quantization.md)",
     "speculative_config": 'speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
     'or {"method": "draft_model", "model": ..., "num_speculative_tokens": 4} (docs/speculative_decoding.md)',
+    "async_scheduling": "schedule and launch each step while the previous one runs on the device (vLLM's "
+    "async scheduling; docs/design.md, One engine step)",
 }
 
 
@@ -50,6 +52,7 @@ class EngineArgs:
     load_format: str = "auto"
     quantization: str | None = None  # None: a GGUF keeps its Q8_0/Q4_0/Q4_1 blocks; "int8", "int4"; "none": float
     scheduling_policy: str = "fcfs"
+    async_scheduling: bool = False  # vLLM's: prepare and launch step N+1 while step N runs on the device
     attention_backend: str = "auto"
     scan_layers: bool = True
     compilation_cache_dir: str | None = None
@@ -87,7 +90,9 @@ class EngineArgs:
                 self.gpu_memory_utilization,
                 cache_dtype=self.kv_cache_dtype,
             ),
-            scheduler=SchedulerConfig(max_num_seqs, max_tokens, max_model_len, self.scheduling_policy),
+            scheduler=SchedulerConfig(
+                max_num_seqs, max_tokens, max_model_len, self.scheduling_policy, self.async_scheduling
+            ),
             parallel=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size),
             compilation_cache_dir=self.compilation_cache_dir,
             speculative=self.speculative(),
@@ -101,7 +106,9 @@ class EngineArgs:
                 continue
             flag = "--" + f.name.replace("_", "-")
             if f.type == "bool":
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+                group.add_argument(
+                    flag, action=argparse.BooleanOptionalAction, default=f.default, help=HELP.get(f.name)
+                )
             else:
                 # f.type is the annotation's text (from __future__ import annotations)
                 kind = {"int": int, "int | None": int, "float": float}.get(str(f.type), str)

@@ -5,6 +5,11 @@ nothing); `step()` schedules, runs one compiled step, applies the sampled tokens
 returns a `RequestOutput` for every request that progressed. A failure inside one
 request's post-processing finishes only that request (finish_reason "error"); a failed
 device step finishes only the requests it carried. Their blocks always return to the pool.
+
+With async scheduling (`EngineArgs.async_scheduling`) `step()` schedules and launches step N+1
+before it applies step N (engine/batch_queue.py holds the launched steps); a call may return the
+outputs of the step before the one it launched, and `has_unfinished_requests()` stays true until
+the last launched step is applied.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import jax
 from jaxllm.distributed.runtime import initialize_from_args
 from jaxllm.distributed.step_sync import StepLeader
 from jaxllm.engine.args import EngineArgs
+from jaxllm.engine.batch_queue import BatchQueue, InFlightStep
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.request import Request, RequestStatus
@@ -25,6 +31,7 @@ from jaxllm.engine.scheduler import ScheduledRequest, Scheduler
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.runner.model_runner import ModelRunner, RunnerOutput
+from jaxllm.runner.sampler import SamplerOutput
 from jaxllm.runner.worker import Worker
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.spec_decode.drafter import make_drafter
@@ -64,6 +71,11 @@ class EngineCore:
         cache_folder = enable_compilation_cache(args.compilation_cache_dir)
         if args.data_parallel_size != 1:
             raise ValueError("data_parallel_size > 1 is not supported yet")
+        if args.async_scheduling and args.nnodes > 1:  # followers wait for each step before the next broadcast
+            raise ValueError(
+                "async_scheduling is not supported with nnodes > 1: the multi-host step broadcast runs one step "
+                "at a time (drop --async-scheduling, or run one node per data-parallel replica)"
+            )
         initialize_from_args(args)  # multi-host: join the other nodes first (the mesh spans them all)
         mesh = make_mesh(args.tensor_parallel_size, args.data_parallel_size)
         source = open_model(
@@ -101,6 +113,8 @@ class EngineCore:
         multi_host_leader = jax.process_count() > 1 and jax.process_index() == 0
         self.step_leader = StepLeader(self.runner, args.distributed_timeout) if multi_host_leader else None
         self._groups: dict[str, list[Request]] = {}  # user request id → its samples
+        self.async_scheduling = self.config.scheduler.async_scheduling
+        self.batch_queue = BatchQueue(2 if self.async_scheduling else 1)  # launched, not yet applied
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._next_seed = 0
         self.structured = StructuredOutputManager(self.tokenizer, arch.vocab_size, self.eos_token_ids)
@@ -236,7 +250,15 @@ class EngineCore:
         return self._output(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._groups)
+        """Requests not finished, or (async scheduling) a launched step not yet applied: keep stepping."""
+        return bool(self._groups) or len(self.batch_queue) > 0
+
+    def drain(self) -> list[RequestOutput]:
+        """Apply every launched step, scheduling nothing new (async scheduling; a no-op otherwise)."""
+        outputs = []
+        while len(self.batch_queue):
+            outputs += self._apply(self.batch_queue.pop())
+        return outputs
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (vLLM's name); False, doing nothing, while requests are in flight."""
@@ -249,22 +271,74 @@ class EngineCore:
 
     def step(self) -> list[RequestOutput]:
         failed = self._admit_compiled()
+        if self.async_scheduling:
+            return failed + self._step_async(bool(failed))
         out = self.scheduler.schedule()
         if out.is_empty:
             if not failed:
                 self.structured.wait(timeout=0.05)  # idle but for compiling grammars: wait, never spin
             return failed
+        outputs = self._launch(out, None)
+        if len(self.batch_queue):
+            outputs += self._apply(self.batch_queue.pop())
+        return failed + outputs
+
+    def _step_async(self, busy: bool) -> list[RequestOutput]:
+        """Schedule and launch step N+1 while step N (if any) runs, then apply step N. A request whose next
+        input needs step N's result sits out step N+1 (`Scheduler._may_follow`); when nobody can follow,
+        step N is applied first and the next step launched right after, without overlap."""
+        previous = self.batch_queue.oldest()
+        out = self.scheduler.schedule()
+        if out.is_empty and previous is None:
+            if not busy:
+                self.structured.wait(timeout=0.05)  # idle but for compiling grammars: wait, never spin
+            return []
+        outputs = [] if out.is_empty else self._launch(out, previous)
+        if previous is not None:
+            outputs += self._apply(self.batch_queue.pop())
+            if out.is_empty and (out := self.scheduler.schedule()).scheduled:
+                outputs += self._launch(out, None)
+        return outputs
+
+    def _launch(self, out, previous: InFlightStep | None) -> list[RequestOutput]:
+        """Launch `out` on the device and queue it; if that fails, fail the requests it carried."""
         try:
             started = time.perf_counter()
-            result = (self.step_leader or self.runner).execute(out, grammar=self.structured)
-            if self.scheduler.draft_budget is not None:
-                self.scheduler.draft_budget.observe_step(out.num_tokens, time.perf_counter() - started)
+            result: RunnerOutput | SamplerOutput
+            if self.step_leader is not None:  # multi-host (never async: refused at start-up)
+                result = self.step_leader.execute(out, grammar=self.structured)
+            else:
+                prev = previous.result if previous is not None else None
+                result = self.runner.launch(out, self.structured, prev)
+            self.batch_queue.push(InFlightStep(out, result, started))
         except Exception as e:  # the device step failed: fail the requests it carried, keep serving
-            logger.exception("engine step %d failed", out.step)
-            for scheduled in out.scheduled:
-                self._fail(scheduled.request, f"engine step failed: {e}", uncache=True)
-            return failed + self._outputs({s.request.output_key for s in out.scheduled})
+            return self._failed_step(out, e)
+        return []
 
+    def _failed_step(self, out, error: Exception) -> list[RequestOutput]:
+        logger.exception("engine step %d failed", out.step)
+        self.scheduler.release(out)
+        failed = [s.request for s in out.scheduled if not s.request.is_finished]  # (async: not aborted since)
+        for request in failed:
+            self._fail(request, f"engine step failed: {error}", uncache=True)
+        return self._outputs({r.output_key for r in failed if r.output_key in self._groups})
+
+    def _apply(self, step: InFlightStep) -> list[RequestOutput]:
+        """Bring a launched step's results to the host and apply them: tokens, stop rules, outputs, drafts.
+
+        Async scheduling: a request this step finishes (EOS, stop token or string, abort) may have a row in the
+        step launched after it, computed in vain: `update` skips finished requests, so that row gives no output.
+        Its blocks are freed now and may go to another request in the next schedule; the vain row's K/V write
+        into them still lands first (every step takes the cache the one before it returned), so it is harmless.
+        """
+        out, result = step.out, step.result
+        try:
+            if not isinstance(result, RunnerOutput):
+                result = self.runner.collect(result, out.num_rows)
+            if self.scheduler.draft_budget is not None:
+                self.scheduler.draft_budget.observe_step(out.num_tokens, time.perf_counter() - step.launched)
+        except Exception as e:
+            return self._failed_step(out, e)
         now = time.monotonic()
         progressed = set()
         for scheduled in out.scheduled:
@@ -278,8 +352,8 @@ class EngineCore:
                 logger.exception("request %s failed in post-processing", request.request_id)
                 self._fail(request, f"{type(e).__name__}: {e}")
         if self.drafter is not None:
-            self.drafter.propose(self.scheduler.running, self.structured)
-        return failed + self._outputs(progressed)
+            self.drafter.propose(self.scheduler.running, self.structured, self.scheduler)
+        return self._outputs(progressed)
 
     def _post_process(self, request: Request, result: RunnerOutput, row: int, count: int, now: float) -> None:
         """The request's `count` new tokens (from logits row `row` on): grammar, logprobs, text, stop strings. A

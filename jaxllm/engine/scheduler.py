@@ -35,11 +35,17 @@ class ScheduledRequest:
     draft_token_ids: list[int] = field(default_factory=list)  # proposed tokens the step verifies (speculation)
     scores_prompt: bool = False  # prompt_logprobs: a row of logits per new token, each scoring the next
     logits_row: int = 0  # its first row of logits (SchedulerOutput.add)
+    # async scheduling: output tokens that unapplied steps sample before this one (its last input token is
+    # the previous step's sampled token at row `prev_row`, still on the device; -1: every input is known)
+    num_placeholders: int = 0
+    prev_row: int = -1
+    # whether this step reaches the request's last token, so its logits give a new token (fixed when
+    # scheduled: the request's token count moves when an earlier step's output is applied)
+    samples: bool = field(init=False)
 
-    @property
-    def samples(self) -> bool:
-        """Whether this step reaches the request's last known token, so its logits give a new token."""
-        return self.start + self.num_new_tokens - len(self.draft_token_ids) == self.request.num_tokens
+    def __post_init__(self):
+        known = self.request.num_tokens + self.num_placeholders
+        self.samples = self.start + self.num_new_tokens - len(self.draft_token_ids) == known
 
     @property
     def num_rows(self) -> int:
@@ -86,10 +92,29 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+@dataclass
+class _InFlight:
+    """A request's part in the steps scheduled and not yet applied (async scheduling)."""
+
+    last: ScheduledRequest  # its entry in the newest of them
+    steps: int = 0
+    tokens: int = 0  # positions they compute (num_computed_tokens advances by these once applied)
+    placeholders: int = 0  # output tokens they sample (unknown to the host until applied)
+
+
 class Scheduler:
     """With `speculative`, a running request's `draft_token_ids` (proposed after its last step) are verified as
     extra query rows, within a per-step cap (spec_decode/budget.py), the token budget, and `max_num_rows`
-    rows of logits a step: max(max_num_seqs, k + 1), so that one request can always verify k drafts."""
+    rows of logits a step: max(max_num_seqs, k + 1), so that one request can always verify k drafts.
+
+    With `config.async_scheduling`, `schedule()` may run again before the previous step's `update()`: the
+    engine launches step N+1 while step N is on the device. A request in step N follows it into step N+1
+    only when its next input is known without step N's result (`_may_follow`): the next chunk of its prompt,
+    or, when step N samples its next token, that token as a placeholder the device fills in (positions,
+    slots, kv_lens, seeds' step indices and the max_tokens / max_model_len checks all count it). Every
+    other request in step N waits for it to be applied. While a step is unapplied nobody is preempted (a
+    request that does not fit waits, and no new request starts this step).
+    """
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, speculative: SpeculativeConfig | None = None):
         self.config = config
@@ -105,6 +130,9 @@ class Scheduler:
         self.held: dict[str, list[Request]] = {}  # n > 1: siblings waiting for the first sample's prompt
         self.num_steps = 0
         self.num_preemptions = 0
+        self.async_scheduling = config.async_scheduling
+        self._in_flight: dict[str, _InFlight] = {}  # request id → its unapplied steps (async scheduling)
+        self.num_unapplied_steps = 0
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -144,16 +172,34 @@ class Scheduler:
 
         # running: decodes first, then unfinished prefills
         order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
+        overlapping = self.num_unapplied_steps > 0  # async: the previous step is still on the device
+        starved = False  # overlapping, a running request did not fit: it waits, and so do new requests
         for i, request in enumerate(order):
             if budget == 0:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
+            pending = self._in_flight.get(request.request_id) if overlapping else None
+            if pending is not None and not self._may_follow(request, pending):
+                continue  # waits for its step's output
+            done, placeholders = request.num_computed_tokens, 0
+            if pending is not None:
+                done += pending.tokens
+                placeholders = pending.placeholders
             # the rows left after one for each running request not yet scheduled
             rows = self.max_num_rows - out.num_rows - (len(order) - i)
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if _scores_prompt(request, request.num_computed_tokens):
+            num_new = min(request.num_tokens + placeholders - done, budget)
+            if _scores_prompt(request, done):
                 num_new = min(num_new, rows + 1)
+            in_flight = done - request.num_computed_tokens
+            if overlapping:  # no preemption while a step is unapplied: the request waits for the next step
+                if not self.kv.allocate_slots(request, in_flight + num_new):
+                    starved = True
+                    continue
+                prev_row = pending.last.sample_row if pending is not None and placeholders else -1
+                self._schedule(out, request, num_new, now, done, placeholders, prev_row)
+                budget -= num_new
+                continue
             while not self.kv.allocate_slots(request, num_new):
                 scheduled = {id(s.request) for s in out.scheduled}
                 candidates = [r for r in self.running if r is request or id(r) not in scheduled]
@@ -167,10 +213,11 @@ class Scheduler:
                 budget -= num_new
 
         # waiting, in policy order — not while preempting: the pool is full
-        if not out.preempted and budget > 0 and len(self.waiting) and len(self.running) < self.config.max_num_seqs:
+        admit = not out.preempted and not starved
+        if admit and budget > 0 and len(self.waiting) and len(self.running) < self.config.max_num_seqs:
             self.waiting.begin_step(self.kv)  # only when a request can start: lpm ranks by cache lookups
         while (
-            not out.preempted
+            admit
             and budget > 0
             and len(self.waiting)
             and len(self.running) < self.config.max_num_seqs
@@ -200,7 +247,71 @@ class Scheduler:
         # drafts: in the rows and tokens left once every request has its place (never displacing one)
         if self.draft_budget is not None and not out.preempted:
             self._add_drafts(out, budget)
+        if self.async_scheduling and out.scheduled:
+            self._launched(out)
         return out
+
+    # ---- async scheduling: steps scheduled and not yet applied ---------------------------------
+
+    def _launched(self, out: SchedulerOutput) -> None:
+        """Count `out` in flight until `update` (or `release`) applies it."""
+        self.num_unapplied_steps += 1
+        for s in out.scheduled:
+            pending = self._in_flight.get(s.request.request_id)
+            if pending is None:
+                pending = self._in_flight[s.request.request_id] = _InFlight(s)
+            pending.last = s
+            pending.steps += 1
+            pending.tokens += s.num_new_tokens - len(s.draft_token_ids)
+            pending.placeholders += s.samples and s.request.sampling_params.max_tokens != 0
+
+    def release(self, out: SchedulerOutput) -> None:
+        """`out` is no longer in flight: applied (`update` calls this), or failed on the device."""
+        if not self.async_scheduling or not out.scheduled:
+            return
+        self.num_unapplied_steps -= 1
+        for s in out.scheduled:
+            pending = self._in_flight[s.request.request_id]
+            pending.steps -= 1
+            pending.tokens -= s.num_new_tokens - len(s.draft_token_ids)
+            pending.placeholders -= s.samples and s.request.sampling_params.max_tokens != 0
+            if pending.steps == 0:
+                del self._in_flight[s.request.request_id]
+
+    def has_step_in_flight(self, request: Request) -> bool:
+        return request.request_id in self._in_flight
+
+    def _may_follow(self, request: Request, pending: _InFlight) -> bool:
+        """Whether a request with a step in flight may be in the next step too: only when the host knows its
+        next input and what the sampler needs for it. Per input of the step (runner/input_batch.py):
+
+        - token ids: the prompt's next chunk, or (the unapplied step samples) its sampled token, gathered on the
+          device from that step's results; after drafts the number accepted, and so the next position, is
+          unknown: a request that verified drafts waits (so, with speculation, does every decoding request:
+          its drafts for the next step would follow the unknown token);
+        - positions, slot mapping, block table, kv_lens: counts, the placeholder included;
+        - temperature, top_k/p, min_p, seeds, logit_bias, logprobs: the request's fixed parameters;
+        - steps (the seed's stream index) and min_tokens' bans: the output count, placeholder included;
+        - history and prompt_lens (repetition / frequency / presence penalties): filled from the host's tokens,
+          which lack the placeholder: such a request waits;
+        - allowed (structured outputs): the grammar's next mask needs the token: a constrained request waits;
+        - prompt_logprobs rows (target_ids): a request scoring its prompt waits;
+        - a token that would end the request by max_tokens or max_model_len: it finishes, nothing to follow.
+        A request whose unapplied step stops it (EOS, stop token or string) had its next row computed in
+        vain: its result is dropped (the request is finished when that step is applied).
+        """
+        last, params = pending.last, request.sampling_params
+        if pending.steps != 1 or last.draft_token_ids or last.scores_prompt:
+            return False
+        if not last.samples:
+            return True  # a prompt chunk: the next one is known
+        if params.max_tokens == 0 or self.draft_budget is not None:
+            return False
+        if params.uses_penalties or params.structured_outputs is not None:
+            return False
+        if params.max_tokens is not None and request.num_output_tokens + pending.placeholders >= params.max_tokens:
+            return False
+        return request.num_tokens + pending.placeholders < self.config.max_model_len
 
     def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
         """Give this step's decodes their drafts, up to the load-aware cap and what is left of the step."""
@@ -228,11 +339,22 @@ class Scheduler:
             limit = min(limit, params.max_tokens - request.num_output_tokens - 1)
         return request.draft_token_ids[: max(limit, 0)]
 
-    def _schedule(self, out: SchedulerOutput, request: Request, num_new: int, now: float) -> None:
+    def _schedule(
+        self,
+        out: SchedulerOutput,
+        request: Request,
+        num_new: int,
+        now: float,
+        start: int | None = None,
+        placeholders: int = 0,
+        prev_row: int = -1,
+    ) -> None:
         if request.metrics.first_scheduled_time is None:
             request.metrics.first_scheduled_time = now
-        start, block_ids = request.num_computed_tokens, self.kv.block_ids(request.request_id)
-        out.add(ScheduledRequest(request, num_new, start, block_ids, scores_prompt=_scores_prompt(request, start)))
+        start = request.num_computed_tokens if start is None else start
+        block_ids = self.kv.block_ids(request.request_id)
+        scores = _scores_prompt(request, start)
+        out.add(ScheduledRequest(request, num_new, start, block_ids, [], scores, 0, placeholders, prev_row))
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
@@ -255,10 +377,11 @@ class Scheduler:
         slots later steps overwrite. Returns (request, first row, tokens appended) for each request that
         received tokens (finished ones included).
         """
+        self.release(out)
         got_tokens = []
         for scheduled in out.scheduled:
             request, drafts, row = scheduled.request, scheduled.draft_token_ids, scheduled.sample_row
-            if request.is_finished:  # aborted while the step ran
+            if request.is_finished:  # aborted while the step ran (async: or stopped by the step before)
                 continue
             accepted = 0
             while accepted < len(drafts) and int(sampled[row + accepted]) == drafts[accepted]:

@@ -3,6 +3,13 @@
 `InputBatch.fill` packs a `SchedulerOutput` into the flattened ragged layout of
 docs/design.md, padded to a bucket: padding tokens write to the scratch slot 0, padding
 sequences have no tokens and no context, and padding sampling rows are greedy.
+
+Async scheduling: a scheduled request's last input token may be a placeholder for the token the
+previous, still unapplied step samples (`ScheduledRequest.num_placeholders`); its `token_ids` entry is
+0 and `src` holds the previous step's sampler row, which the compiled step gathers on the device
+(`src` is -1 wherever the host knows the token). Its sampling row counts the placeholder among the
+outputs (the seed's step index, min_tokens). The scheduler keeps every request whose sampler inputs
+need the unknown token out of such a step (`Scheduler._may_follow` lists the rule per input).
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ class InputBatch:
         self.block_size = block_size
         i32, f32 = np.int32, np.float32
         self.token_ids = np.zeros(max_tokens, i32)
+        self.src = np.full(max_tokens, -1, i32)  # async: previous step's sampler row giving the token, or -1
         self.positions = np.zeros(max_tokens, i32)
         self.slot_mapping = np.zeros(max_tokens, i32)
         self.cu_q_lens = np.zeros(max_seqs + 1, i32)
@@ -67,6 +75,7 @@ class InputBatch:
         if grammar is not None:  # grammar masks first: the min_tokens bans below narrow them further
             self._masked_rows.update(grammar.fill_bitmask(out.scheduled, self.allowed))
         self.block_tables[:S] = SCRATCH_BLOCK
+        self.src[:T] = -1
         num_tokens = 0
         for seq, scheduled in enumerate(out.scheduled):
             request, start, n = scheduled.request, scheduled.start, scheduled.num_new_tokens
@@ -74,7 +83,12 @@ class InputBatch:
             end, d = num_tokens + n, len(drafts)
             positions = np.arange(start, start + n, dtype=np.int32)
             blocks = np.asarray(scheduled.block_ids, np.int32)
-            self.token_ids[num_tokens : end - d] = _token_slice(request, start, start + n - d)
+            if scheduled.num_placeholders:  # a decode whose input token the previous step samples
+                assert n == 1 and not d and scheduled.prev_row >= 0, "a placeholder is a decode's only token"
+                self.token_ids[num_tokens] = 0
+                self.src[num_tokens] = scheduled.prev_row
+            else:
+                self.token_ids[num_tokens : end - d] = _token_slice(request, start, start + n - d)
             self.token_ids[end - d : end] = drafts
             self.positions[num_tokens:end] = positions
             self.slot_mapping[num_tokens:end] = blocks[positions // bs] * bs + positions % bs
@@ -87,9 +101,10 @@ class InputBatch:
                     self._fill_scoring_row(row + j, request, request.prompt_token_ids[start + j + 1])
                 if scheduled.samples:
                     self._fill_sampling_row(row + n - 1, request)
+            ahead = scheduled.num_placeholders
             for j in range(0 if scheduled.scores_prompt else d + 1):  # the last token's row, then one per draft
                 self.logits_indices[row + j] = end - 1 - d + j
-                self._fill_sampling_row(row + j, request, ahead=j)
+                self._fill_sampling_row(row + j, request, ahead=ahead + j)
             num_tokens = end
         num_seqs = len(out.scheduled)
         self.token_ids[num_tokens:T] = 0
@@ -160,7 +175,8 @@ class InputBatch:
         self.num_logprobs[row] = request.sampling_params.prompt_logprobs
 
     def _fill_sampling_row(self, row: int, request, ahead: int = 0) -> None:
-        """`ahead`: the row samples the output token that many after the next one (speculation's rows)."""
+        """`ahead`: the row samples the output token that many after the next one the host knows of
+        (speculation's rows; async scheduling's placeholder)."""
         p = request.sampling_params
         num_output = request.num_output_tokens + ahead
         self.temperature[row] = p.temperature

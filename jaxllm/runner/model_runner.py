@@ -6,6 +6,14 @@ executable cache (`executable_cache.py`) without tracing; `execute` only ever ca
 those executables, so no step compiles — a shape the buckets do not cover is a bug and
 fails loudly instead of recompiling. The KV cache is donated to each step and updated in
 place. One device→host transfer per step brings back the sampled tokens (and logprobs).
+
+With async scheduling (`SchedulerConfig.async_scheduling`) a step is launched (`launch`) before the
+previous one's results reach the host (`collect`): its forward takes two more inputs, the previous
+step's sampled ids (widened to the largest row count by a small executable per row count, compiled at
+warm-up too) and `src` (int32 [T], the row of those ids each placeholder token is, -1 elsewhere), and
+gathers `token_ids = where(src >= 0, prev_sampled[src], token_ids)` on the device. Its host arrays come
+from two `InputBatch`es used in turn: a launched step may still be reading the other one (on CPU, JAX
+may alias a numpy argument instead of copying it).
 """
 
 from __future__ import annotations
@@ -146,14 +154,21 @@ class ModelRunner:
         self.startup_seconds = {"kv_cache": time.perf_counter() - started}  # phases, for the start-up report
         self.buckets = make_buckets(sched_cfg.max_num_batched_tokens, max_logits_rows(sched_cfg, config.speculative))
         largest = self.buckets[-1]
-        self.batch = InputBatch(
-            largest.num_tokens,
-            largest.num_seqs,
-            self.max_blocks_per_seq,
-            sched_cfg.max_model_len,
-            arch.vocab_size,
-            self.block_size,
-        )
+        self.async_scheduling = sched_cfg.async_scheduling
+        self._batches = [
+            InputBatch(
+                largest.num_tokens,
+                largest.num_seqs,
+                self.max_blocks_per_seq,
+                sched_cfg.max_model_len,
+                arch.vocab_size,
+                self.block_size,
+            )
+            for _ in range(2 if self.async_scheduling else 1)
+        ]
+        self.batch = self._filled = self._batches[0]
+        self._turn = 0  # the batch the next step fills
+        self.max_rows = largest.num_seqs
         self.model = step_model(arch, config, loaded.dtype, mesh, loaded.quant)
         # for reports (cached: no second check)
         self.cpu_kernels = cpu_kernel_choice(arch, config, loaded.dtype, mesh, loaded.quant)
@@ -165,10 +180,16 @@ class ModelRunner:
         self.startup_seconds["step_key"] = time.perf_counter() - started
         # a step is two executables: the bucket's forward (logits, KV write; the cache donated) and the sampler of
         # its row count, which buckets with as many rows share (the sampler is ~80 % of a step's compile time)
-        self._forward_fn = jax.jit(self._named(self._forward, "forward"), donate_argnums=(1,))
+        forward, name = (self._forward_async, "forward_async") if self.async_scheduling else (self._forward, "forward")
+        self._forward_fn = jax.jit(self._named(forward, name), donate_argnums=(1,))
         self._sample_fn = jax.jit(self._named(sample, "sample"))
+        self._widen_fn = jax.jit(self._named(self._widen, "widen"), out_shardings=replicated(mesh))
         self._compiled: dict[Bucket, jax.stages.Compiled] = {}
         self._samplers: dict[int, jax.stages.Compiled] = {}  # rows → sampler
+        self._wideners: dict[int, jax.stages.Compiled] = {}  # rows → sampled ids widened to max_rows (async)
+        self._no_prev = (
+            jax.device_put(np.zeros(self.max_rows, np.int32), replicated(mesh)) if self.async_scheduling else None
+        )
         self.compile_seconds = 0.0
         self.num_executables = self.loaded_executables = 0  # how many there are, and came from the cache
         self.stats = StepStats()
@@ -189,6 +210,15 @@ class ModelRunner:
     def _forward(self, params, cache: KVCache, inputs: StepInputs):
         logits, cache = cast(tuple[Array, KVCache], self.model.apply({"params": params}, cache, inputs))
         return jax.lax.with_sharding_constraint(logits, replicated(self.mesh)), cache  # as the sampler takes them
+
+    def _forward_async(self, params, cache: KVCache, inputs: StepInputs, prev_sampled: Array, src: Array):
+        """The forward, its placeholder tokens first taken from the previous step's sampled ids (async)."""
+        token_ids = jnp.where(src >= 0, prev_sampled[jnp.maximum(src, 0)], inputs.token_ids)
+        return self._forward(params, cache, inputs._replace(token_ids=token_ids))
+
+    def _widen(self, token_ids: Array) -> Array:
+        """A step's sampled ids [rows], zero-padded to [max_rows]: what the next step's forward takes (async)."""
+        return jnp.zeros(self.max_rows, jnp.int32).at[: token_ids.shape[0]].set(token_ids.astype(jnp.int32))
 
     def _step_key(self, attention: str) -> str:
         """Everything but the shapes that decides the step's graph (see executable_cache.py)."""
@@ -233,10 +263,19 @@ class ModelRunner:
         """Every executable a step may call, not yet made: ("forward", bucket) and ("sample", rows) → (the
         jitted function, its abstract arguments)."""
         jobs: dict[tuple[str, Bucket | int], tuple[Callable, tuple]] = {}
+        sharding = replicated(self.mesh)
         for bucket in self.buckets:
             inputs, sampling = self._abstract_inputs(bucket)
             if bucket not in self._compiled:
-                jobs["forward", bucket] = (self._forward_fn, (self.params, self.cache, inputs))
+                args: tuple = (self.params, self.cache, inputs)
+                if self.async_scheduling:  # + the previous step's sampled ids and where they go
+                    prev = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=sharding)
+                    src = jax.ShapeDtypeStruct((bucket.num_tokens,), jnp.int32, sharding=sharding)
+                    args += (prev, src)
+                jobs["forward", bucket] = (self._forward_fn, args)
+            if self.async_scheduling and bucket.num_seqs < self.max_rows and bucket.num_seqs not in self._wideners:
+                ids = jax.ShapeDtypeStruct((bucket.num_seqs,), jnp.int32, sharding=sharding)
+                jobs["widen", bucket.num_seqs] = (self._widen_fn, (ids,))
             if bucket.num_seqs not in self._samplers:
                 logits = jax.ShapeDtypeStruct(
                     (bucket.num_seqs, self.loaded.arch.vocab_size), jnp.float32, sharding=replicated(self.mesh)
@@ -271,35 +310,81 @@ class ModelRunner:
                 futures[job] = pool.submit(self._executables.compile_and_store, keys[job], fn.lower(*args))
                 futures[job].add_done_callback(lambda _: bar.update())
             made.update({job: future.result() for job, future in futures.items()})
+        tables: dict[str, dict] = {"forward": self._compiled, "sample": self._samplers, "widen": self._wideners}
         for (kind, shape), executable in made.items():
-            (self._compiled if kind == "forward" else self._samplers)[shape] = executable
+            tables[kind][shape] = executable
         self.compile_seconds = self.startup_seconds["buckets"] = time.perf_counter() - start
-        self.num_executables = len(self._compiled) + len(self._samplers)
+        self.num_executables = len(self._compiled) + len(self._samplers) + len(self._wideners)
         self.loaded_executables = len(jobs) - len(futures)
         return self.compile_seconds
 
     def execute(self, out: SchedulerOutput, grammar=None) -> RunnerOutput:
         """`grammar` (a StructuredOutputManager) fills the token masks of constrained rows."""
+        return self.collect(self.launch(out, grammar), out.num_rows)
+
+    def launch(self, out: SchedulerOutput, grammar=None, prev: SamplerOutput | None = None) -> SamplerOutput:
+        """Pack and launch the step; its results stay on the device until `collect`. `prev`: the previous step's
+        results, whose sampled ids fill this step's placeholder tokens (async scheduling)."""
         start = time.perf_counter()
         bucket, inputs, sampling = self.prepare(out, grammar)
         packed = time.perf_counter()
-        output = self.to_host(self.run(bucket, inputs, sampling), out.num_rows)
-        self.stats.steps += 1
+        if not self.async_scheduling:
+            result = self.run(bucket, inputs, sampling)
+        else:
+            src = self._filled.src[: bucket.num_tokens]
+            prev_ids = self._no_prev
+            if any(s.num_placeholders for s in out.scheduled):
+                if prev is None:
+                    raise RuntimeError(f"step {out.step} has placeholder tokens but no previous step's results")
+                prev_ids = self._widened(prev.token_ids)
+            result = self.run(bucket, inputs, sampling, prev_ids, src)
         self.stats.pack_s += packed - start
-        self.stats.device_s += time.perf_counter() - packed
+        self.stats.device_s += time.perf_counter() - packed  # dispatch; `collect` adds the wait
+        return result
+
+    def collect(self, result: SamplerOutput, num_rows: int) -> RunnerOutput:
+        """Wait for a launched step and bring its results to the host."""
+        start = time.perf_counter()
+        output = self.to_host(result, num_rows)
+        self.stats.steps += 1
+        self.stats.device_s += time.perf_counter() - start
         return output
 
-    def prepare(self, out: SchedulerOutput, grammar=None) -> tuple[Bucket, StepInputs, SamplingInputs]:
-        """The step's host inputs, padded to its bucket (a multi-host leader broadcasts these)."""
-        bucket = pick_bucket(self.buckets, out.num_tokens, out.num_rows)
-        return (bucket, *self.batch.fill(out, bucket, grammar))
+    def _widened(self, token_ids: Array) -> Array:
+        rows = token_ids.shape[0]
+        if rows == self.max_rows:
+            return token_ids
+        widen = self._wideners.get(rows)
+        if widen is None:
+            raise RuntimeError(f"no widener for {rows} rows was compiled at start-up (call warm_up first)")
+        return widen(token_ids)
 
-    def run(self, bucket: Bucket, inputs: StepInputs, sampling: SamplingInputs) -> SamplerOutput:
-        """Launch the bucket's compiled step (the only part a multi-host follower runs); results stay on device."""
+    def prepare(self, out: SchedulerOutput, grammar=None) -> tuple[Bucket, StepInputs, SamplingInputs]:
+        """The step's host inputs, padded to its bucket (a multi-host leader broadcasts these). With async
+        scheduling the two input batches take turns (the last step launched may still read the other)."""
+        bucket = pick_bucket(self.buckets, out.num_tokens, out.num_rows)
+        batch = self._filled = self._batches[self._turn]
+        self._turn = (self._turn + 1) % len(self._batches)
+        return (bucket, *batch.fill(out, bucket, grammar))
+
+    def run(
+        self,
+        bucket: Bucket,
+        inputs: StepInputs,
+        sampling: SamplingInputs,
+        prev_sampled: Array | None = None,
+        src: np.ndarray | None = None,
+    ) -> SamplerOutput:
+        """Launch the bucket's compiled step (the only part a multi-host follower runs); results stay on device.
+        With async scheduling the forward also takes the previous step's (widened) sampled ids and `src`."""
         forward, sampler = self._compiled.get(bucket), self._samplers.get(bucket.num_seqs)
         if forward is None or sampler is None:
             raise RuntimeError(f"bucket {bucket} was not compiled at start-up (call warm_up first)")
-        logits, self.cache = forward(self.params, self.cache, inputs)
+        if self.async_scheduling:
+            assert prev_sampled is not None and src is not None, "an async step takes prev_sampled and src"
+            logits, self.cache = forward(self.params, self.cache, inputs, prev_sampled, src)
+        else:
+            logits, self.cache = forward(self.params, self.cache, inputs)
         return sampler(logits, sampling)
 
     def to_host(self, result: SamplerOutput, n: int) -> RunnerOutput:

@@ -36,7 +36,8 @@ def draft_engine_config(target: EngineConfig, draft_model: str, num_target_block
         cache_dtype="auto",
         enable_prefix_caching=False,
     )
-    return dataclasses.replace(target, model=model, cache=cache, speculative=None)
+    scheduler = dataclasses.replace(target.scheduler, async_scheduling=False)  # the drafter's steps are synchronous
+    return dataclasses.replace(target, model=model, cache=cache, scheduler=scheduler, speculative=None)
 
 
 class DraftModelProposer:

@@ -33,13 +33,17 @@ class Drafter:
         self.budget = budget
         self.propose_seconds = 0.0  # host (and draft model) time spent proposing
 
-    def propose(self, running: Iterable[Request], structured) -> None:
-        """Set `draft_token_ids` of each running request; `structured`: the StructuredOutputManager."""
+    def propose(self, running: Iterable[Request], structured, scheduler=None) -> None:
+        """Set `draft_token_ids` of each running request; `structured`: the StructuredOutputManager. With async
+        scheduling (`scheduler` given), a request already in a launched step gets none: its drafts would have to
+        follow that step's token, still unknown (it waits for that step and is proposed for once it is applied)."""
         decoding = []
         for request in running:
             request.draft_token_ids = []
             if request.num_tokens - request.num_computed_tokens != 1:
                 continue  # still prefilling
+            if scheduler is not None and scheduler.has_step_in_flight(request):
+                continue
             if request.sampling_params.uses_penalties:
                 self.stats.num_unspeculated += 1
                 continue
