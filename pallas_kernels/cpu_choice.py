@@ -37,7 +37,7 @@ from pallas_kernels.stacked_matmul import quantized
 logger = logging.getLogger(__name__)
 
 MODES = ("auto", "on", "off")
-FORMAT = 2  # bump when the timed cases or the decision rule change: stored decisions are then retaken
+FORMAT = 3  # bump when the timed cases or the decision rule change: stored decisions are then retaken
 MAX_WEIGHT_ELEMENTS = 8 << 20  # a larger projection is timed on its first columns (the ratio is what counts)
 
 
@@ -197,7 +197,9 @@ def _choose(
     if how != "auto" or not (matmul_ok or attention_ok):
         on = how != "off"
         return KernelChoice(matmul_ok and on, None, attention_ok and on, how, target)
-    row_counts = sorted({r for r in (1, 8, 64, max_rows) if r <= max_rows})
+    # decode rows, and prefill chunks densely enough that the hand-over to XLA lands near the real crossover (a
+    # quantized layer: XLA dequantizes it whole per step, which pays only for hundreds of rows)
+    row_counts = sorted({r for r in (1, 8, 64, 128, 256, max_rows) if r <= max_rows})
     built = ((stacked_matmul.SOURCE, matmul_ok), (attention_cpu.SOURCE, attention_ok))
     libs = [cpu_ffi.build(source).name if ok else None for source, ok in built]  # each keyed by source and target
     parts = [FORMAT, libs, matmul_shapes, dtype, row_counts, dataclasses.astuple(attention) if attention else None]

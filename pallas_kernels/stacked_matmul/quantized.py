@@ -49,7 +49,7 @@ FORMATS: dict[str, QuantFormat] = {
     "q4_0": QuantFormat(4, 32, False),
     "q4_1": QuantFormat(4, 32, True),
     "int8": QuantFormat(8, None, False),
-    "int4": QuantFormat(4, 32, False),
+    "int4": QuantFormat(4, 32, True),  # Q4_1's layout: a scale and a minimum (GPTQ/AWQ's zero point) per group
 }
 
 
@@ -273,7 +273,7 @@ def quantized_rows(qw: QuantizedWeight, index: Int[Array, " T"], *, packed: bool
 
 def random_weight(rng: np.random.Generator, fmt: str, shape: tuple[int, ...]) -> QuantizedWeight:
     """A random `fmt` weight of logical shape `(L, K, *N)` in numpy (unpacked): no quant dequantizes to zero
-    (8-bit q never 0, Q4_0 / int4 q never 8, Q4_1 mins keep `d * q + m` off zero), scales and mins nonzero."""
+    (8-bit q never 0, Q4_0 q never 8, Q4_1 / int4 mins keep `d * q + m` off zero), scales and mins nonzero."""
     f = FORMATS[fmt]
     num_layers, k, *n = shape
     group = f.group or k
