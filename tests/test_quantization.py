@@ -153,6 +153,20 @@ def test_quantized_at_load_every_weight_is_within_half_a_step(tiny_dir, fmt):
             assert np.all(np.abs(got - w) <= bound), f"{name} layer {layer}"
 
 
+def test_a_float_checkpoint_is_quantized_at_load_as_the_source_is(tiny_dir, tmp_path):
+    """`jaxllm convert` keeps float weights; loading the checkpoint with int4 quantizes them as loading the source
+    with int4 does."""
+    from jaxllm.entrypoints.convert import convert
+
+    checkpoint = convert(str(tiny_dir), str(tmp_path / "ckpt"), dtype="float32")
+    ours = load_model(str(checkpoint), mesh=make_mesh(), quantization="int4")
+    reference = load_model(str(tiny_dir), mesh=make_mesh(), quantization="int4")
+    assert ours.quant == reference.quant
+    flat = jax.tree_util.tree_flatten_with_path(ours.params)[0]
+    for (path, a), b in zip(flat, jax.tree.leaves(reference.params), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path))
+
+
 # --- the model --------------------------------------------------------------------------------------------------
 
 

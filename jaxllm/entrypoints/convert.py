@@ -12,7 +12,8 @@ from jaxllm.weights.orbax import save_checkpoint
 
 
 def convert(source: str | None, out: str, dtype: str = "auto") -> Path:
-    loaded = load_model(source, mesh=make_mesh(), dtype=dtype)
+    """A float checkpoint of `source` (a GGUF's blocks dequantized: `quantization` applies when it is loaded)."""
+    loaded = load_model(source, mesh=make_mesh(), dtype=dtype, quantization="none")
     return save_checkpoint(
         Path(out),
         loaded.params,
