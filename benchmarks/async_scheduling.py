@@ -14,26 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import tempfile
 import time
+from pathlib import Path
 
 from jaxllm import LLM, SamplingParams
 
-TINY = dict(
-    architectures=["LlamaForCausalLM"],
-    model_type="llama",
-    hidden_size=64,
-    intermediate_size=128,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    num_hidden_layers=2,
-    vocab_size=512,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-)
+TINY = Path(__file__).parent / "configs" / "tiny-llama.json"  # 2 layers, random weights (load_format="dummy")
 
 
 def watch_overlap(llm: LLM) -> dict:
@@ -84,11 +71,7 @@ def main() -> None:
     args = parser.parse_args()
     model, extra = None, {}
     if args.tiny:
-        folder = tempfile.mkdtemp()
-        model = os.path.join(folder, "config.json")
-        with open(model, "w") as f:
-            json.dump(TINY, f)
-        extra = {"load_format": "dummy"}
+        model, extra = str(TINY), {"load_format": "dummy"}
     shape = dict(max_num_seqs=1, max_model_len=args.input_len + args.output_len, progress=False, **extra)
     engines = {mode: LLM(model, async_scheduling=mode == "on", **shape) for mode in ("off", "on")}
     engines["on"]._overlap = watch_overlap(engines["on"])  # type: ignore[attr-defined]
