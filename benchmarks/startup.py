@@ -98,7 +98,7 @@ def weights_child() -> None:
     mesh = make_mesh()
     source = open_model(None)
     config = EngineArgs().create_engine_config(source.arch.max_position_embeddings, jax.default_backend())
-    layout = weight_layout(source.arch, config, source.dtype, mesh)
+    layout = weight_layout(source.arch, config, source.dtype, mesh, source.quant)
     started, cpu = time.perf_counter(), time.process_time()
     loaded = source.load(mesh, None, 0, layout)
     load, cpu = time.perf_counter() - started, time.process_time() - cpu

@@ -101,7 +101,8 @@ def main() -> None:
     from jaxllm.weights import load_model
     from jaxllm.weights.params import unstack_layers
 
-    loaded = load_model(args.model, mesh=make_mesh(), load_format="dummy", dtype="float32")
+    # float weights: this breaks down the float32 step (the quantized one: benchmarks/quantized_matmul.py)
+    loaded = load_model(args.model, mesh=make_mesh(), load_format="dummy", dtype="float32", quantization="none")
     arch, block_size = loaded.arch, 16
     # the model the engine's step runs (backends, packed weights), not a default CausalLM
     config = EngineArgs(scan_layers=args.scan_layers).create_engine_config(
