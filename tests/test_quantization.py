@@ -99,6 +99,10 @@ def test_a_quantization_the_model_cannot_take_fails_naming_the_tensor_and_the_ru
         make_plan(wide, "int4", None, tp=4)
     with pytest.raises(ValueError, match="quantization must be one of"):
         make_plan(wide, "fp8", None)
+    blocks = {f"blk.{i}.{p}.weight": "Q4_1" for i in range(2) for p in ("attn_output", "ffn_down", "ffn_up")}
+    with caplog.at_level(logging.INFO):  # not asked for: a GGUF's blocks TP cannot split stay float, said so
+        plan = make_plan(wide, None, blocks, tp=4)
+    assert plan.get("o_proj") is None and "o_proj dequantized to float: the GGUF's Q4_1 blocks" in caplog.text
     names = {f"blk.{i}.{p}.weight": "Q4_1" for i in range(2) for p in ("attn_q", "attn_k", "attn_v")}
     names["blk.1.attn_v.weight"] = "Q6_K"
     with caplog.at_level(logging.INFO):

@@ -58,7 +58,8 @@ def gguf_tensor_names(arch: ModelArch, kind: str) -> list[str]:
 def make_plan(arch: ModelArch, quantization: str | None, gguf_types: dict[str, str] | None, tp: int = 1) -> QuantPlan:
     """The plan for `arch` under `quantization`; `gguf_types`: a GGUF file's tensor name → GGML type name
     (None for other formats); `tp`: the tensor-parallel size. ValueError naming the tensor and the rule when the
-    model cannot take the quantization asked for."""
+    model cannot take the quantization asked for; a GGUF's own blocks that cannot be kept (a tensor-parallel split
+    through a group) are dequantized instead, with a log line."""
     check_quantization(quantization)
     kinds = [*LAYER_KINDS, "embed_tokens"] + ([] if arch.tie_word_embeddings else ["lm_head"])
     wanted: dict[str, str] = {}
@@ -74,8 +75,14 @@ def make_plan(arch: ModelArch, quantization: str | None, gguf_types: dict[str, s
             elif not (len(types) == 1 and types[0] in ("F32", "F16", "BF16")):
                 why = f"mixed types {'/'.join(types)}" if len(types) > 1 else f"{types[0]} is not a kept format"
                 logger.info("GGUF %s (%s...) dequantized to float: %s", kind, names[0], why)
-    for kind, fmt in wanted.items():
-        _check(arch, kind, fmt, tp, quantization)
+    for kind, fmt in list(wanted.items()):
+        try:
+            _check(arch, kind, fmt, tp, quantization)
+        except ValueError as e:
+            if quantization is not None:  # asked for: refused
+                raise
+            logger.info("GGUF %s dequantized to float: %s", kind, e)  # the default: what can stay quantized does
+            del wanted[kind]
     return QuantPlan(tuple(sorted(wanted.items())))
 
 
