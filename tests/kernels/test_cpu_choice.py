@@ -45,7 +45,11 @@ def untimed(monkeypatch):
 
 def test_auto_keeps_the_kernel_up_to_the_first_row_count_it_loses_and_stores_the_decision(monkeypatch, fresh):
     monkeypatch.setenv("JAXLLM_CPU_KERNELS", "auto")
-    timed(monkeypatch, {1: (1, 2), 8: (1, 2), 64: (3, 2), 512: (1, 2)}, {"decode": (1, 3), "prefill": (2, 1)})
+    timed(
+        monkeypatch,
+        {1: (1, 2), 8: (1, 2), 64: (3, 2), 128: (1, 2), 256: (1, 2), 512: (1, 2)},
+        {"decode": (1, 3), "prefill": (2, 1)},
+    )
     choice = cpu_choice.choose(SHAPES, "float32", 512, ATTENTION)
     assert (choice.matmul, choice.matmul_max_rows, choice.attention) == (True, 8, True)  # attention: 3 ms vs 4
     assert "matmul on for rows <= 8, attention on" in choice.describe()
