@@ -125,13 +125,14 @@ class EngineCore:
         self.startup_phases = {**self.worker.startup_phases, "total": self.startup_seconds}
         sched = self.config.scheduler
         logger.info(
-            "model %s (%s, %s) loaded in %.1fs; KV cache %d blocks x %d = %d tokens; max_model_len %d, "
+            "model %s (%s, %s; quantized: %s) loaded in %.1fs; KV cache %d blocks x %d = %d tokens; max_model_len %d, "
             "max_num_seqs %d, max_num_batched_tokens %d; %d buckets (%d executables) ready in %.1fs (%d loaded "
             "compiled; cache: %s); "
             "ready in %.1fs",
             self.loaded.name,
             arch.architecture,
             self.loaded.dtype.name,
+            self.loaded.quant.describe(),
             sum(self.loaded.load_seconds.values()),
             self.kv.num_usable_blocks,
             block_size,
