@@ -175,10 +175,8 @@ class Embed(nn.Module):
         return jnp.take(self.embedding, token_ids, axis=0)
 
     def attend(self, x: Float[Array, "S H"]) -> Float[Array, "S V"]:
-        if self.quant:
-            backend = "cpu_packed" if self.packed else "reference"
-            table = stack_of_one(self.table)
-            return quantized.quantized_matmul(x, table, 0, backend=backend, kernel_max_rows=self.kernel_max_rows)
+        if self.quant:  # the LM head: an unstacked quantized kernel [H, V]
+            return Stacking(kernel_max_rows=self.kernel_max_rows).quantized_matmul(x, self.table, None, self.packed)
         if self.packed:
             return packed_matmul(x, self.embedding, kernel_max_rows=self.kernel_max_rows)
         # E @ x.T reads the embedding's contiguous rows; x @ E.T makes XLA (CPU) copy E transposed per step
