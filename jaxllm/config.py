@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from jaxllm.kv_transfer.config import KVTransferConfig
 from jaxllm.spec_decode.config import SpeculativeConfig
 
 DTYPES = {
@@ -142,3 +143,4 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     compilation_cache_dir: str | None = None  # None: jaxllm's cache folder; "" turns it off
     speculative: SpeculativeConfig | None = None
+    kv_transfer: KVTransferConfig | None = None

@@ -47,3 +47,5 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # SamplingParams.prompt_logprobs: None for the first prompt token, then {token id: Logprob} per prompt token
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    # what the KV connector says about this request (P/D producer: where its KV waits for the consumer)
+    kv_transfer_params: dict | None = None

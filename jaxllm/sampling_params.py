@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field, fields, replace
+from typing import Any
 
 MAX_LOGIT_BIAS = 300  # entries of logit_bias per request (OpenAI's limit)
 MAX_LOGPROBS = 20  # top logprobs per token the engine computes at most (vLLM's default max_logprobs)
@@ -104,6 +105,8 @@ class SamplingParams:
     detokenize: bool = True
     structured_outputs: StructuredOutputsParams | None = None  # constrained decoding (llguidance)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # vLLM's: arguments for extensions; "kv_transfer_params" talks to the KV connector (docs/disaggregated.md)
+    extra_args: dict[str, Any] | None = None
     stop_strings: list[str] = field(init=False, repr=False)
 
     def __post_init__(self):
@@ -161,6 +164,15 @@ class SamplingParams:
             fail("stop", "empty when detokenize=False (stop strings are matched on text)")
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             fail("structured_outputs", "a StructuredOutputsParams or None")
+        if self.extra_args is not None and not isinstance(self.extra_args, dict):
+            fail("extra_args", "a dict or None")
+        if not isinstance((self.extra_args or {}).get("kv_transfer_params", {}), dict | None):
+            fail("extra_args", 'a dict whose "kv_transfer_params" is a dict')
+
+    @property
+    def kv_transfer_params(self) -> dict[str, Any] | None:
+        """What the KV connector is told about this request (P/D: do_remote_decode / do_remote_prefill ...)."""
+        return (self.extra_args or {}).get("kv_transfer_params")
 
     @property
     def greedy(self) -> bool:

@@ -13,6 +13,7 @@ import json
 from dataclasses import dataclass
 
 from jaxllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from jaxllm.kv_transfer.config import KVTransferConfig
 from jaxllm.spec_decode.config import SpeculativeConfig
 
 # defaults where vLLM's GPU-sized ones would make the CPU path compile too much
@@ -25,6 +26,10 @@ HELP = {
     'or {"method": "draft_model", "model": ..., "num_speculative_tokens": 4} (docs/speculative_decoding.md)',
     "async_scheduling": "schedule and launch each step while the previous one runs on the device (vLLM's "
     "async scheduling; docs/design.md, One engine step)",
+    "kv_transfer_config": 'a KV connector, vLLM\'s JSON: \'{"kv_connector": "TransferConnector", "kv_role": '
+    '"kv_producer"}\', SharedStorageConnector with {"shared_storage_path": DIR}, OffloadingConnector '
+    "(docs/disaggregated.md)",
+    "kv_offloading_size": "GiB of host memory for KV blocks evicted from the device cache (the OffloadingConnector)",
 }
 
 
@@ -57,9 +62,14 @@ class EngineArgs:
     scan_layers: bool = True
     compilation_cache_dir: str | None = None
     speculative_config: dict | str | None = None  # vLLM's JSON: {"method": "ngram", "num_speculative_tokens": 4}
+    kv_transfer_config: dict | str | None = None  # vLLM's JSON: {"kv_connector": ..., "kv_role": ...}
+    kv_offloading_size: float | None = None  # GiB of host memory for evicted KV blocks (OffloadingConnector)
 
     def speculative(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.parse(self.speculative_config)
+
+    def kv_transfer(self) -> KVTransferConfig | None:
+        return KVTransferConfig.parse(self.kv_transfer_config, self.kv_offloading_size)
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(
@@ -96,6 +106,7 @@ class EngineArgs:
             parallel=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size),
             compilation_cache_dir=self.compilation_cache_dir,
             speculative=self.speculative(),
+            kv_transfer=self.kv_transfer(),
         )
 
     @classmethod
@@ -111,7 +122,7 @@ class EngineArgs:
                 )
             else:
                 # f.type is the annotation's text (from __future__ import annotations)
-                kind = {"int": int, "int | None": int, "float": float}.get(str(f.type), str)
+                kind = {"int": int, "int | None": int, "float": float, "float | None": float}.get(str(f.type), str)
                 group.add_argument(flag, type=kind, default=f.default, metavar=f.name.upper(), help=HELP.get(f.name))
         parser.add_argument("--model", default=None, help="model path or HF repo (default: SmolLM2-135M-Instruct)")
 

@@ -28,8 +28,11 @@ from jaxllm.engine.detokenizer import IncrementalDetokenizer
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.request import Request, RequestStatus
 from jaxllm.engine.scheduler import ScheduledRequest, Scheduler
+from jaxllm.kv_transfer.factory import CONNECTORS, KVConnector, make_kv_connector
+from jaxllm.kv_transfer.scope import KVScope
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxllm.parallel.mesh import make_mesh
+from jaxllm.runner.kv_blocks import KVBlockMover
 from jaxllm.runner.model_runner import ModelRunner, RunnerOutput
 from jaxllm.runner.sampler import SamplerOutput
 from jaxllm.runner.worker import Worker
@@ -76,6 +79,13 @@ class EngineCore:
                 "async_scheduling is not supported with nnodes > 1: the multi-host step broadcast runs one step "
                 "at a time (drop --async-scheduling, or run one node per data-parallel replica)"
             )
+        kv_transfer = args.kv_transfer()
+        if kv_transfer is not None and (args.async_scheduling or args.nnodes > 1):
+            raise ValueError(
+                "kv_transfer_config is not supported with "
+                + ("async_scheduling" if args.async_scheduling else "nnodes > 1")
+                + " yet: a connector copies blocks between whole steps of one process"
+            )
         initialize_from_args(args)  # multi-host: join the other nodes first (the mesh spans them all)
         mesh = make_mesh(args.tensor_parallel_size, args.data_parallel_size)
         source = open_model(
@@ -99,11 +109,25 @@ class EngineCore:
             executable_dir=executables,
             progress=progress,
         )
-        # the host side: blocks, scheduling, text, grammars, drafts
+        # the host side: blocks (hashed within the KV's scope), scheduling, text, grammars, drafts, KV transfers
         block_size = self.config.cache.block_size
-        self.kv = KVCacheManager(self.runner.num_blocks, block_size, self.config.cache.enable_prefix_caching)
+        self.kv_scope = self._kv_scope(args)
+        self.kv = KVCacheManager(
+            self.runner.num_blocks,
+            block_size,
+            self.config.cache.enable_prefix_caching,
+            root=self.kv_scope.root,
+            record_evictions=kv_transfer is not None and CONNECTORS[kv_transfer.kv_connector].RECORDS_EVICTIONS,
+        )
         capacity = self.kv.num_usable_blocks * block_size
-        self.scheduler = Scheduler(self.config.scheduler, self.kv, speculative)
+        self.kv_connector: KVConnector | None = None
+        if kv_transfer is not None:
+            mover = KVBlockMover(self.runner)
+            mover.warm_up()
+            self.kv_connector = make_kv_connector(kv_transfer, self.kv_scope, self.kv, mover)
+            logger.info("KV connector %s (%s) ready", kv_transfer.kv_connector, kv_transfer.kv_role)
+        connector = self.kv_connector.scheduler if self.kv_connector is not None else None
+        self.scheduler = Scheduler(self.config.scheduler, self.kv, speculative, connector)
         self.tokenizer = self.loaded.tokenizer
         eos = set(arch.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -151,6 +175,21 @@ class EngineCore:
     @property
     def runner(self) -> ModelRunner:
         return self.worker.runner
+
+    def _kv_scope(self, args: EngineArgs) -> KVScope:
+        """What another engine's KV must match to be used here (kv_transfer/scope.py)."""
+        arch = self.loaded.arch
+        return KVScope(
+            model=self.loaded.name,
+            quantization=self.loaded.quant.describe(),
+            dtype=self.loaded.dtype.name,
+            kv_cache_dtype=self.runner.cache.k.dtype.name,
+            block_size=self.config.cache.block_size,
+            num_layers=arch.num_layers,
+            num_kv_heads=arch.num_kv_heads,
+            head_dim=arch.head_dim,
+            tensor_parallel_size=args.tensor_parallel_size,
+        )
 
     @property
     def loaded(self) -> LoadedModel:
@@ -274,14 +313,22 @@ class EngineCore:
         failed = self._admit_compiled()
         if self.async_scheduling:
             return failed + self._step_async(bool(failed))
+        connector = self.kv_connector
+        if connector is not None:  # loads that ended resume (or fail) their requests before scheduling
+            self.scheduler.finish_transfers(connector.worker.get_finished())
         out = self.scheduler.schedule()
+        failed += self._outputs({r.output_key for r in self.scheduler.take_failed() if r.output_key in self._groups})
+        if connector is not None:  # evicted blocks out, loads in: before the step's forward overwrites or reads them
+            connector.worker.start_load_kv(connector.scheduler.build_connector_meta(self.kv.take_evicted()))
         if out.is_empty:
             if not failed:
-                self.structured.wait(timeout=0.05)  # idle but for compiling grammars: wait, never spin
+                self.structured.wait(timeout=0.05)  # idle but for compiling grammars (or KV loads): wait, never spin
             return failed
         outputs = self._launch(out, None)
         if len(self.batch_queue):
             outputs += self._apply(self.batch_queue.pop())
+        if connector is not None:  # what the step completed or finished: saved or offered before anything reuses it
+            connector.worker.save_kv(connector.scheduler.build_connector_meta([]))
         return failed + outputs
 
     def _step_async(self, busy: bool) -> list[RequestOutput]:
@@ -463,6 +510,7 @@ class EngineCore:
             error="; ".join(errors) or None,
             num_cached_tokens=first.num_cached_tokens,
             prompt_logprobs=list(first.prompt_logprobs) if first.sampling_params.prompt_logprobs is not None else None,
+            kv_transfer_params=first.kv_transfer_params,
         )
         if finished:
             del self._groups[request_id]
@@ -487,7 +535,9 @@ class EngineCore:
             "num_blocks": self.kv.num_usable_blocks,
             "prefix_cache_queries": self.kv.prefix_cache_queries,
             "prefix_cache_hits": self.kv.prefix_cache_hits,
+            "num_waiting_for_remote_kvs": len(self.scheduler.waiting_for_remote),
             **self._spec_stats(),
+            **(self.kv_connector.stats.totals() if self.kv_connector is not None else {}),
         }
 
     def _spec_stats(self) -> dict:

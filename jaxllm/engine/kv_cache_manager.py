@@ -3,8 +3,9 @@
 Block 0 is a scratch block that padding tokens write into; blocks 1..N-1 are handed out.
 Free blocks wait in an LRU queue (an OrderedDict: O(1) pop from the front, O(1) removal
 of a block that a cache hit revives). With prefix caching, every full block is named by a
-chained hash (parent block's hash, its token ids); a freed block keeps its hash and can be
-hit again until it is evicted, least recently freed first.
+chained content hash (engine/block_hash.py: sha256 over the parent block's hash and its token ids, the
+same in every process); a freed block keeps its hash and can be hit again until it is evicted, least
+recently freed first. Evictions are recorded (`take_evicted`) for a KV connector that offloads them.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from jaxllm.engine.block_hash import NO_SCOPE, BlockHash, hash_block
 from jaxllm.engine.request import Request
 
 SCRATCH_BLOCK = 0
@@ -23,23 +25,32 @@ class KVBlock:
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_cnt = 0
-        self.block_hash: int | None = None
+        self.block_hash: BlockHash | None = None
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        root: BlockHash = NO_SCOPE,
+        record_evictions: bool = False,
+    ):
         if num_blocks < 2:
             raise ValueError(f"the KV cache needs at least 2 blocks (one is scratch), got {num_blocks}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(1, num_blocks))
-        self._cached: dict[int, int] = {}  # block hash → block id
+        self.root = root  # the first block's parent: scopes every hash to compatible KV
+        self._cached: dict[BlockHash, int] = {}  # block hash → block id
         self._req_blocks: dict[str, list[int]] = {}
-        self._req_hashes: dict[str, list[int]] = {}  # chained hashes of a request's full blocks
+        self._req_hashes: dict[str, list[BlockHash]] = {}  # chained hashes of a request's full blocks
         self._req_num_registered: dict[str, int] = {}  # leading blocks already offered to the cache
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
+        self._evicted: list[tuple[int, BlockHash]] | None = [] if record_evictions else None
 
     # ---- pool state --------------------------------------------------------------------
 
@@ -60,7 +71,8 @@ class KVCacheManager:
 
     # ---- prefix cache ------------------------------------------------------------------
 
-    def _block_hashes(self, request: Request, num_blocks: int) -> list[int]:
+    def block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
+        """The chained hashes of the request's first `num_blocks` full blocks (computed once, kept)."""
         hashes = self._req_hashes.setdefault(request.request_id, [])
         bs = self.block_size
         prompt, output = request.prompt_token_ids, request.output_token_ids
@@ -68,15 +80,15 @@ class KVCacheManager:
         while len(hashes) < num_blocks:
             start, end = len(hashes) * bs, (len(hashes) + 1) * bs
             tokens = tuple(prompt[start:end] + output[max(start - n, 0) : max(end - n, 0)])
-            hashes.append(hash((hashes[-1] if hashes else None, tokens)))
-        return hashes
+            hashes.append(hash_block(hashes[-1] if hashes else self.root, tokens))
+        return hashes[:num_blocks]
 
     def _lookup(self, request: Request) -> list[int]:
         if not self.enable_prefix_caching:
             return []
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits = []
-        for block_hash in self._block_hashes(request, max_blocks)[:max_blocks]:
+        for block_hash in self.block_hashes(request, max_blocks)[:max_blocks]:
             block_id = self._cached.get(block_hash)
             if block_id is None:
                 break
@@ -104,15 +116,17 @@ class KVCacheManager:
         if num_full <= start:
             return
         blocks = self._req_blocks[rid]
-        for i, block_hash in enumerate(self._block_hashes(request, num_full)[start:num_full], start):
+        for i, block_hash in enumerate(self.block_hashes(request, num_full)[start:num_full], start):
             block = self.blocks[blocks[i]]
             if block.block_hash is None and block_hash not in self._cached:
                 block.block_hash = block_hash
                 self._cached[block_hash] = block.block_id
         self._req_num_registered[rid] = num_full
 
-    def _uncache(self, block: KVBlock) -> None:
+    def _uncache(self, block: KVBlock, evicting: bool = False) -> None:
         if block.block_hash is not None:
+            if evicting and self._evicted is not None:
+                self._evicted.append((block.block_id, block.block_hash))
             if self._cached.get(block.block_hash) == block.block_id:
                 del self._cached[block.block_hash]
             block.block_hash = None
@@ -140,7 +154,7 @@ class KVCacheManager:
             self._req_num_registered[rid] = len(blocks)
         for _ in range(max(num_needed, 0)):
             block_id, _ = self._free.popitem(last=False)
-            self._uncache(self.blocks[block_id])  # evict whatever it held
+            self._uncache(self.blocks[block_id], evicting=True)  # evict whatever it held
             self._take(block_id)
             blocks.append(block_id)
         if self.enable_prefix_caching and total // self.block_size > self._req_num_registered.get(rid, 0):
@@ -175,6 +189,19 @@ class KVCacheManager:
                     self._free.move_to_end(block_id, last=False)
         self._req_hashes.pop(rid, None)
         self._req_num_registered.pop(rid, None)
+
+    def take_evicted(self) -> list[tuple[int, BlockHash]]:
+        """(block id, hash) of the cached blocks evicted since the last call; their K/V is intact until the next
+        step runs (with `record_evictions`; else always empty)."""
+        evicted, self._evicted = self._evicted or [], [] if self._evicted is not None else None
+        return evicted
+
+    def uncache_from(self, request: Request, first_block: int) -> None:
+        """Forget the hashes of the request's blocks from `first_block` on (their K/V is not what they claim)."""
+        for block_id in self._req_blocks.get(request.request_id, [])[first_block:]:
+            self._uncache(self.blocks[block_id])
+        rid = request.request_id
+        self._req_num_registered[rid] = min(self._req_num_registered.get(rid, 0), first_block)
 
     def reset_prefix_cache(self) -> None:
         for block in self.blocks:

@@ -1,6 +1,8 @@
 """A request inside the engine, and its status machine.
 
-WAITING → RUNNING ⇄ PREEMPTED (back in the waiting queue, recomputed later) → FINISHED_*.
+WAITING → RUNNING ⇄ PREEMPTED (back in the waiting queue, recomputed later) → FINISHED_*; with a KV connector
+loading its prefix asynchronously, WAITING → WAITING_FOR_REMOTE_KVS (blocks allocated, nothing scheduled) →
+WAITING once the load ended (loaded, or failed and recomputed).
 Tokens are split in two: `prompt_token_ids` and `output_token_ids`; `num_computed_tokens`
 counts how many of all of them have K/V in the cache.
 """
@@ -18,6 +20,7 @@ from jaxllm.sampling_params import SamplingParams
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     WAITING_FOR_FSM = "waiting_for_fsm"  # structured outputs: held by the engine until its grammar compiled
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # KV connector: its prefix's K/V is being loaded
     RUNNING = "running"
     PREEMPTED = "preempted"
     FINISHED_STOPPED = "stop"
@@ -64,6 +67,8 @@ class Request:
     prompt_logprobs: list[dict[int, Logprob] | None] = field(default_factory=list)  # filled as the prompt is computed
     stop_reason: int | str | None = None
     error: str | None = None
+    num_external_tokens: int = 0  # KV connector: tokens whose K/V an asynchronous load is bringing
+    kv_transfer_params: dict | None = None  # KV connector: what its output tells a consumer (P/D producer)
     metrics: RequestMetrics = field(init=False)
 
     def __post_init__(self):

@@ -5,6 +5,11 @@ prefills, so a long prompt never starves them — then waiting requests in polic
 all within `max_num_batched_tokens` and `max_num_seqs`. When the KV pool runs dry, the
 policy's victim is preempted: its blocks are freed and it returns to the waiting queue to
 be recomputed. `update()` applies the sampled tokens and the token-level stop rules.
+
+With a KV connector (kv_transfer/), a new request's prefix past the device cache's hits may come from outside:
+loaded before its first step (synchronously), or while it waits in WAITING_FOR_REMOTE_KVS with its blocks
+allocated (asynchronously; `finish_transfers` resumes it). Blocks a transfer still uses are held after their
+request finished until the connector reports the transfer ended.
 """
 
 from __future__ import annotations
@@ -24,6 +29,8 @@ from jaxllm.spec_decode.stats import SpecDecodingStats
 
 if TYPE_CHECKING:
     import numpy as np
+
+    from jaxllm.kv_transfer.base import FinishedTransfers, KVConnectorScheduler
 
 
 @dataclass
@@ -116,9 +123,19 @@ class Scheduler:
     request that does not fit waits, and no new request starts this step).
     """
 
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, speculative: SpeculativeConfig | None = None):
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        speculative: SpeculativeConfig | None = None,
+        connector: KVConnectorScheduler | None = None,
+    ):
         self.config = config
         self.kv = kv
+        self.connector = connector
+        self.waiting_for_remote: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KVS, by request id
+        self._holding: dict[str, Request] = {}  # finished, blocks held for a transfer (KV connector)
+        self._failed: list[Request] = []  # finished here with an error (a KV load): the engine reports them
         self.draft_budget, self.spec_stats = None, None
         self.max_num_rows = max_logits_rows(config, speculative)
         if speculative is not None:
@@ -152,15 +169,76 @@ class Scheduler:
             self.running.remove(request)
         elif request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED) and request in self.waiting:
             self.waiting.remove(request)
+        loading = self.waiting_for_remote.pop(request.request_id, None) is not None
         request.status = status
         request.metrics.finished_time = time.monotonic()
-        self.kv.free(request, uncache=uncache)
+        hold = loading  # a load is still writing into its blocks: they wait for it to end
+        if self.connector is not None and not loading:
+            hold, request.kv_transfer_params = self.connector.request_finished(
+                request, self.kv.block_ids(request.request_id)
+            )
+        if hold:
+            self._holding[request.request_id] = request
+            if uncache:
+                self.kv.uncache_from(request, 0)
+        else:
+            self.kv.free(request, uncache=uncache)
         for sibling in self.held.pop(request.request_id, []):  # never started: finish them alike
             self.finish_request(sibling, status)
 
     @property
     def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running) + sum(len(s) for s in self.held.values())
+        held = sum(len(s) for s in self.held.values())
+        return len(self.waiting) + len(self.running) + held + len(self.waiting_for_remote)
+
+    # ---- KV connector ------------------------------------------------------------------------
+
+    def finish_transfers(self, finished: FinishedTransfers) -> None:
+        """Apply what the connector's runner half reports: loads done (the request may run), loads failed
+        (`recompute` from the device cache's hits, or `fail` the request), sends done (held blocks go back)."""
+        for rid in finished.received + list(finished.failed) + finished.sent:
+            if (request := self._holding.pop(rid, None)) is not None:
+                self.kv.free(request)
+        for rid in finished.received:
+            if (request := self.waiting_for_remote.pop(rid, None)) is not None:
+                request.num_computed_tokens += request.num_external_tokens
+                request.num_cached_tokens = request.num_computed_tokens
+                self._resume(request)
+        for rid, error in finished.failed.items():
+            if (request := self.waiting_for_remote.pop(rid, None)) is None:
+                continue
+            assert self.connector is not None
+            if self.connector.config.kv_load_failure_policy == "fail":
+                self._fail(request, f"loading the prompt's KV failed: {error}")
+            else:  # recompute: from the device cache's hits on
+                self._resume(request)
+
+    def _resume(self, request: Request) -> None:
+        request.num_external_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.prepend(request)
+
+    def _fail(self, request: Request, error: str) -> None:
+        request.error = error
+        self.finish_request(request, RequestStatus.FINISHED_ERROR, uncache=True)
+        self._failed.append(request)
+
+    def take_failed(self) -> list[Request]:
+        """Requests the scheduler finished with an error since the last call (their outputs are due)."""
+        failed, self._failed = self._failed, []
+        return failed
+
+    def _external_tokens(self, request: Request, num_computed: int) -> tuple[int, bool] | None:
+        """The connector's (tokens it can load after `num_computed`, asynchronously?), or None: the request
+        failed (a load the `fail` policy will not recompute, or a producer whose KV does not fit)."""
+        if self.connector is None or request.num_computed_tokens or request.sampling_params.prompt_logprobs is not None:
+            return 0, False  # (a request scoring its prompt computes every position: nothing is loaded)
+        try:
+            return self.connector.get_num_new_matched_tokens(request, num_computed)
+        except (ValueError, RuntimeError) as e:  # KVLoadError, KVScopeMismatch: this request only
+            self.waiting.remove(request)
+            self._fail(request, str(e))
+            return None
 
     # ---- one step ----------------------------------------------------------------------
 
@@ -230,14 +308,28 @@ class Scheduler:
             reads_cache = not request.num_computed_tokens and request.sampling_params.prompt_logprobs is None
             computed = self.kv.get_computed_blocks(request) if reads_cache else []
             num_computed = request.num_computed_tokens + len(computed) * self.kv.block_size
-            num_new = min(request.num_tokens - num_computed, budget)
+            external = self._external_tokens(request, num_computed)
+            if external is None:
+                continue  # failed
+            num_external, load_async = external
+            if load_async:  # blocks now, tokens once the load ends
+                if not self.kv.allocate_slots(request, num_external, computed):
+                    break
+                self._wait_for_remote(request, num_computed, num_external)
+                continue
+            num_new = min(request.num_tokens - num_computed - num_external, budget)
             if _scores_prompt(request, num_computed):
                 num_new = min(num_new, self.max_num_rows - out.num_rows)
-            if not self.kv.allocate_slots(request, num_new, computed):
+            if not self.kv.allocate_slots(request, num_external + num_new, computed):
                 break
             self.waiting.pop()
             if request.num_computed_tokens == 0 and request.num_preemptions == 0:
-                request.num_cached_tokens = num_computed
+                request.num_cached_tokens = num_computed + num_external
+            request.num_computed_tokens = num_computed
+            if num_external:
+                assert self.connector is not None
+                self.connector.update_state_after_alloc(request, self.kv.block_ids(request.request_id), num_external)
+                num_computed += num_external
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING
             self.running.append(request)
@@ -250,6 +342,18 @@ class Scheduler:
         if self.async_scheduling and out.scheduled:
             self._launched(out)
         return out
+
+    def _wait_for_remote(self, request: Request, num_computed: int, num_external: int) -> None:
+        """The request's blocks are allocated; it waits, scheduling nothing, until its load ends."""
+        assert self.connector is not None
+        self.waiting.pop()
+        request.num_computed_tokens = num_computed
+        request.num_external_tokens = num_external
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+        self.waiting_for_remote[request.request_id] = request
+        # its blocks' K/V is not there yet: nobody may hit them in the prefix cache until it is
+        self.kv.uncache_from(request, num_computed // self.kv.block_size)
+        self.connector.update_state_after_alloc(request, self.kv.block_ids(request.request_id), num_external)
 
     # ---- async scheduling: steps scheduled and not yet applied ---------------------------------
 
@@ -387,6 +491,10 @@ class Scheduler:
             while accepted < len(drafts) and int(sampled[row + accepted]) == drafts[accepted]:
                 accepted += 1
             request.num_computed_tokens = scheduled.start + scheduled.num_new_tokens - len(drafts) + accepted
+            if self.connector is not None and request.num_computed_tokens >= self.kv.block_size:
+                num_full = request.num_computed_tokens // self.kv.block_size  # computed and known: no drafts
+                blocks = self.kv.block_ids(request.request_id)
+                self.connector.request_computed(request, blocks, self.kv.block_hashes(request, num_full))
             if not scheduled.samples:
                 continue
             if request.sampling_params.max_tokens == 0:  # the prompt only (prompt_logprobs): no token

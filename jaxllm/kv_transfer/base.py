@@ -1,0 +1,160 @@
+"""The KV connector interface, in vLLM's two halves (`KVConnectorBase_V1`).
+
+The **scheduler half** (pure Python, no JAX) decides: how many of a new request's tokens can be loaded from
+outside and whether the load is asynchronous (`get_num_new_matched_tokens`); what to load once blocks are
+allocated (`update_state_after_alloc`); each step's instructions for the runner half (`build_connector_meta`);
+and, when a request finishes, whether its blocks must wait for a transfer (`request_finished`).
+
+The **runner half** moves K/V between the device cache and elsewhere, through `runner/kv_blocks.py`'s compiled
+gather and scatter: `start_load_kv` before the step's forward (loads into given blocks; evicted blocks are
+copied out first, while they still hold their K/V), `save_kv` after it (blocks the step completed, and
+finished requests' blocks), `get_finished` (requests whose asynchronous load or send has ended, each once, in
+exactly one terminal state: done or failed with a reason).
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from jaxllm.engine.block_hash import BlockHash
+from jaxllm.kv_transfer.config import KVTransferConfig
+from jaxllm.kv_transfer.scope import KVScope
+from jaxllm.kv_transfer.stats import KVTransferStats
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from jaxllm.engine.kv_cache_manager import KVCacheManager
+    from jaxllm.engine.request import Request
+    from jaxllm.runner.kv_blocks import KVBlockMover
+
+# a sink for blocks copied out of the device: their keys and host K/V, each [num_layers, n, block, heads, dim]
+BlockSink = Callable[[list[BlockHash], "np.ndarray", "np.ndarray"], None]
+
+
+@dataclass
+class HostLoad:
+    """Host K/V to scatter into `block_ids` before the step (each [num_layers, len(block_ids), ...])."""
+
+    block_ids: list[int]
+    k: Any
+    v: Any
+
+
+@dataclass
+class KVConnectorMetadata:
+    """One step's instructions from the scheduler half to the runner half."""
+
+    evicted: list[tuple[int, BlockHash]] = field(default_factory=list)  # copy out before anything overwrites them
+    loads: list[HostLoad] = field(default_factory=list)  # synchronous loads, before the forward
+    remote_loads: list[Any] = field(default_factory=list)  # asynchronous loads to start (connector-specific)
+    saves: list[tuple[list[int], list[BlockHash]]] = field(default_factory=list)  # (blocks, keys) after the step
+    sends: list[Any] = field(default_factory=list)  # finished requests' blocks to offer (connector-specific)
+
+
+@dataclass
+class FinishedTransfers:
+    """What the runner half reports since the last call: each request once."""
+
+    received: list[str] = field(default_factory=list)  # asynchronous loads done: the request may run
+    failed: dict[str, str] = field(default_factory=dict)  # request id → why its load failed
+    sent: list[str] = field(default_factory=list)  # blocks held for a send that may now be freed
+
+
+class KVConnectorScheduler(ABC):
+    ROLES: tuple[str, ...] = ("kv_producer", "kv_consumer", "kv_both")
+    RECORDS_EVICTIONS = False  # the block manager reports the cached blocks it evicts (offloading)
+
+    def __init__(self, config: KVTransferConfig, scope: KVScope, kv: KVCacheManager, stats: KVTransferStats):
+        self.config, self.scope, self.kv, self.stats = config, scope, kv, stats
+        self.block_size = kv.block_size
+        self._loads: list[HostLoad] = []
+        self._remote_loads: list[Any] = []
+        self._saves: list[tuple[list[int], list[BlockHash]]] = []
+        self._sends: list[Any] = []
+
+    @abstractmethod
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens after the `num_computed_tokens` the device cache has that can be loaded, and whether
+        asynchronously (the request then waits in WAITING_FOR_REMOTE_KVS). At least one token is always left
+        to compute (its logits give the next token)."""
+
+    @abstractmethod
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        """The request's blocks are allocated: plan loading its `num_external_tokens` external tokens, which
+        follow its `num_computed_tokens` (the device cache's hits; a multiple of the block size)."""
+
+    def build_connector_meta(self, evicted: list[tuple[int, BlockHash]]) -> KVConnectorMetadata:
+        """This step's instructions: the plans made since the last step."""
+        meta = self._take_meta()
+        meta.evicted = evicted
+        return meta
+
+    def _take_meta(self) -> KVConnectorMetadata:
+        meta = KVConnectorMetadata([], self._loads, self._remote_loads, self._saves, self._sends)
+        self._loads, self._remote_loads, self._saves, self._sends = [], [], [], []
+        return meta
+
+    def request_computed(self, request: Request, block_ids: list[int], hashes: list[BlockHash]) -> None:
+        """The request's first `len(hashes)` blocks now hold computed, verified K/V (never drafts): a producer
+        may save those it has not saved yet."""
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        """A request finished (any reason; its status says which). Returns (hold its blocks until the runner half
+        reports it `sent`, the kv_transfer_params for its output). Not asked for a request whose asynchronous
+        load is running: the scheduler holds its blocks until the load ends."""
+        return False, None
+
+
+class KVConnectorWorker(ABC):
+    """The runner half. `mover` copies blocks between the device cache and host or device arrays."""
+
+    def __init__(self, mover: KVBlockMover, stats: KVTransferStats):
+        self.mover, self.stats = mover, stats
+
+    def start_load_kv(self, meta: KVConnectorMetadata) -> None:
+        """Before the step's forward: copy out evicted blocks, then scatter the synchronous loads."""
+        for load in meta.loads:
+            started = time.perf_counter()
+            self.mover.scatter(load.block_ids, load.k, load.v)
+            self.stats.observe_transfer("load", self.mover.nbytes(len(load.block_ids)), time.perf_counter() - started)
+
+    def save_kv(self, meta: KVConnectorMetadata) -> None:
+        """After the step: save what the step completed, offer what finished."""
+
+    def get_finished(self) -> FinishedTransfers:
+        return FinishedTransfers()
+
+    def flush(self) -> None:
+        """Wait until every save started so far is complete (a reader elsewhere may then find it)."""
+
+    def close(self) -> None:
+        """Stop background work (at engine shutdown)."""
+
+
+class HostCopyWorker(KVConnectorWorker):
+    """The runner half of connectors that keep blocks on the host or on disk: loads come as host arrays; blocks
+    evicted from the device cache (before the step) and blocks the step completed (after it) go to `sink`."""
+
+    def __init__(self, mover: KVBlockMover, stats: KVTransferStats, sink: BlockSink):
+        super().__init__(mover, stats)
+        self.sink = sink
+
+    def start_load_kv(self, meta: KVConnectorMetadata) -> None:
+        if meta.evicted:  # first: a load may go into a block just evicted
+            self._copy_out([b for b, _ in meta.evicted], [h for _, h in meta.evicted])
+        super().start_load_kv(meta)
+
+    def save_kv(self, meta: KVConnectorMetadata) -> None:
+        for block_ids, keys in meta.saves:
+            self._copy_out(block_ids, keys)
+
+    def _copy_out(self, block_ids: list[int], keys: list[BlockHash]) -> None:
+        started = time.perf_counter()
+        k, v = self.mover.gather(block_ids)
+        self.sink(keys, k, v)
+        self.stats.observe_transfer("save", k.nbytes + v.nbytes, time.perf_counter() - started)

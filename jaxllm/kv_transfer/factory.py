@@ -1,0 +1,76 @@
+"""Builds a KV connector's two halves from `kv_transfer_config`, and checks its settings at start-up."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from jaxllm.kv_transfer.base import HostCopyWorker, KVConnectorScheduler, KVConnectorWorker
+from jaxllm.kv_transfer.config import KVTransferConfig
+from jaxllm.kv_transfer.offloading import HostBlockStore, OffloadingScheduler
+from jaxllm.kv_transfer.scope import KVScope
+from jaxllm.kv_transfer.stats import KVTransferStats
+from jaxllm.kv_transfer.storage import BlockFiles, SharedStorageScheduler, SharedStorageWorker
+from jaxllm.kv_transfer.transfer import TransferScheduler, TransferWorker
+
+if TYPE_CHECKING:
+    from jaxllm.engine.kv_cache_manager import KVCacheManager
+    from jaxllm.runner.kv_blocks import KVBlockMover
+
+CONNECTORS: dict[str, type[KVConnectorScheduler]] = {
+    "OffloadingConnector": OffloadingScheduler,
+    "SharedStorageConnector": SharedStorageScheduler,
+    "TransferConnector": TransferScheduler,
+}
+
+
+@dataclass
+class KVConnector:
+    scheduler: KVConnectorScheduler
+    worker: KVConnectorWorker
+    stats: KVTransferStats
+
+
+def make_kv_connector(config: KVTransferConfig, scope: KVScope, kv: KVCacheManager, mover: KVBlockMover) -> KVConnector:
+    stats = KVTransferStats()
+    args = (config, scope, kv, stats)
+    scheduler: KVConnectorScheduler
+    worker: KVConnectorWorker
+    if config.kv_connector == "OffloadingConnector":
+        store = HostBlockStore(_num_cpu_blocks(config, mover.nbytes(1)))
+        scheduler = OffloadingScheduler(*args, store=store)
+        worker = HostCopyWorker(mover, stats, store.put)
+    elif config.kv_connector == "SharedStorageConnector":
+        path = config.extra("shared_storage_path")
+        if not isinstance(path, str) or not path:
+            raise ValueError('kv_transfer_config: SharedStorageConnector needs {"shared_storage_path": DIR}')
+        files = BlockFiles(path, scope.key, scope.digest)
+        block_shape = tuple(d for i, d in enumerate(mover.block_shape(1)) if i != 1)
+        scheduler = SharedStorageScheduler(*args, files=files, block_shape=block_shape, dtype=mover.dtype)
+        worker = SharedStorageWorker(mover, stats, files)
+    else:
+        worker = TransferWorker(mover, stats, host=config.extra("transfer_host", "127.0.0.1"))
+        scheduler = TransferScheduler(*args, address=worker.address, bucket=mover.bucket)
+    return KVConnector(scheduler, worker, stats)
+
+
+def _num_cpu_blocks(config: KVTransferConfig, bytes_per_block: int) -> int:
+    """Host blocks for offloading: `num_cpu_blocks`, or `kv_offloading_size` GiB; never more than the RAM has."""
+    blocks, size = config.extra("num_cpu_blocks"), config.extra("kv_offloading_size")
+    if blocks is None and size is None:
+        raise ValueError(
+            'OffloadingConnector needs --kv-offloading-size GiB or {"num_cpu_blocks": N} in kv_connector_extra_config'
+        )
+    if blocks is None:
+        blocks = int(float(size) * (1 << 30) // bytes_per_block)
+    if not isinstance(blocks, int) or isinstance(blocks, bool) or blocks < 1:
+        raise ValueError(f"OffloadingConnector: num_cpu_blocks must be a positive integer, got {blocks!r}")
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if blocks * bytes_per_block > total:
+        raise ValueError(
+            f"OffloadingConnector: {blocks} host blocks of {bytes_per_block} bytes "
+            f"({blocks * bytes_per_block / (1 << 30):.1f} GiB) are more than this machine's "
+            f"{total / (1 << 30):.1f} GiB of memory"
+        )
+    return blocks

@@ -1,0 +1,84 @@
+"""OffloadingConnector: blocks evicted from the device prefix cache wait in a host-memory LRU and come back on a
+hit (vLLM's `--kv-offloading-size`).
+
+Only evicted blocks are copied out, when the block manager hands their block to someone else and before the
+step that overwrites it runs; a new request whose prefix continues in host memory past the device cache's hits
+has those blocks scattered back into its freshly allocated blocks before its first step. Host blocks are
+bounded by `num_cpu_blocks` (or `kv_offloading_size` GiB); the least recently used goes first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from jaxllm.engine.block_hash import BlockHash
+from jaxllm.kv_transfer.base import HostLoad, KVConnectorMetadata, KVConnectorScheduler
+
+if TYPE_CHECKING:
+    from jaxllm.engine.request import Request
+
+
+class HostBlockStore:
+    """An LRU of blocks' host K/V (each `[num_layers, block_size, kv_heads, head_dim]`), at most `capacity`."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._blocks: OrderedDict[BlockHash, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, key: BlockHash) -> bool:
+        return key in self._blocks
+
+    def put(self, keys: list[BlockHash], k: np.ndarray, v: np.ndarray) -> None:
+        for i, key in enumerate(keys):
+            self._blocks[key] = (k[:, i].copy(), v[:, i].copy())
+            self._blocks.move_to_end(key)
+        while len(self._blocks) > self.capacity:
+            self._blocks.popitem(last=False)
+
+    def take(self, keys: list[BlockHash]) -> tuple[np.ndarray, np.ndarray]:
+        """The blocks' K and V stacked `[num_layers, len(keys), ...]` (each now most recently used)."""
+        for key in keys:
+            self._blocks.move_to_end(key)
+        return (
+            np.stack([self._blocks[key][0] for key in keys], axis=1),
+            np.stack([self._blocks[key][1] for key in keys], axis=1),
+        )
+
+
+class OffloadingScheduler(KVConnectorScheduler):
+    ROLES = ("kv_both",)
+    RECORDS_EVICTIONS = True
+
+    def __init__(self, *args, store: HostBlockStore):
+        super().__init__(*args)
+        self.store = store
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        bs = self.block_size
+        first, last = num_computed_tokens // bs, (request.num_tokens - 1) // bs
+        self.stats.external_prefix_cache_queries += max(request.num_tokens - num_computed_tokens, 0)
+        hits = 0
+        for key in self.kv.block_hashes(request, last)[first:last]:
+            if key not in self.store:
+                break
+            hits += 1
+        return hits * bs, False
+
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        n = num_external_tokens // self.block_size
+        if n == 0:
+            return
+        first = request.num_computed_tokens // self.block_size  # the device cache's hits come first
+        keys = self.kv.block_hashes(request, first + n)[first : first + n]
+        k, v = self.store.take(keys)
+        self._loads.append(HostLoad(block_ids[first : first + n], k, v))
+        self.stats.external_prefix_cache_hits += num_external_tokens
+
+    def build_connector_meta(self, evicted: list[tuple[int, BlockHash]]) -> KVConnectorMetadata:
+        return super().build_connector_meta([(b, h) for b, h in evicted if h not in self.store])
