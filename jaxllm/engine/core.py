@@ -329,6 +329,7 @@ class EngineCore:
             outputs += self._apply(self.batch_queue.pop())
         if connector is not None:  # what the step completed or finished: saved or offered before anything reuses it
             connector.worker.save_kv(connector.scheduler.build_connector_meta([]))
+            self.scheduler.finish_transfers(connector.worker.get_finished())  # offered: held blocks go back now
         return failed + outputs
 
     def _step_async(self, busy: bool) -> list[RequestOutput]:

@@ -201,6 +201,8 @@ class Scheduler:
                 self.kv.free(request)
         for rid in finished.received:
             if (request := self.waiting_for_remote.pop(rid, None)) is not None:
+                assert self.connector is not None
+                self.connector.stats.external_prefix_cache_hits += request.num_external_tokens
                 request.num_computed_tokens += request.num_external_tokens
                 request.num_cached_tokens = request.num_computed_tokens
                 self._resume(request)
@@ -233,6 +235,7 @@ class Scheduler:
         failed (a load the `fail` policy will not recompute, or a producer whose KV does not fit)."""
         if self.connector is None or request.num_computed_tokens or request.sampling_params.prompt_logprobs is not None:
             return 0, False  # (a request scoring its prompt computes every position: nothing is loaded)
+        self.connector.stats.external_prefix_cache_queries += request.num_tokens - num_computed
         try:
             return self.connector.get_num_new_matched_tokens(request, num_computed)
         except (ValueError, RuntimeError) as e:  # KVLoadError, KVScopeMismatch: this request only
@@ -329,6 +332,7 @@ class Scheduler:
             if num_external:
                 assert self.connector is not None
                 self.connector.update_state_after_alloc(request, self.kv.block_ids(request.request_id), num_external)
+                self.connector.stats.external_prefix_cache_hits += num_external
                 num_computed += num_external
             request.num_computed_tokens = num_computed
             request.status = RequestStatus.RUNNING

@@ -15,7 +15,6 @@ exactly one terminal state: done or failed with a reason).
 from __future__ import annotations
 
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -65,7 +64,7 @@ class FinishedTransfers:
     sent: list[str] = field(default_factory=list)  # blocks held for a send that may now be freed
 
 
-class KVConnectorScheduler(ABC):
+class KVConnectorScheduler:
     ROLES: tuple[str, ...] = ("kv_producer", "kv_consumer", "kv_both")
     RECORDS_EVICTIONS = False  # the block manager reports the cached blocks it evicts (offloading)
 
@@ -77,16 +76,16 @@ class KVConnectorScheduler(ABC):
         self._saves: list[tuple[list[int], list[BlockHash]]] = []
         self._sends: list[Any] = []
 
-    @abstractmethod
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         """Tokens after the `num_computed_tokens` the device cache has that can be loaded, and whether
         asynchronously (the request then waits in WAITING_FOR_REMOTE_KVS). At least one token is always left
         to compute (its logits give the next token)."""
+        raise NotImplementedError
 
-    @abstractmethod
     def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
         """The request's blocks are allocated: plan loading its `num_external_tokens` external tokens, which
         follow its `num_computed_tokens` (the device cache's hits; a multiple of the block size)."""
+        raise NotImplementedError
 
     def build_connector_meta(self, evicted: list[tuple[int, BlockHash]]) -> KVConnectorMetadata:
         """This step's instructions: the plans made since the last step."""
@@ -110,7 +109,7 @@ class KVConnectorScheduler(ABC):
         return False, None
 
 
-class KVConnectorWorker(ABC):
+class KVConnectorWorker:
     """The runner half. `mover` copies blocks between the device cache and host or device arrays."""
 
     def __init__(self, mover: KVBlockMover, stats: KVTransferStats):

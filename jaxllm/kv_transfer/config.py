@@ -83,9 +83,8 @@ class KVTransferConfig:
             raise ValueError(f"kv_transfer_config must be a JSON object, got {type(value).__name__}")
         unknown = sorted(set(value) - set(cls.__dataclass_fields__))
         if unknown:
-            raise ValueError(
-                f"kv_transfer_config: unknown field(s) {', '.join(unknown)}; known: {', '.join(cls.__dataclass_fields__)}"
-            )
+            known = ", ".join(cls.__dataclass_fields__)
+            raise ValueError(f"kv_transfer_config: unknown field(s) {', '.join(unknown)}; known: {known}")
         if "kv_connector" not in value:
             raise ValueError("kv_transfer_config needs 'kv_connector'")
         return cls(**value)

@@ -62,7 +62,6 @@ class OffloadingScheduler(KVConnectorScheduler):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         bs = self.block_size
         first, last = num_computed_tokens // bs, (request.num_tokens - 1) // bs
-        self.stats.external_prefix_cache_queries += max(request.num_tokens - num_computed_tokens, 0)
         hits = 0
         for key in self.kv.block_hashes(request, last)[first:last]:
             if key not in self.store:
@@ -78,7 +77,6 @@ class OffloadingScheduler(KVConnectorScheduler):
         keys = self.kv.block_hashes(request, first + n)[first : first + n]
         k, v = self.store.take(keys)
         self._loads.append(HostLoad(block_ids[first : first + n], k, v))
-        self.stats.external_prefix_cache_hits += num_external_tokens
 
     def build_connector_meta(self, evicted: list[tuple[int, BlockHash]]) -> KVConnectorMetadata:
         return super().build_connector_meta([(b, h) for b, h in evicted if h not in self.store])

@@ -3,13 +3,14 @@
 vLLM's names: `external_prefix_cache_queries` / `_hits` count tokens looked up outside the device cache and
 found there. Transfers count bytes, seconds and failures per direction: `load` (host or storage into the device
 cache), `save` (device cache out to host or storage), `send` (offered to a consumer), `receive` (pulled from a
-producer). Each transfer's seconds are kept until `take_latencies` hands them to a histogram.
+producer). Each transfer's seconds are kept until a `totals()` call hands them (once) to a histogram.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Any
 
 DIRECTIONS = ("load", "save", "send", "receive")
 
@@ -32,13 +33,17 @@ class KVTransferStats:
     def observe_failure(self, reason: str) -> None:
         self.failures[reason] += 1
 
-    def take_latencies(self) -> list[tuple[str, float]]:
+    def take_latencies(self) -> dict[str, list[float]]:
+        """Each transfer's seconds since the last call, by direction (for a histogram: each is handed out once)."""
         latencies, self._latencies = self._latencies, []
-        return latencies
+        out: dict[str, list[float]] = {}
+        for direction, seconds in latencies:
+            out.setdefault(direction, []).append(seconds)
+        return out
 
     def totals(self) -> dict:
         """Flat running totals, for `EngineCore.stats()`."""
-        out = {
+        out: dict[str, Any] = {
             "external_prefix_cache_queries": self.external_prefix_cache_queries,
             "external_prefix_cache_hits": self.external_prefix_cache_hits,
         }
@@ -46,4 +51,5 @@ class KVTransferStats:
             out[f"kv_transfer_{d}_bytes"] = self.bytes[d]
             out[f"kv_transfer_{d}_count"] = self.transfers[d]
         out["kv_transfer_failures"] = dict(self.failures)
+        out["kv_transfer_seconds"] = self.take_latencies()
         return out

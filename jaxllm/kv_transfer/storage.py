@@ -10,7 +10,6 @@ corrupt file ends the run of hits there (`recompute`), or fails the request (`fa
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import tempfile
@@ -109,7 +108,6 @@ class SharedStorageScheduler(KVConnectorScheduler):
             return 0, False
         bs = self.block_size
         first, last = num_computed_tokens // bs, (request.num_tokens - 1) // bs
-        self.stats.external_prefix_cache_queries += max(request.num_tokens - num_computed_tokens, 0)
         ks, vs = [], []
         for i, key in enumerate(self.kv.block_hashes(request, last)[first:last], first):
             if not self.files.exists(key):
@@ -137,7 +135,6 @@ class SharedStorageScheduler(KVConnectorScheduler):
         first = request.num_computed_tokens // self.block_size
         self._loads.append(HostLoad(block_ids[first : first + n], read[0][:, :n], read[1][:, :n]))
         self._saved[request.request_id] = first + n  # on disk already
-        self.stats.external_prefix_cache_hits += num_external_tokens
 
     def request_computed(self, request: Request, block_ids: list[int], hashes: list[BlockHash]) -> None:
         if not self.config.is_producer:

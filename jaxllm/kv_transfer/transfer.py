@@ -74,7 +74,6 @@ class TransferScheduler(KVConnectorScheduler):
         rid = request.request_id
         if not self.config.is_consumer or not params or not params.get("do_remote_prefill") or rid in self._consumed:
             return 0, False
-        self.stats.external_prefix_cache_queries += max(request.num_tokens - num_computed_tokens, 0)
         remote = _check_remote(params, self.scope)
         num_tokens = min(remote["remote_num_tokens"], request.num_prompt_tokens - 1)
         if num_tokens <= num_computed_tokens:

@@ -106,10 +106,36 @@ class SpecDecodeCollectors:
         )
 
 
+KV_TRANSFER_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class KVTransferCollectors:
+    """A KV connector's counters (vLLM's external prefix cache names; transfers by direction: load, save, send,
+    receive), registered once an engine with a connector reports."""
+
+    def __init__(self, registry: CollectorRegistry):
+        def counter(name, doc, extra=()):
+            return Counter(f"jaxllm:{name}", doc, LABELS + extra, registry=registry)
+
+        self.queries = counter("external_prefix_cache_queries", "Tokens looked up outside the device KV cache.")
+        self.hits = counter("external_prefix_cache_hits", "Tokens whose KV was loaded from outside the device cache.")
+        self.bytes = counter("kv_transfer_bytes", "Bytes of KV moved by the KV connector.", ("direction",))
+        self.transfers = counter("kv_transfer_count", "KV transfers done by the KV connector.", ("direction",))
+        self.failures = counter("kv_transfer_failures", "KV loads that failed, by reason.", ("reason",))
+        self.seconds = Histogram(
+            "jaxllm:kv_transfer_seconds",
+            "Seconds per KV transfer.",
+            LABELS + ("direction",),
+            buckets=KV_TRANSFER_BUCKETS,
+            registry=registry,
+        )
+
+
 class Collectors:
     def __init__(self, registry: CollectorRegistry):
         self._registry = registry
         self._spec: SpecDecodeCollectors | None = None
+        self._kv_transfer: KVTransferCollectors | None = None
 
         def gauge(name, doc):
             return Gauge(f"jaxllm:{name}", doc, LABELS, registry=registry)
@@ -136,6 +162,13 @@ class Collectors:
         self.queue = histogram("request_queue_time_seconds", "Arrival to first scheduled.", REQUEST_BUCKETS)
         self.prefill = histogram("request_prefill_time_seconds", "First scheduled to first token.", REQUEST_BUCKETS)
         self.decode = histogram("request_decode_time_seconds", "First token to finish.", REQUEST_BUCKETS)
+
+    @property
+    def kv_transfer(self) -> KVTransferCollectors:
+        """The KV connector's counters, registered on first use."""
+        if self._kv_transfer is None:
+            self._kv_transfer = KVTransferCollectors(self._registry)
+        return self._kv_transfer
 
     @property
     def spec(self) -> SpecDecodeCollectors:
@@ -175,6 +208,7 @@ class PrometheusStatLogger:
         self._spec: dict | None = None  # the spec_decode counters' children, once the engine reports speculation
         self._spec_per_pos: list = []
         self._spec_totals: dict = {}
+        self._kv_totals: dict = {}  # the KV connector's running totals as last seen, by counter key
 
     def record_engine(self, stats: dict) -> None:
         """Gauges from the core's latest snapshot; its running totals become counter increments."""
@@ -192,6 +226,38 @@ class PrometheusStatLogger:
             self._engine_totals[key] = stats[key]
         if "spec_decode_num_drafts" in stats:  # EngineCore.stats() has the spec_decode totals only when speculating
             self._record_spec(stats)
+        if "external_prefix_cache_queries" in stats:  # ... and a KV connector's only with one
+            self._record_kv_transfer(stats)
+
+    def _record_kv_transfer(self, stats: dict) -> None:
+        """The KV connector's counters from the core's running totals, as increments; its latencies as given."""
+        c = self._collectors.kv_transfer
+        totals = {
+            ("queries", ""): stats["external_prefix_cache_queries"],
+            ("hits", ""): stats["external_prefix_cache_hits"],
+        }
+        for key, value in stats.items():
+            if key.startswith("kv_transfer_") and key.endswith(("_bytes", "_count")):
+                direction, kind = key[len("kv_transfer_") :].rsplit("_", 1)
+                totals["bytes" if kind == "bytes" else "transfers", direction] = value
+        for reason, value in stats.get("kv_transfer_failures", {}).items():
+            totals["failures", reason] = value
+        for (name, label), value in totals.items():
+            delta = value - self._kv_totals.get((name, label), 0)
+            if delta > 0:
+                counter = getattr(c, name)
+                if name in ("bytes", "transfers"):
+                    counter = counter.labels(**self._labels, direction=label)
+                elif name == "failures":
+                    counter = counter.labels(**self._labels, reason=label)
+                else:
+                    counter = counter.labels(**self._labels)
+                counter.inc(delta)
+            self._kv_totals[name, label] = value
+        for direction, seconds in stats.get("kv_transfer_seconds", {}).items():
+            child = c.seconds.labels(**self._labels, direction=direction)
+            for t in seconds:
+                child.observe(t)
 
     def _record_spec(self, stats: dict) -> None:
         """The speculation counters from the core's running totals (`EngineCore.stats()`), as increments."""

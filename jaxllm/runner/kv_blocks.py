@@ -79,7 +79,8 @@ class KVBlockMover:
         def compile_pair(n: int):
             ids = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=ids_sharding)
             spec = self.spec(n)
-            return n, self._gather_fn.lower(cache, ids).compile(), self._scatter_fn.lower(cache, ids, spec, spec).compile()
+            gather = self._gather_fn.lower(cache, ids).compile()
+            return n, gather, self._scatter_fn.lower(cache, ids, spec, spec).compile()
 
         with ThreadPoolExecutor(2) as pool:
             for n, gather, scatter in pool.map(compile_pair, self.buckets):

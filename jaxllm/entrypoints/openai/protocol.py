@@ -72,6 +72,8 @@ class SamplingRequest(OpenAIModel):
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
     prompt_logprobs: int | None = None  # vLLM's: logprobs of the prompt's tokens (not with stream)
+    # vLLM's: what the KV connector is told (P/D: jaxllm router sets it; docs/disaggregated.md)
+    kv_transfer_params: dict[str, Any] | None = None
     # known fields refused unless left at their default (unsupported.py)
     use_beam_search: Any = None
     length_penalty: Any = None
@@ -81,7 +83,6 @@ class SamplingRequest(OpenAIModel):
     logits_processors: Any = None
     return_token_ids: Any = None
     cache_salt: Any = None
-    kv_transfer_params: Any = None
     vllm_xargs: Any = None
     structural_tag: Any = None
     store: Any = None
@@ -201,6 +202,7 @@ class CompletionResponse(OpenAIModel):
     model: str
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's: a P/D producer's answer (where its KV waits)
 
 
 class TopLogprob(OpenAIModel):
@@ -239,6 +241,7 @@ class ChatCompletionResponse(OpenAIModel):
     choices: list[ChatChoice]
     usage: UsageInfo
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None  # vLLM's extra
+    kv_transfer_params: dict[str, Any] | None = None  # vLLM's: a P/D producer's answer (where its KV waits)
 
 
 class DeltaMessage(OpenAIModel):

@@ -225,6 +225,7 @@ class OpenAIServingChat(OpenAIServing):
             choices=choices,
             usage=usage(len(prepared.prompt["prompt_token_ids"]), generated),
             prompt_logprobs=prompt_logprobs_json(final),
+            kv_transfer_params=final.kv_transfer_params,
         )
 
     async def stream(self, request, request_id, prepared: PreparedChat, outputs) -> AsyncIterator[str]:

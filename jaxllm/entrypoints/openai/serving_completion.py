@@ -137,7 +137,11 @@ class OpenAIServingCompletion(OpenAIServing):
                 )
         prompt_tokens = sum(len(p["prompt_token_ids"]) for p in prompts)
         return CompletionResponse(
-            id=request_id, model=self.model_name(request), choices=choices, usage=usage(prompt_tokens, generated)
+            id=request_id,
+            model=self.model_name(request),
+            choices=choices,
+            usage=usage(prompt_tokens, generated),
+            kv_transfer_params=finals[0].kv_transfer_params if len(finals) == 1 and finals[0] is not None else None,
         )
 
     async def stream(self, request, request_id, prompts, outputs) -> AsyncIterator[str]:

@@ -177,6 +177,7 @@ class OpenAIServing:
                 include_stop_str_in_output=request.include_stop_str_in_output,
                 output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
                 structured_outputs=structured_outputs,
+                extra_args={"kv_transfer_params": request.kv_transfer_params} if request.kv_transfer_params else None,
             )
         except ValueError as e:
             raise from_value_error(e) from None

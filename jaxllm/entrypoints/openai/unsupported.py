@@ -36,7 +36,6 @@ REFUSED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "logits_processors": (lambda v: bool(v), "is not supported: no custom logits processors"),
     "return_token_ids": (_true, NOT_YET),
     "cache_salt": (_set, "is not supported: the prefix cache is shared by every request"),
-    "kv_transfer_params": (_set, "is not supported: no disaggregated prefill"),
     "vllm_xargs": (lambda v: bool(v), "is not supported: no plugins read extra arguments"),
     "structural_tag": (_set, NOT_YET),
     "guided_decoding_backend": (
