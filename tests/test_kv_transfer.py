@@ -364,3 +364,29 @@ def test_abort_while_waiting_for_remote_kv_returns_the_blocks_once_the_pull_ends
         engine.step()
     assert _no_blocks_in_use(consumer)
     assert not engine.has_unfinished_requests()
+
+
+def test_storage_saves_only_verified_tokens_and_prompt_logprobs_never_load(tmp_path, reference):
+    """A speculating producer saves its blocks (drafts in flight never reach a file): a reader that loads them
+    gives the reference tokens. A request scoring its prompt computes every position and loads nothing."""
+    speculating = _engine(
+        kv_transfer_config=_storage(tmp_path),
+        speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2},
+    )
+    written = speculating.generate(PROMPTS, SamplingParams(max_tokens=40, temperature=0), use_tqdm=False)
+    assert speculating.engine.stats()["spec_decode_num_draft_tokens"] > 0
+    speculating.engine.kv_connector.worker.flush()
+    continued = [{"prompt_token_ids": o.prompt_token_ids + o.outputs[0].token_ids} for o in written]
+    expected = _tokens(_engine().generate(continued, GREEDY, use_tqdm=False))
+    reader = _engine(kv_transfer_config=_storage(tmp_path))
+    assert _tokens(reader.generate(continued, GREEDY, use_tqdm=False)) == expected
+    # every full block of the prompts and of the speculated outputs was on disk, and right
+    full_blocks = sum((len(c["prompt_token_ids"]) - 1) // 16 for c in continued)
+    assert reader.engine.stats()["external_prefix_cache_hits"] == 16 * full_blocks
+    reader.engine.reset_prefix_cache()
+    hits = reader.engine.stats()["external_prefix_cache_hits"]
+    scored = reader.generate(
+        [PROMPTS[0]], SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0), use_tqdm=False
+    )
+    assert reader.engine.stats()["external_prefix_cache_hits"] == hits
+    assert scored[0].num_cached_tokens == 0 and len(scored[0].prompt_logprobs) == len(scored[0].prompt_token_ids)

@@ -495,13 +495,11 @@ class Scheduler:
             while accepted < len(drafts) and int(sampled[row + accepted]) == drafts[accepted]:
                 accepted += 1
             request.num_computed_tokens = scheduled.start + scheduled.num_new_tokens - len(drafts) + accepted
-            if self.connector is not None and request.num_computed_tokens >= self.kv.block_size:
-                num_full = request.num_computed_tokens // self.kv.block_size  # computed and known: no drafts
-                blocks = self.kv.block_ids(request.request_id)
-                self.connector.request_computed(request, blocks, self.kv.block_hashes(request, num_full))
             if not scheduled.samples:
+                self._computed(request)
                 continue
             if request.sampling_params.max_tokens == 0:  # the prompt only (prompt_logprobs): no token
+                self._computed(request)
                 self.finish_request(request, RequestStatus.FINISHED_LENGTH_CAPPED)
                 got_tokens.append((request, row, 0))
                 continue
@@ -514,11 +512,25 @@ class Scheduler:
                 appended += 1
                 if self.held and appended == 1:
                     self._release_siblings(request)
-                if (status := self._check_stop(request, token)) is not None:
-                    self.finish_request(request, status)
-                    break
+                if (status := self._check_stop(request, token)) is None:
+                    continue
+                self._computed(request)  # (before its blocks go back)
+                self.finish_request(request, status)
+                break
+            else:
+                self._computed(request)
             got_tokens.append((request, row, appended))
         return got_tokens
+
+    def _computed(self, request: Request) -> None:
+        """Tell the KV connector which of the request's full blocks hold computed K/V of known tokens (never a
+        draft: `num_computed_tokens` excludes rejected ones, and tokens past a stop are not the request's)."""
+        if self.connector is None:
+            return
+        num_full = min(request.num_computed_tokens, request.num_tokens) // self.kv.block_size
+        if num_full:
+            blocks = self.kv.block_ids(request.request_id)
+            self.connector.request_computed(request, blocks, self.kv.block_hashes(request, num_full))
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params
