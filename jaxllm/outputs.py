@@ -49,3 +49,4 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # what the KV connector says about this request (P/D producer: where its KV waits for the consumer)
     kv_transfer_params: dict | None = None
+    refused: bool = False  # the engine refused it as it arrived (bad input): `error` says why

@@ -11,9 +11,9 @@ test kills. The reference is the plain offline engine (conftest's `llm`).
 - Faults end every request within its deadline, leave no block in use on either side, and the servers keep
   serving: a transfer id the producer never offered (timeout, recomputed), a producer killed during one pull
   and before another (both recomputed), the `fail` policy (a 500 naming the failed load), a producer whose KV
-  scope differs (an error naming `block_size`), a prefill instance that is down (the router falls back to the
-  decode instance), and a client that leaves during a pull (xfail: a known bug keeps its blocks while the
-  engine is idle).
+  scope differs (a 400 naming `block_size`), a prefill instance that is down (the router falls back to the
+  decode instance), and a client that leaves during a pull (its blocks are held until the pull ends, and the
+  idle engine keeps polling it until then).
 
 Every prompt starts with its own words, so no two share a block: the consumer's own prefix cache never hits,
 and each request's external hits are exactly its prompt's tokens but the last.
@@ -342,12 +342,6 @@ def test_n2_pulls_once(cluster):
     wait_idle(cluster.producer, cluster.consumer)
 
 
-@pytest.mark.xfail(
-    reason="BUG: a request aborted in WAITING_FOR_REMOTE_KVS leaves its blocks held (Scheduler._holding) while "
-    "the engine is idle: has_unfinished_requests() is false, so the core loop blocks on its command queue and "
-    "never polls the pull (get_finished) until another request arrives",
-    strict=False,
-)
 def test_client_leaving_during_a_pull_frees_the_blocks(cluster):
     """The client leaves while its request waits for a pull that never completes: once the pull's deadline has
     passed, no block is in use, with no other request needed to get there."""
@@ -476,7 +470,7 @@ def test_d_a_producer_whose_kv_scope_differs_is_refused_by_name(cluster, stream)
         events = [json.loads(line[len("data: ") :]) for line in response.text.splitlines() if line[6:7] == "{"]
         message = next(e["error"]["message"] for e in events if "error" in e)
     else:
-        assert response.status_code >= 400, response.text
+        assert response.status_code == 400, response.text  # refused as it arrives: the request's own fault
         message = response.json()["error"]["message"]
     assert "block_size" in message and "16" in message and "32" in message, message
     assert scrape(cluster.consumer.url).get(HITS, 0) == before.get(HITS, 0)

@@ -225,6 +225,8 @@ class EngineCore:
             raise ValueError("stop strings need a tokenizer, and this model has none")
         if params.structured_outputs is not None and self.structured.unsupported:
             raise ValueError(self.structured.unsupported)
+        if params.kv_transfer_params and self.kv_connector is not None:  # a producer's params that cannot work here
+            self.kv_connector.scheduler.check_request(params.kv_transfer_params)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         samples = []
         for index in range(params.n):
@@ -290,8 +292,9 @@ class EngineCore:
         return self._output(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        """Requests not finished, or (async scheduling) a launched step not yet applied: keep stepping."""
-        return bool(self._groups) or len(self.batch_queue) > 0
+        """Requests not finished, (async scheduling) a launched step not yet applied, or blocks held for a KV
+        transfer that has not ended (its end is polled by `step`): keep stepping."""
+        return bool(self._groups) or len(self.batch_queue) > 0 or self.scheduler.has_pending_transfers
 
     def drain(self) -> list[RequestOutput]:
         """Apply every launched step, scheduling nothing new (async scheduling; a no-op otherwise)."""

@@ -86,11 +86,18 @@ class EngineCoreClient(Protocol):
 
 
 def failed_output(
-    request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt: str | None, error: str
+    request_id: str,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    prompt: str | None,
+    error: str,
+    *,
+    refused: bool = False,
 ) -> RequestOutput:
-    """The finished output of a request the engine refused: every sample ends with "error"."""
+    """The finished output of a request the engine failed or (`refused`) would not take: every sample ends with
+    "error"."""
     samples = [CompletionOutput(index=i, text="", token_ids=[], finish_reason="error") for i in range(params.n)]
-    return RequestOutput(request_id, prompt, prompt_token_ids, samples, finished=True, error=error)
+    return RequestOutput(request_id, prompt, prompt_token_ids, samples, finished=True, error=error, refused=refused)
 
 
 def apply_command(core, kind: str, payload) -> list[RequestOutput]:
@@ -105,7 +112,7 @@ def apply_command(core, kind: str, payload) -> list[RequestOutput]:
     try:
         core.add_request(request_id, ids, params, prompt=prompt, priority=priority, arrival_time=arrival, user=user)
     except ValueError as e:
-        return [failed_output(request_id, ids, params, prompt, str(e))]
+        return [failed_output(request_id, ids, params, prompt, str(e), refused=True)]
     return []
 
 

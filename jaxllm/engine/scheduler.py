@@ -172,11 +172,12 @@ class Scheduler:
         loading = self.waiting_for_remote.pop(request.request_id, None) is not None
         request.status = status
         request.metrics.finished_time = time.monotonic()
-        hold = loading  # a load is still writing into its blocks: they wait for it to end
-        if self.connector is not None and not loading:
+        hold = False
+        if self.connector is not None:
             hold, request.kv_transfer_params = self.connector.request_finished(
                 request, self.kv.block_ids(request.request_id)
             )
+        hold = hold or loading  # a load still writing into its blocks: they wait for it to end
         if hold:
             self._holding[request.request_id] = request
             if uncache:
@@ -224,6 +225,11 @@ class Scheduler:
         request.error = error
         self.finish_request(request, RequestStatus.FINISHED_ERROR, uncache=True)
         self._failed.append(request)
+
+    @property
+    def has_pending_transfers(self) -> bool:
+        """Blocks are held for a transfer that has not ended: the engine must keep polling it."""
+        return bool(self._holding)
 
     def take_failed(self) -> list[Request]:
         """Requests the scheduler finished with an error since the last call (their outputs are due)."""

@@ -98,14 +98,17 @@ class KVConnectorScheduler:
         self._loads, self._remote_loads, self._saves, self._sends = [], [], [], []
         return meta
 
+    def check_request(self, kv_transfer_params: dict) -> None:
+        """Raise ValueError when a new request's kv_transfer_params cannot work here (checked as it arrives)."""
+
     def request_computed(self, request: Request, block_ids: list[int], hashes: list[BlockHash]) -> None:
         """The request's first `len(hashes)` blocks now hold computed, verified K/V (never drafts): a producer
         may save those it has not saved yet."""
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         """A request finished (any reason; its status says which). Returns (hold its blocks until the runner half
-        reports it `sent`, the kv_transfer_params for its output). Not asked for a request whose asynchronous
-        load is running: the scheduler holds its blocks until the load ends."""
+        reports it `sent`, the kv_transfer_params for its output). A request whose asynchronous load is running
+        has its blocks held by the scheduler until the load ends, whatever this returns."""
         return False, None
 
 

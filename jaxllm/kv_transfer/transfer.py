@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from jaxllm.kv_transfer.base import FinishedTransfers, KVConnectorMetadata, KVConnectorScheduler, KVConnectorWorker
-from jaxllm.kv_transfer.storage import KVLoadError
 
 if TYPE_CHECKING:
     from jaxllm.engine.request import Request
@@ -68,6 +67,10 @@ class TransferScheduler(KVConnectorScheduler):
         self._consumed: set[str] = set()  # requests whose remote KV was pulled (or tried): never again
 
     # ---- consumer ----------------------------------------------------------------------------
+
+    def check_request(self, kv_transfer_params: dict) -> None:
+        if self.config.is_consumer and kv_transfer_params.get("do_remote_prefill"):
+            _check_remote(kv_transfer_params, self.scope)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.sampling_params.kv_transfer_params
@@ -130,9 +133,9 @@ def _check_remote(params: dict, scope) -> dict:
     for name in ("remote_transfer_id", "remote_num_tokens", "remote_num_blocks", "remote_num_blocks_padded"):
         value = params.get(name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise KVLoadError(f"kv_transfer_params: {name} must be a non-negative integer, got {value!r}")
+            raise ValueError(f"kv_transfer_params: {name} must be a non-negative integer, got {value!r}")
     if not isinstance(params.get("remote_address"), str):
-        raise KVLoadError("kv_transfer_params: remote_address must be a host:port string")
+        raise ValueError("kv_transfer_params: remote_address must be a host:port string")
     return params
 
 

@@ -263,8 +263,12 @@ async def merge_async_iterators(iterators: list[AsyncIterator]) -> AsyncIterator
 
 
 def engine_error(out: RequestOutput) -> OpenAIError | None:
-    """A request the engine failed (finish_reason "error") is the server's fault: a 500 saying why."""
+    """A request the engine failed (finish_reason "error") is the server's fault: a 500 saying why. One the engine
+    refused as it arrived (`refused`: a ValueError from `add_request`) is the request's own: a 400, as the
+    server's own checks give."""
     if out.error or any(c.finish_reason == "error" for c in out.outputs):
+        if out.refused:
+            return OpenAIError(f"the engine refused this request: {out.error}", status=400)
         return OpenAIError(f"the engine failed this request: {out.error or 'unknown error'}", status=500)
     return None
 
