@@ -72,9 +72,10 @@ class Router:
         self.process.wait(10)
 
 
-def measure(url: str, requests: list[TraceRequest], args) -> dict:
+def measure(url: str, requests: list[TraceRequest], args, seed: int) -> dict:
+    """One run of the trace; `seed` picks its prompts' tokens (a new seed: nothing in any prefix cache)."""
     model = first_model(url, {})
-    records, duration = asyncio.run(run(requests, url=url + "/v1/completions", model=model, headers={}, seed=0))
+    records, duration = asyncio.run(run(requests, url=url + "/v1/completions", model=model, headers={}, seed=seed))
     failed = [r.error for r in records if not r.success]
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed: {failed[:3]}")
@@ -113,11 +114,11 @@ def main() -> None:
         try:
             setups = {"single": single.url, "pd": router.url}
             for url in setups.values():  # warm-up
-                measure(url, requests[:4], args)
+                measure(url, requests, args, seed=10_000)
             rounds: dict[str, list[dict]] = {name: [] for name in setups}
-            for _ in range(args.rounds):
+            for i in range(args.rounds):
                 for name, url in setups.items():
-                    rounds[name].append(measure(url, requests, args))
+                    rounds[name].append(measure(url, requests, args, seed=i))
         finally:
             router.stop()
     summary = {}
