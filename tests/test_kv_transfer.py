@@ -389,3 +389,14 @@ def test_storage_saves_only_verified_tokens_and_prompt_logprobs_never_load(tmp_p
     )
     assert reader.engine.stats()["external_prefix_cache_hits"] == hits
     assert scored[0].num_cached_tokens == 0 and len(scored[0].prompt_logprobs) == len(scored[0].prompt_token_ids)
+
+
+def test_transfer_with_tensor_parallelism_moves_each_shards_heads(reference):
+    """tp=3 over 3 host devices: the cache is sharded over the KV heads, so is each gathered and pulled block."""
+    sharded = dict(tensor_parallel_size=3, num_blocks=64)
+    producer = _engine(**sharded, kv_transfer_config={"kv_connector": "TransferConnector", "kv_role": "kv_producer"})
+    consumer = _engine(**sharded, kv_transfer_config={"kv_connector": "TransferConnector", "kv_role": "kv_consumer"})
+    out = _decode(consumer, PROMPTS[:1], [_producer_params(producer, PROMPTS[0])])[0]
+    assert out.outputs[0].token_ids == reference[0]
+    assert out.num_cached_tokens == len(out.prompt_token_ids) - 1
+    assert out.kv_transfer_params is None and _no_blocks_in_use(consumer) and _no_blocks_in_use(producer)
