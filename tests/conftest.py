@@ -44,6 +44,14 @@ def kv_bytes(num_blocks: int) -> int:
     return num_blocks * 2 * 30 * 16 * 3 * 64 * 4
 
 
+def serve_flags(num_blocks: int = TEST_KV_BLOCKS) -> list[str]:
+    """TEST_ENGINE's settings as `jaxllm serve` flags: the same compiled shapes as the offline tests."""
+    flags = ["--dtype", TEST_ENGINE["dtype"], "--kv-cache-memory-bytes", str(kv_bytes(num_blocks))]
+    for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        flags += ["--" + name.replace("_", "-"), str(TEST_ENGINE[name])]
+    return flags
+
+
 @pytest.fixture(scope="session")
 def llm():
     """The default model behind the whole engine, shared by the end-to-end tests."""

@@ -6,20 +6,9 @@ import sys
 
 import pytest
 
-from tests.conftest import TEST_ENGINE, TEST_KV_BLOCKS, kv_bytes
+from tests.conftest import TEST_ENGINE, TEST_KV_BLOCKS, kv_bytes, serve_flags
 
-ENGINE_FLAGS = [
-    "--max-num-seqs",
-    str(TEST_ENGINE["max_num_seqs"]),
-    "--max-num-batched-tokens",
-    str(TEST_ENGINE["max_num_batched_tokens"]),
-    "--max-model-len",
-    str(TEST_ENGINE["max_model_len"]),
-    "--kv-cache-memory-bytes",
-    str(kv_bytes(TEST_KV_BLOCKS)),
-    "--dtype",
-    "float32",
-]
+ENGINE_FLAGS = serve_flags()
 
 
 def jaxllm(*args, stdin=None):

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from jaxllm.bench.server_process import free_port
-from tests.conftest import TEST_ENGINE, TEST_KV_BLOCKS, kv_bytes
+from tests.conftest import serve_flags
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "The three primary colors are"]
 
@@ -39,16 +39,7 @@ def server():
         "dp",
         "--data-parallel-size",
         "2",
-        "--max-num-seqs",
-        str(TEST_ENGINE["max_num_seqs"]),
-        "--max-num-batched-tokens",
-        str(TEST_ENGINE["max_num_batched_tokens"]),
-        "--max-model-len",
-        str(TEST_ENGINE["max_model_len"]),
-        "--dtype",
-        "float32",
-        "--kv-cache-memory-bytes",
-        str(kv_bytes(TEST_KV_BLOCKS)),
+        *serve_flags(),
     ]
     process = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"

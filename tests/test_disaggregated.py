@@ -24,7 +24,6 @@ from __future__ import annotations
 import copy
 import json
 import secrets
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
@@ -34,7 +33,9 @@ import pytest
 
 from jaxllm import SamplingParams
 from jaxllm.bench.server_process import ServerProcess, free_port
-from tests.conftest import TEST_ENGINE, TEST_KV_BLOCKS, kv_bytes
+from jaxllm.bench.server_process import scrape_metrics as scrape
+from tests.conftest import serve_flags
+from tests.served_app import Served
 
 pytestmark = pytest.mark.slow
 
@@ -48,16 +49,7 @@ ENGINE_FLAGS = [
     "--served-model-name",
     MODEL,
     "--disable-log-stats",
-    "--max-num-seqs",
-    str(TEST_ENGINE["max_num_seqs"]),
-    "--max-num-batched-tokens",
-    str(TEST_ENGINE["max_num_batched_tokens"]),
-    "--max-model-len",
-    str(TEST_ENGINE["max_model_len"]),
-    "--dtype",
-    "float32",
-    "--kv-cache-memory-bytes",
-    str(kv_bytes(TEST_KV_BLOCKS)),
+    *serve_flags(),
 ]
 PRODUCER = {"kv_connector": "TransferConnector", "kv_role": "kv_producer"}
 CONSUMER = {
@@ -111,30 +103,11 @@ def serve(kv_config: dict, log_dir) -> ServerProcess:
     )
 
 
-class Router:
+def start_router(prefill: list[str], decode: list[str]) -> Served:
     """`jaxllm router`'s app under uvicorn on a thread of the test process."""
+    from jaxllm.entrypoints.router.app import build_app
 
-    def __init__(self, prefill: list[str], decode: list[str]):
-        import uvicorn
-
-        from jaxllm.entrypoints.router.app import build_app
-
-        app = build_app(prefill, decode, timeout=120)
-        config = uvicorn.Config(
-            app, host="127.0.0.1", port=0, log_level="warning", lifespan="on", timeout_graceful_shutdown=1
-        )
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline, "the router did not start"
-            time.sleep(0.01)
-        self.url = f"http://127.0.0.1:{self.server.servers[0].sockets[0].getsockname()[1]}"
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(10)
+    return Served(build_app(prefill, decode, timeout=120))
 
 
 class Cluster:
@@ -163,7 +136,7 @@ def cluster(request, tmp_path_factory):
             for f in futures:
                 f.result()
         producer, consumer, failing, victim = servers
-        router = Router([producer.url], [consumer.url])
+        router = start_router([producer.url], [consumer.url])
         stack.callback(router.stop)
         print(f"disaggregated: 4 servers and the offline engine ready in {time.monotonic() - started:.1f}s")
         yield Cluster(producer, consumer, failing, victim, router, llm)
@@ -211,21 +184,6 @@ def post(url: str, path: str, payload: dict) -> tuple[httpx.Response, str, dict 
         for choice in event.get("choices", []):
             text += (choice.get("delta", {}).get("content") or "") if "delta" in choice else choice.get("text", "")
     return response, text, usage, seconds
-
-
-def scrape(url: str) -> dict[str, float]:
-    """/metrics samples summed over engines: by name, and by name and each other label (as ServerProcess's)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    totals: dict[str, float] = {}
-    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
-        for sample in family.samples:
-            labels = {k: v for k, v in sample.labels.items() if k not in ("model_name", "engine")}
-            if "le" in labels:
-                continue
-            for key in (sample.name, *(f'{sample.name}{{{k}="{v}"}}' for k, v in labels.items())):
-                totals[key] = totals.get(key, 0.0) + sample.value
-    return totals
 
 
 HITS = "jaxllm:external_prefix_cache_hits_total"
@@ -485,7 +443,7 @@ def test_d_a_producer_whose_kv_scope_differs_is_refused_by_name(cluster, stream)
 
 def test_e_prefill_instance_down_falls_back_to_decode(cluster):
     """A router whose only prefill instance is down: the decode instance computes the prompt itself."""
-    router = Router([f"http://127.0.0.1:{free_port()}"], [cluster.consumer.url])  # nothing listens there
+    router = start_router([f"http://127.0.0.1:{free_port()}"], [cluster.consumer.url])  # nothing listens there
     try:
         for chat in (False, True):
             prompt, messages = (None, new_chat("fallback")) if chat else (new_prompt("fallback"), None)

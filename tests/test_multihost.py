@@ -17,7 +17,7 @@ import time
 import httpx
 
 from jaxllm.bench.server_process import free_port
-from tests.conftest import TEST_ENGINE, kv_bytes
+from tests.conftest import serve_flags
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):"]
 TIMEOUT_S = 20
@@ -32,16 +32,7 @@ def node_env() -> dict:
 
 def engine_flags(rank: int, port: int, nnodes: int = 3) -> list[str]:
     return [
-        "--max-num-seqs",
-        str(TEST_ENGINE["max_num_seqs"]),
-        "--max-num-batched-tokens",
-        str(TEST_ENGINE["max_num_batched_tokens"]),
-        "--max-model-len",
-        str(TEST_ENGINE["max_model_len"]),
-        "--dtype",
-        "float32",
-        "--kv-cache-memory-bytes",
-        str(kv_bytes(64)),
+        *serve_flags(64),
         "--tensor-parallel-size",
         str(nnodes),
         "--nnodes",

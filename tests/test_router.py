@@ -17,37 +17,15 @@ import time
 
 import httpx
 import pytest
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxllm.entrypoints.router.app import build_app
 from jaxllm.entrypoints.router.instances import InstancePool
+from tests.served_app import Served
 
 KV_REQUEST = {"do_remote_decode": True, "do_remote_prefill": False}
-
-
-class Served:
-    """An ASGI app under uvicorn on a thread, on a free port."""
-
-    def __init__(self, app):
-        config = uvicorn.Config(
-            app, host="127.0.0.1", port=0, log_level="critical", lifespan="on", timeout_graceful_shutdown=1
-        )
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 10
-        while not self.server.started:
-            assert time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.005)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{port}"
-
-    def stop(self):
-        self.server.should_exit = True
-        self.thread.join(5)
 
 
 def sse(name: str, i: int) -> str:

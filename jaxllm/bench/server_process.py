@@ -22,6 +22,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def scrape_metrics(url: str) -> dict[str, float]:
+    """A server's /metrics samples summed over engines and models: by name, and by name and each other label
+    (`jaxllm:request_success_total{finished_reason="abort"}`). Histogram buckets are left out."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=30).text):
+        for sample in family.samples:
+            labels = {k: v for k, v in sample.labels.items() if k not in ("model_name", "engine")}
+            if "le" in labels:
+                continue
+            for key in (sample.name, *(f'{sample.name}{{{k}="{v}"}}' for k, v in labels.items())):
+                totals[key] = totals.get(key, 0.0) + sample.value
+    return totals
+
+
 class ServerProcess:
     """`with ServerProcess(flags) as server:` starts `jaxllm serve FLAGS --port P` (its output in
     `log_path`), returns once /health answers 200, and SIGTERMs it on exit."""
@@ -105,19 +121,7 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")[-chars:]
 
     def metrics(self) -> dict[str, float]:
-        """/metrics samples summed over engines and models: by name, and by name and each other label
-        (`jaxllm:request_success_total{finished_reason="abort"}`). Histogram buckets are left out."""
-        from prometheus_client.parser import text_string_to_metric_families
-
-        totals: dict[str, float] = {}
-        for family in text_string_to_metric_families(httpx.get(self.url + "/metrics", timeout=30).text):
-            for sample in family.samples:
-                labels = {k: v for k, v in sample.labels.items() if k not in ("model_name", "engine")}
-                if "le" in labels:
-                    continue
-                for key in (sample.name, *(f'{sample.name}{{{k}="{v}"}}' for k, v in labels.items())):
-                    totals[key] = totals.get(key, 0.0) + sample.value
-        return totals
+        return scrape_metrics(self.url)
 
     def rss_bytes(self) -> int:
         """Resident memory of the server and its child processes (Linux /proc)."""
