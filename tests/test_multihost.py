@@ -1,10 +1,11 @@
 """Multi-host: one TP=3 mesh spread over 3 local processes (`--nnodes 3`, gloo on loopback).
 
 Greedy tokens must equal a single process's, through `jaxllm generate` (every rank runs the same
-command; rank 0 prints) and through `jaxllm serve` on rank 0 with `--headless` followers; stopping
-the server stops the followers. A follower with no leader exits non-zero with one line within its
-timeout; when a node dies mid-run, every other node exits non-zero with exactly one line of ours
-(not JAX's fatal log) within the timeout.
+command; rank 0's stdout is the generated text and nothing else, the others' is empty) and through
+`jaxllm serve` on rank 0 with `--headless` followers; stopping the server stops the followers.
+A follower with no leader exits non-zero with one line within its timeout; when a node dies
+mid-run, every other node exits non-zero with exactly one line of ours (not JAX's fatal log)
+within the timeout.
 """
 
 import concurrent.futures
@@ -72,11 +73,6 @@ def start_nodes(port: int, *extra: str) -> list[subprocess.Popen]:
     ]
 
 
-def without_gloo_banner(stdout: str) -> str:
-    """gloo's C++ side prints one "[Gloo] Rank r is connected to ..." line to stdout when it connects."""
-    return "".join(line for line in stdout.splitlines(keepends=True) if not line.startswith("[Gloo] "))
-
-
 def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("jaxllm: error:")]
 
@@ -104,8 +100,10 @@ def test_three_processes_match_one(llm):
         assert p.returncode == 0, f"rank {rank} failed:\n{err[-3000:]}"
     expected = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
     text = "".join(f"### {p}\n{p + o.outputs[0].text}\n\n" for p, o in zip(PROMPTS, expected, strict=True))
-    assert without_gloo_banner(results[0][0]) == text
-    assert without_gloo_banner(results[1][0]) == without_gloo_banner(results[2][0]) == ""  # followers print nothing
+    # stdout read whole: the generated text and nothing else (gloo's "[Gloo] Rank r is connected ..." goes to stderr)
+    assert results[0][0] == text
+    assert results[1][0] == results[2][0] == ""  # followers print nothing
+    assert all("[Gloo] Rank" in err for _, err in results)  # gloo did connect (the check above is not vacuous)
 
 
 def test_follower_without_leader_exits_with_one_line():

@@ -8,8 +8,12 @@ gloo and each node contributes `tensor_parallel_size // nnodes` host devices.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import functools
 import logging
+import os
+import sys
 import time
 
 import jax
@@ -55,26 +59,8 @@ def initialize(
     watchdog.arm(f"node {node_rank}: could not reach {who} at {address} within {timeout:.0f}s")
     started = time.perf_counter()
     try:
-        jax.distributed.initialize(
-            address,
-            nnodes,
-            node_rank,
-            initialization_timeout=max(int(timeout), 1),
-            heartbeat_timeout_seconds=max(int(timeout), 10),
-        )
-        # the first collective sets up gloo's connections, which gives up after 30 s: line the nodes up at a
-        # barrier with our own timeout first, then do it, rather than during loading where one may lag
-        logger.info("node %d: connected to %s in %.1fs", node_rank, address, time.perf_counter() - started)
-        _global_min()  # compiled before the barrier, so that nothing slow sits between it and the collective
-        logger.info(
-            "node %d: %d devices, first program ready at %.1fs",
-            node_rank,
-            len(jax.devices()),
-            time.perf_counter() - started,
-        )
-        _barrier("jaxllm-joined", timeout)
-        agree_min(0)
-        logger.info("node %d: joined %d nodes in %.1fs", node_rank, nnodes, time.perf_counter() - started)
+        with stdout_to_stderr():  # gloo says "[Gloo] Rank r is connected to ..." on stdout as it connects
+            _join(nnodes, node_rank, address, timeout, started)
     except Exception as e:  # JAX's message is pages long; keep its first line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConnectionError(
@@ -82,6 +68,60 @@ def initialize(
         ) from None
     finally:
         watchdog.disarm()
+
+
+def _join(nnodes: int, node_rank: int, address: str, timeout: float, started: float) -> None:
+    """`jax.distributed.initialize`, then gloo's connections made at a collective every node waits for."""
+    jax.distributed.initialize(
+        address,
+        nnodes,
+        node_rank,
+        initialization_timeout=max(int(timeout), 1),
+        heartbeat_timeout_seconds=max(int(timeout), 10),
+    )
+    # the first collective sets up gloo's connections, which gives up after 30 s: line the nodes up at a
+    # barrier with our own timeout first, then do it, rather than during loading where one may lag
+    logger.info("node %d: connected to %s in %.1fs", node_rank, address, time.perf_counter() - started)
+    _global_min()  # compiled before the barrier, so that nothing slow sits between it and the collective
+    logger.info(
+        "node %d: %d devices, first program ready at %.1fs",
+        node_rank,
+        len(jax.devices()),
+        time.perf_counter() - started,
+    )
+    _barrier("jaxllm-joined", timeout)
+    # gloo connects here, at the first collective over every device in `jax.devices()` order; the engine's
+    # TP mesh and the step broadcasts use the same devices in the same order, so they connect no more
+    agree_min(0)
+    logger.info("node %d: joined %d nodes in %.1fs", node_rank, nnodes, time.perf_counter() - started)
+
+
+@contextlib.contextmanager
+def stdout_to_stderr():
+    """Meanwhile, what is written to file descriptor 1 (C/C++ libraries included) goes to stderr.
+
+    gloo prints "[Gloo] Rank r is connected to n peer ranks. ..." to stdout at the first collective over
+    each new set of devices; stdout is for generated text only. Wrap any code that may run a collective
+    over a device set not used before (a sub-mesh) in this too.
+    """
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        sys.stdout.flush()
+        _libc_fflush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def _libc_fflush() -> None:
+    """Flush C stdio's buffers (std::cout's too, synced with stdio) while they still go to stderr."""
+    try:
+        ctypes.CDLL(None).fflush(None)
+    except (OSError, AttributeError):  # no libc to load here: nothing buffered in it either
+        pass
 
 
 def _barrier(name: str, timeout: float) -> None:

@@ -8,6 +8,9 @@ masks only when a row uses them), with `multihost_utils.broadcast_one_to_all`.
 Followers only receive and run. When idle, the leader sends heartbeats so that a follower can
 tell a quiet leader from a dead one; each side exits with a one-line error when the other goes
 silent past the timeout, instead of hanging in a collective.
+
+This module sits below the engine core (as the runner does): it is handed a `ModelRunner` and
+never imports the core; a follower's engine is built above it (`entrypoints/cli/common.run_headless`).
 """
 
 from __future__ import annotations
@@ -188,11 +191,3 @@ def _follow_loop(runner: ModelRunner, payloads: Payloads, watchdog: Watchdog, ra
         # collective must not interleave with this step's own (gloo would pair the wrong messages)
         jax.block_until_ready(runner.run(runner.buckets[index], inputs, sampling))
         steps += 1
-
-
-def run_headless(args) -> int:
-    """A follower node (`--node-rank` > 0): build the same engine as node 0, then run its steps until it stops."""
-    from jaxllm.engine.core import EngineCore
-
-    core = EngineCore(args, progress=False)
-    return follow(core.runner, args.distributed_timeout)

@@ -57,3 +57,13 @@ def make_llm(args):
     engine_args = EngineArgs.from_cli_args(args)
     fields = {k: v for k, v in vars(engine_args).items() if k != "model"}
     return LLM(engine_args.model, **fields)
+
+
+def run_headless(engine_args: EngineArgs) -> int:
+    """A multi-host follower (`--node-rank` > 0): build the same engine as node 0, then run its steps until it
+    stops. Returns the steps run. (Here, above both: the step sync is below the engine core, as the runner is.)"""
+    from jaxllm.distributed.step_sync import follow
+    from jaxllm.engine.core import EngineCore
+
+    core = EngineCore(engine_args, progress=False)
+    return follow(core.runner, engine_args.distributed_timeout)

@@ -18,7 +18,7 @@ def register(sub) -> None:
 def run(args) -> None:
     params = sampling_params(args)  # validate before loading anything
     if args.node_rank > 0:  # a multi-host follower runs node 0's steps and prints nothing
-        from jaxllm.distributed.step_sync import run_headless
+        from jaxllm.entrypoints.cli.common import run_headless
 
         run_headless(EngineArgs.from_cli_args(args))
         return

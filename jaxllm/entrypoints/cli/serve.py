@@ -89,7 +89,7 @@ def run(args) -> None:
     if args.headless != (args.node_rank > 0):
         raise ValueError("--headless goes with --node-rank > 0 (a follower), and every follower needs it")
     if args.headless:
-        from jaxllm.distributed.step_sync import run_headless
+        from jaxllm.entrypoints.cli.common import run_headless
 
         run_headless(EngineArgs.from_cli_args(args))
         return
