@@ -110,11 +110,14 @@ class SchedulerConfig:
     policy: str = "fcfs"
     # vLLM's async_scheduling: schedule and launch step N+1 while step N runs on the device (docs/design.md)
     async_scheduling: bool = False
+    # pipeline parallelism: batches in flight at once (one per stage), a request in at most one of them
+    max_concurrent_batches: int = 1
 
     def __post_init__(self):
         _positive("max_num_seqs", self.max_num_seqs)
         _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _positive("max_model_len", self.max_model_len)
+        _positive("max_concurrent_batches", self.max_concurrent_batches)
         from jaxllm.engine.policy import resolve_policy  # lazily: policies import the request type
 
         resolve_policy(self.policy)
@@ -129,10 +132,12 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
+    pipeline_parallel_size: int = 1  # stages, each its own devices and layers (parallel/pipeline.py)
 
     def __post_init__(self):
         _positive("tensor_parallel_size", self.tensor_parallel_size)
         _positive("data_parallel_size", self.data_parallel_size)
+        _positive("pipeline_parallel_size", self.pipeline_parallel_size)
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,8 @@ HELP = {
     "kv_transfer_config": 'a KV connector, vLLM\'s JSON: \'{"kv_connector": "TransferConnector", "kv_role": '
     '"kv_producer"}\', SharedStorageConnector with {"shared_storage_path": DIR}, OffloadingConnector '
     "(docs/disaggregated.md)",
+    "pipeline_parallel_size": "pipeline stages: the layers split over this many groups of tensor-parallel devices, "
+    "a batch in flight per stage (docs/scaling.md)",
     "kv_offloading_size": "GiB of host memory for KV blocks evicted from the device cache (the OffloadingConnector)",
 }
 
@@ -48,6 +50,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "bfloat16" halves KV memory and bytes read
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1  # stages (docs/scaling.md): layers split over PP groups of TP devices
     data_parallel_size: int = 1
     nnodes: int = 1  # multi-host: every node runs the same command with its own node_rank
     node_rank: int = 0
@@ -101,9 +104,14 @@ class EngineArgs:
                 cache_dtype=self.kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
-                max_num_seqs, max_tokens, max_model_len, self.scheduling_policy, self.async_scheduling
+                max_num_seqs,
+                max_tokens,
+                max_model_len,
+                self.scheduling_policy,
+                self.async_scheduling,
+                max_concurrent_batches=self.pipeline_parallel_size,
             ),
-            parallel=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size),
+            parallel=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size, self.pipeline_parallel_size),
             compilation_cache_dir=self.compilation_cache_dir,
             speculative=self.speculative(),
             kv_transfer=self.kv_transfer(),

@@ -19,6 +19,7 @@ import os
 import time
 
 import jax
+import jax.numpy as jnp
 
 from jaxllm.distributed.runtime import initialize_from_args
 from jaxllm.distributed.step_sync import StepLeader
@@ -66,6 +67,23 @@ def check_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: in
         raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
 
 
+def check_pipeline(args: EngineArgs, speculative) -> None:
+    """Pipeline parallelism's refusals, before anything loads: what it does not combine with yet."""
+    if args.pipeline_parallel_size == 1:
+        return
+    refused = {
+        "nnodes > 1": args.nnodes > 1,
+        "async_scheduling (pipeline stages keep batches in flight already)": args.async_scheduling,
+        "kv_transfer_config": args.kv_transfer_config is not None or args.kv_offloading_size is not None,
+        "a draft model (speculative_config method draft_model)": speculative is not None
+        and speculative.method == "draft_model",
+        "scan_layers=False": not args.scan_layers,
+    }
+    for what, given in refused.items():
+        if given:
+            raise ValueError(f"pipeline_parallel_size > 1 is not supported with {what} yet")
+
+
 class EngineCore:
     def __init__(self, args: EngineArgs, *, progress: bool = True):
         started = time.perf_counter()
@@ -79,6 +97,7 @@ class EngineCore:
                 "async_scheduling is not supported with nnodes > 1: the multi-host step broadcast runs one step "
                 "at a time (drop --async-scheduling, or run one node per data-parallel replica)"
             )
+        check_pipeline(args, speculative)
         kv_transfer = args.kv_transfer()
         if kv_transfer is not None and (args.async_scheduling or args.nnodes > 1):
             raise ValueError(
@@ -96,6 +115,11 @@ class EngineCore:
             tensor_parallel_size=args.tensor_parallel_size,
         )
         arch = source.arch
+        if arch.num_kv_heads % args.tensor_parallel_size:  # the cache is sharded over KV heads
+            raise ValueError(
+                f"tensor_parallel_size={args.tensor_parallel_size} does not divide the model's {arch.num_kv_heads} "
+                f"KV heads"
+            )
         self.config = args.create_engine_config(arch.max_position_embeddings, jax.default_backend())
         self.seed = args.seed
         executables = os.path.join(cache_folder, "jaxllm-executables") if cache_folder else None
@@ -138,7 +162,9 @@ class EngineCore:
         self.step_leader = StepLeader(self.runner, args.distributed_timeout) if multi_host_leader else None
         self._groups: dict[str, list[Request]] = {}  # user request id → its samples
         self.async_scheduling = self.config.scheduler.async_scheduling
-        self.batch_queue = BatchQueue(2 if self.async_scheduling else 1)  # launched, not yet applied
+        self.pipelined = args.pipeline_parallel_size > 1  # a batch in flight per stage
+        depth = args.pipeline_parallel_size if self.pipelined else 2 if self.async_scheduling else 1
+        self.batch_queue = BatchQueue(depth)  # launched, not yet applied
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self._next_seed = 0
         self.structured = StructuredOutputManager(self.tokenizer, arch.vocab_size, self.eos_token_ids)
@@ -183,7 +209,7 @@ class EngineCore:
             model=self.loaded.name,
             quantization=self.loaded.quant.describe(),
             dtype=self.loaded.dtype.name,
-            kv_cache_dtype=self.runner.cache.k.dtype.name,
+            kv_cache_dtype=jnp.dtype(self.config.cache.kv_dtype(self.loaded.dtype)).name,
             block_size=self.config.cache.block_size,
             num_layers=arch.num_layers,
             num_kv_heads=arch.num_kv_heads,
@@ -316,6 +342,8 @@ class EngineCore:
         failed = self._admit_compiled()
         if self.async_scheduling:
             return failed + self._step_async(bool(failed))
+        if self.pipelined:
+            return failed + self._step_pipelined(bool(failed))
         connector = self.kv_connector
         if connector is not None:  # loads that ended resume (or fail) their requests before scheduling
             self.scheduler.finish_transfers(connector.worker.get_finished())
@@ -350,6 +378,20 @@ class EngineCore:
             outputs += self._apply(self.batch_queue.pop())
             if out.is_empty and (out := self.scheduler.schedule()).scheduled:
                 outputs += self._launch(out, None)
+        return outputs
+
+    def _step_pipelined(self, busy: bool) -> list[RequestOutput]:
+        """Pipeline parallelism: launch a new batch while up to PP - 1 earlier ones are still in the stages (its
+        requests are none of theirs: `Scheduler._may_follow`); apply the oldest when the queue is full, or when
+        nothing new can start."""
+        outputs = self._apply(self.batch_queue.pop()) if self.batch_queue.full else []
+        out = self.scheduler.schedule()
+        if not out.is_empty:
+            return outputs + self._launch(out, None)
+        if len(self.batch_queue):
+            return outputs + self._apply(self.batch_queue.pop())
+        if not busy and not outputs:
+            self.structured.wait(timeout=0.05)  # idle but for compiling grammars: wait, never spin
         return outputs
 
     def _launch(self, out, previous: InFlightStep | None) -> list[RequestOutput]:

@@ -147,7 +147,10 @@ class Scheduler:
         self.held: dict[str, list[Request]] = {}  # n > 1: siblings waiting for the first sample's prompt
         self.num_steps = 0
         self.num_preemptions = 0
-        self.async_scheduling = config.async_scheduling
+        # steps launched before the previous one is applied: async scheduling, or a batch per pipeline stage
+        self.async_scheduling = config.async_scheduling or config.max_concurrent_batches > 1
+        if config.max_concurrent_batches > 1:  # each batch takes its share of the requests: the stages stay busy
+            self.max_num_rows = -(-self.max_num_rows // config.max_concurrent_batches)
         self._in_flight: dict[str, _InFlight] = {}  # request id → its unapplied steps (async scheduling)
         self.num_unapplied_steps = 0
 
@@ -262,7 +265,7 @@ class Scheduler:
         overlapping = self.num_unapplied_steps > 0  # async: the previous step is still on the device
         starved = False  # overlapping, a running request did not fit: it waits, and so do new requests
         for i, request in enumerate(order):
-            if budget == 0:
+            if budget == 0 or out.num_rows >= self.max_num_rows:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
@@ -274,7 +277,7 @@ class Scheduler:
                 done += pending.tokens
                 placeholders = pending.placeholders
             # the rows left after one for each running request not yet scheduled
-            rows = self.max_num_rows - out.num_rows - (len(order) - i)
+            rows = max(self.max_num_rows - out.num_rows - (len(order) - i), 0)
             num_new = min(request.num_tokens + placeholders - done, budget)
             if _scores_prompt(request, done):
                 num_new = min(num_new, rows + 1)
@@ -415,6 +418,8 @@ class Scheduler:
         vain: its result is dropped (the request is finished when that step is applied).
         """
         last, params = pending.last, request.sampling_params
+        if self.config.max_concurrent_batches > 1:  # pipeline: a request is in one batch in flight at most
+            return False
         if pending.steps != 1 or last.draft_token_ids or last.scores_prompt:
             return False
         if not last.samples:

@@ -137,6 +137,10 @@ class CausalLM(nn.Module):
     matmul_backend: str = "auto"  # pallas_kernels.stacked_matmul's, for the scanned layers
     matmul_kernel_max_rows: int | None = None  # "cpu_packed": XLA's dot above this many rows (the self-check's)
     quant: QuantPlan = QuantPlan()  # projections kept quantized (model/quant.py); empty: all float
+    # pipeline parallelism: a stage runs `arch.num_layers` of the model's layers; the first embeds the tokens,
+    # the last applies the final norm and the LM head; the others take and return hidden states [T, H]
+    first_stage: bool = True
+    last_stage: bool = True
 
     def packs_head(self) -> bool:
         """Whether "cpu_packed" reads the LM head (tied embedding or lm_head) packed too: whole panels, and an
@@ -179,7 +183,11 @@ class CausalLM(nn.Module):
         return Stacking(num_layers, self.matmul_backend, self.matmul_kernel_max_rows, self.quant)
 
     @nn.compact
-    def __call__(self, cache: KVCache, batch: StepInputs[Array]) -> tuple[Float[Array, "R V"], KVCache]:
+    def __call__(
+        self, cache: KVCache, batch: StepInputs[Array], hidden: Array | None = None
+    ) -> tuple[Float[Array, "R V"], KVCache]:
+        """Logits of the rows `batch.logits_indices` names; a stage before the last returns its hidden states
+        instead, and a stage after the first takes the previous stage's as `hidden`."""
         a = self.arch
         head_packed = self.packs_head()
         embed = Embed(
@@ -191,7 +199,9 @@ class CausalLM(nn.Module):
             self.quant.get("embed_tokens"),
             name="embed_tokens",
         )
-        hidden = embed(batch.token_ids).astype(self.dtype)
+        if self.first_stage:
+            hidden = embed(batch.token_ids).astype(self.dtype)
+        assert hidden is not None, "a stage after the first takes the previous stage's hidden states"
         cos, sin = rotary_cos_sin(a, batch.positions, self.dtype)
         carry = (hidden, cache, jnp.int32(0))
         if self.scan_layers:
@@ -210,6 +220,8 @@ class CausalLM(nn.Module):
                 layer = DecoderLayer(a, self.dtype, self.attention_backend, stacking, name=f"layers_{i}")
                 carry, _ = layer(carry, batch, cos, sin)
         hidden, cache, _ = carry
+        if not self.last_stage:
+            return hidden, cache
         hidden = RMSNorm(a.rms_norm_eps, self.dtype, name="norm")(hidden[batch.logits_indices])
         if a.tie_word_embeddings:
             logits = embed.attend(hidden)

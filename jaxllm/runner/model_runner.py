@@ -147,10 +147,8 @@ class ModelRunner:
         arch, cache_cfg, sched_cfg = loaded.arch, config.cache, config.scheduler
         self.block_size = cache_cfg.block_size
         self.max_blocks_per_seq = -(-sched_cfg.max_model_len // self.block_size)
-        kv_dtype = cache_cfg.kv_dtype(loaded.dtype)
         started = time.perf_counter()
-        self.num_blocks = num_kv_blocks(arch, cache_cfg, kv_dtype, mesh)
-        self.cache = allocate_kv_cache(arch, self.num_blocks, self.block_size, kv_dtype, mesh)
+        self.num_blocks, self.cache = self._allocate_cache(cache_cfg.kv_dtype(loaded.dtype))
         self.startup_seconds = {"kv_cache": time.perf_counter() - started}  # phases, for the start-up report
         self.buckets = make_buckets(sched_cfg.max_num_batched_tokens, max_logits_rows(sched_cfg, config.speculative))
         largest = self.buckets[-1]
@@ -164,7 +162,8 @@ class ModelRunner:
                 arch.vocab_size,
                 self.block_size,
             )
-            for _ in range(2 if self.async_scheduling else 1)
+            # a launched step may still read its arrays: one per step in flight (async: +1, the one being filled)
+            for _ in range(sched_cfg.max_concurrent_batches + (1 if self.async_scheduling else 0))
         ]
         self.batch = self._filled = self._batches[0]
         self._turn = 0  # the batch the next step fills
@@ -193,6 +192,12 @@ class ModelRunner:
         self.compile_seconds = 0.0
         self.num_executables = self.loaded_executables = 0  # how many there are, and came from the cache
         self.stats = StepStats()
+
+    def _allocate_cache(self, kv_dtype) -> tuple[int, KVCache]:
+        """(blocks, the cache): as many blocks as the memory budget holds."""
+        arch, mesh = self.loaded.arch, self.mesh
+        num_blocks = num_kv_blocks(arch, self.config.cache, kv_dtype, mesh)
+        return num_blocks, allocate_kv_cache(arch, num_blocks, self.block_size, kv_dtype, mesh)
 
     def set_params(self, params, *, laid_out: bool = False) -> None:
         """The weights, stacked `[L, ...]` as loaders make them (`laid_out`: in `weight_layout` already),
@@ -252,10 +257,10 @@ class ModelRunner:
         named.__name__ = named.__qualname__ = f"jaxllm_{name}_{self._key[:16]}"
         return named
 
-    def _abstract_inputs(self, bucket: Bucket):
-        """Shapes of one bucket's inputs, replicated over the mesh."""
+    def _abstract_inputs(self, bucket: Bucket, mesh: Mesh | None = None):
+        """Shapes of one bucket's inputs, replicated over the mesh (or `mesh`)."""
         inputs, sampling = self.batch.fill(SchedulerOutput(step=-1), bucket)
-        sharding = replicated(self.mesh)
+        sharding = replicated(mesh or self.mesh)
         spec = lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding)  # noqa: E731
         return jax.tree.map(spec, inputs), jax.tree.map(spec, sampling)
 
@@ -310,13 +315,17 @@ class ModelRunner:
                 futures[job] = pool.submit(self._executables.compile_and_store, keys[job], fn.lower(*args))
                 futures[job].add_done_callback(lambda _: bar.update())
             made.update({job: future.result() for job, future in futures.items()})
-        tables: dict[str, dict] = {"forward": self._compiled, "sample": self._samplers, "widen": self._wideners}
+        tables = self._executable_tables()
         for (kind, shape), executable in made.items():
             tables[kind][shape] = executable
         self.compile_seconds = self.startup_seconds["buckets"] = time.perf_counter() - start
-        self.num_executables = len(self._compiled) + len(self._samplers) + len(self._wideners)
+        self.num_executables = sum(len(table) for table in tables.values())
         self.loaded_executables = len(jobs) - len(futures)
         return self.compile_seconds
+
+    def _executable_tables(self) -> dict[str, dict]:
+        """Where `warm_up` puts each kind of executable it made, by shape."""
+        return {"forward": self._compiled, "sample": self._samplers, "widen": self._wideners}
 
     def execute(self, out: SchedulerOutput, grammar=None) -> RunnerOutput:
         """`grammar` (a StructuredOutputManager) fills the token masks of constrained rows."""

@@ -14,7 +14,9 @@ import jax
 from jax.sharding import Mesh
 
 from jaxllm.config import EngineConfig
+from jaxllm.parallel.pipeline import stage_meshes
 from jaxllm.runner.model_runner import ModelRunner, weight_layout
+from jaxllm.runner.pipeline import PipelineRunner
 from jaxllm.weights import LoadedModel, ModelSource
 
 
@@ -38,6 +40,9 @@ class Worker:
     ):
         arch = source.arch
         overlap = config.model.scan_layers and jax.process_count() == 1
+        pp = config.parallel.pipeline_parallel_size
+        meshes = stage_meshes(pp, config.parallel.tensor_parallel_size) if pp > 1 else [mesh]
+        mesh = meshes[0]  # pipeline stages: the weights load onto the first stage's devices, then spread
         with ThreadPoolExecutor(1, thread_name_prefix="jaxllm-load") as pool:
             layout = weight_layout(arch, config, source.dtype, mesh, source.quant)
             reading = pool.submit(source.load, mesh, tokenizer, seed, layout)
@@ -47,7 +52,11 @@ class Worker:
                 else reading.result()
             )
             model.quant = source.quant
-            self.runner = ModelRunner(model, config, mesh, executable_dir=executable_dir)
+            self.runner = (
+                PipelineRunner(model, config, meshes)
+                if pp > 1
+                else ModelRunner(model, config, mesh, executable_dir=executable_dir)
+            )
             capacity = (self.runner.num_blocks - 1) * config.cache.block_size  # block 0 is scratch
             if capacity < config.scheduler.max_model_len:
                 raise ValueError(

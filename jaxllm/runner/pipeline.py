@@ -1,0 +1,165 @@
+"""Pipeline parallelism in one process: the model's layers split over stages, each its own devices, compiled
+steps and KV cache (docs/scaling.md).
+
+`PipelineRunner` is a `ModelRunner` whose weights, KV cache and forward are per stage (`parallel/pipeline.py`
+says which layers and devices). Stage s of a bucket is its own executable: the first stage embeds the tokens
+and runs its layers, each later stage takes the previous stage's hidden states — `jax.device_put` onto its own
+devices, an asynchronous copy — and the last applies the norm and LM head; the sampler runs on the last
+stage's devices. Each stage's cache holds only its layers and is donated to its executable. JAX dispatches
+asynchronously, so once the host has queued a batch's stages it can queue the next batch's: while stage s+1
+runs batch i, stage s runs batch i+1 (the engine keeps up to PP batches in flight, engine/batch_queue.py).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import cast
+
+import jax
+from jax import Array
+from jax.sharding import Mesh, NamedSharding
+
+from jaxllm.config import EngineConfig
+from jaxllm.model import KVCache, StepInputs
+from jaxllm.parallel.mesh import replicated
+from jaxllm.parallel.pipeline import layer_ranges
+from jaxllm.runner.buckets import Bucket
+from jaxllm.runner.kv_cache import allocate_kv_cache, num_kv_blocks
+from jaxllm.runner.model_runner import ModelRunner, step_model
+from jaxllm.weights import LoadedModel
+
+
+class StagedForward:
+    """One bucket's forward through every stage: called as a single-stage forward is (`(params, cache, inputs)
+    -> (logits, cache)`), with a tuple of per-stage params and caches."""
+
+    def __init__(self, stages: list, hidden_shardings: list[NamedSharding]):
+        self.stages, self.hidden_shardings = stages, hidden_shardings
+
+    def __call__(self, params: tuple, caches: tuple, inputs: StepInputs):
+        updated = list(caches)
+        out = None
+        for s, stage in enumerate(self.stages):
+            args: tuple = (params[s], updated[s], inputs)
+            if s > 0:  # the previous stage's hidden states, copied onto this stage's devices
+                args += (jax.device_put(out, self.hidden_shardings[s]),)
+            out, updated[s] = stage(*args)
+        return out, tuple(updated)
+
+
+class PipelineRunner(ModelRunner):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, meshes: list[Mesh]):
+        arch = loaded.arch
+        self.meshes = meshes
+        self.ranges = layer_ranges(arch.num_layers, len(meshes))
+        self.stage_archs = [arch.__class__(**{**arch.__dict__, "num_layers": b - a}) for a, b in self.ranges]
+        last = len(meshes) - 1
+        self.stage_models = [
+            step_model(stage_arch, config, loaded.dtype, mesh, loaded.quant).clone(
+                first_stage=s == 0, last_stage=s == last
+            )
+            for s, (stage_arch, mesh) in enumerate(zip(self.stage_archs, meshes, strict=True))
+        ]
+        # the executable cache stores executables for fixed devices: the stages compile (JAX's own cache serves)
+        super().__init__(loaded, config, meshes[-1], executable_dir=None)
+        self._stage_fns = [
+            jax.jit(self._named(self._stage_forward(s), f"stage{s}_forward"), donate_argnums=(1,))
+            for s in range(len(meshes))
+        ]
+        self._stages: dict[tuple[int, Bucket], jax.stages.Compiled] = {}
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.meshes)
+
+    def _allocate_cache(self, kv_dtype) -> tuple[int, KVCache]:
+        """A cache per stage with its layers only, all with the block count the tightest stage's budget holds
+        (block ids are the scheduler's, the same in every stage)."""
+        cache_cfg = self.config.cache
+        num_blocks = min(
+            num_kv_blocks(a, cache_cfg, kv_dtype, m) for a, m in zip(self.stage_archs, self.meshes, strict=True)
+        )
+        caches = tuple(
+            allocate_kv_cache(a, num_blocks, self.block_size, kv_dtype, m)
+            for a, m in zip(self.stage_archs, self.meshes, strict=True)
+        )
+        return num_blocks, cast(KVCache, caches)
+
+    def set_params(self, params, *, laid_out: bool = False) -> None:
+        """The whole model's weights (stacked, as loaded; real or abstract) split into each stage's, on its devices."""
+        super().set_params(params, laid_out=laid_out)
+        whole, last = self.params, self.num_stages - 1
+        tied = self.loaded.arch.tie_word_embeddings
+        stages = []
+        for s, ((start, end), mesh) in enumerate(zip(self.ranges, self.meshes, strict=True)):
+            layers = functools.partial(_slice_onto, start=start, end=end, mesh=mesh)
+            tree = {"layers": jax.tree.map(layers, whole["layers"])}
+            names = (["embed_tokens"] if s == 0 or (s == last and tied) else []) + (
+                ["norm"] + ([] if tied else ["lm_head"]) if s == last else []
+            )
+            for name in names:
+                tree[name] = jax.tree.map(lambda x, m=mesh: _onto(x, m), whole[name])
+            stages.append(tree)
+        self.params = tuple(stages)
+
+    def _stage_forward(self, s: int):
+        model = self.stage_models[s]
+
+        def forward(params, cache: KVCache, inputs: StepInputs, hidden: Array | None = None):
+            out, cache = cast(tuple[Array, KVCache], model.apply({"params": params}, cache, inputs, hidden))
+            if s == self.num_stages - 1:
+                out = jax.lax.with_sharding_constraint(out, replicated(self.meshes[s]))  # as the sampler takes them
+            return out, cache
+
+        return forward
+
+    def _executable_jobs(self) -> dict[tuple, tuple]:
+        """The base's samplers, and per bucket each stage's forward instead of one forward."""
+        jobs = {job: spec for job, spec in super()._executable_jobs().items() if job[0] != "forward"}
+        hidden_size = self.loaded.arch.hidden_size
+        dtype = self.stage_models[0].dtype
+        for bucket in self.buckets:
+            for s, mesh in enumerate(self.meshes):
+                if (s, bucket) in self._stages:
+                    continue
+                inputs, _ = self._abstract_inputs(bucket, mesh)
+                cache = jax.tree.map(
+                    lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), self.cache[s]
+                )
+                args: tuple = (self.params[s], cache, inputs)
+                if s > 0:
+                    args += (jax.ShapeDtypeStruct((bucket.num_tokens, hidden_size), dtype, sharding=replicated(mesh)),)
+                jobs["stage", (s, bucket)] = (self._stage_fns[s], args)
+        return jobs
+
+    def _executable_tables(self) -> dict[str, dict]:
+        return {**super()._executable_tables(), "stage": self._stages}
+
+    def warm_up(self, progress: bool = True) -> float:
+        seconds = super().warm_up(progress)
+        shardings = [replicated(m) for m in self.meshes]
+        for bucket in self.buckets:
+            self._compiled[bucket] = cast(
+                jax.stages.Compiled,
+                StagedForward([self._stages[s, bucket] for s in range(self.num_stages)], shardings),
+            )
+        return seconds
+
+
+def _abstract(a: Array) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding)
+
+
+def _onto(x, mesh: Mesh):
+    """`x` (an array or an abstract one) with the same partitioning on another stage's mesh."""
+    sharding = NamedSharding(mesh, x.sharding.spec)
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+    return jax.device_put(x, sharding)
+
+
+def _slice_onto(x, start: int, end: int, mesh: Mesh):
+    """Layers `start:end` of a stacked `[L, ...]` leaf, on `mesh`."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return _onto(jax.ShapeDtypeStruct((end - start, *x.shape[1:]), x.dtype, sharding=x.sharding), mesh)
+    return _onto(x[start:end], mesh)
