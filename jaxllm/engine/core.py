@@ -33,6 +33,7 @@ from jaxllm.kv_transfer.factory import CONNECTORS, KVConnector, make_kv_connecto
 from jaxllm.kv_transfer.scope import KVScope
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxllm.parallel.mesh import make_mesh
+from jaxllm.parallel.pipeline import layer_ranges
 from jaxllm.runner.kv_blocks import KVBlockMover
 from jaxllm.runner.model_runner import ModelRunner, RunnerOutput
 from jaxllm.runner.sampler import SamplerOutput
@@ -69,7 +70,10 @@ def check_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: in
 
 def check_pipeline(args: EngineArgs, speculative) -> None:
     """Pipeline parallelism's refusals, before anything loads: what it does not combine with yet."""
-    if args.pipeline_parallel_size == 1:
+    pp = args.pipeline_parallel_size
+    if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
+        raise ValueError(f"pipeline_parallel_size must be a positive integer, got {pp!r}")
+    if pp == 1:
         return
     refused = {
         "nnodes > 1": args.nnodes > 1,
@@ -120,6 +124,7 @@ class EngineCore:
                 f"tensor_parallel_size={args.tensor_parallel_size} does not divide the model's {arch.num_kv_heads} "
                 f"KV heads"
             )
+        layer_ranges(arch.num_layers, args.pipeline_parallel_size)  # checks that every stage gets layers
         self.config = args.create_engine_config(arch.max_position_embeddings, jax.default_backend())
         self.seed = args.seed
         executables = os.path.join(cache_folder, "jaxllm-executables") if cache_folder else None
