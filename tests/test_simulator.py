@@ -560,3 +560,199 @@ def leaves(tree, path: str = "") -> dict:
     if isinstance(tree, list):
         return {k: v for i, sub in enumerate(tree) for k, v in leaves(sub, f"{path}/{i}").items()}
     return {path: tree}
+
+
+# ---- pipeline parallelism --------------------------------------------------------------------------
+
+
+def pp_config(pp=1, max_num_seqs=16, num_blocks=400, **kwargs):
+    scheduler = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=256, max_model_len=512)
+    return SimConfig(scheduler, num_blocks=num_blocks, block_size=16, pipeline_parallel_size=pp, **kwargs)
+
+
+def decodes(n, output_len=100):
+    """n requests at once, 16-token prompts: one prefill step, then a long steady decode."""
+    return [TraceRequest(arrival_time=0.0, prompt_len=16, output_len=output_len) for _ in range(n)]
+
+
+NO_TRANSFER = {"pp_transfer_latency_s": 0.0, "pp_transfer_s_per_token": 0.0}
+
+
+def constant(out):
+    return 0.01
+
+
+def per_row(out):  # work that grows with the batch: the pipeline's stages share it
+    return 0.001 * out.num_rows
+
+
+def test_one_stage_is_the_one_step_at_a_time_loop():
+    config = squeezed_config()
+    assert config.pipeline_parallel_size == 1 and config.scheduler.max_concurrent_batches == 1
+    times = []
+
+    def step_time(out):
+        times.append(COST.step_time(StepShape.of(out), 64))
+        return times[-1]
+
+    trace = synthesize(40, request_rate=float("inf"), input_len=LengthDist(60), output_len=LengthDist(20), seed=1)
+    result = simulate(trace, config, step_time, idle_wake_s=0.05, pp_transfer_latency_s=1.0)  # (no boundary)
+    clock = 0.05  # one idle period: the start
+    for seconds, (t, _) in zip(times, result.kv_usage, strict=True):
+        clock += seconds
+        assert t == clock  # back to back, each step its whole time: exactly as before pipelines
+    assert not any(key.startswith("pp_") for key in result.to_json())
+
+
+def test_the_scheduler_gets_a_batch_in_flight_per_stage():
+    assert pp_config(3).scheduler.max_concurrent_batches == 3
+    assert replace(pp_config(3), num_blocks=100).scheduler.max_concurrent_batches == 3
+    with pytest.raises(ValueError, match="max_concurrent_batches=2 is not pipeline_parallel_size=3"):
+        SimConfig(replace(pp_config(2).scheduler), num_blocks=100, pipeline_parallel_size=3)
+    with pytest.raises(ValueError, match="at least one layer"):
+        pp_config(2, pp_stage_layers=(30,))
+    with pytest.raises(ValueError, match="pipeline_parallel_size"):
+        pp_config(0)
+
+
+def test_the_engines_layer_split():
+    from jaxllm.parallel.pipeline import layer_ranges
+    from jaxllm.sim.simulator import stage_layers
+
+    for layers, pp in ((30, 2), (30, 4), (3, 2), (7, 3)):
+        assert stage_layers(layers, pp) == tuple(b - a for a, b in layer_ranges(layers, pp, ""))
+    assert stage_layers(3, 2) == (2, 1) and stage_layers(30, 2, "10,20") == (10, 20)
+    cost = pp_config(2, pp_stage_layers=(2, 1)).pipeline_cost(1e-3, 1e-5)
+    assert cost.stage_shares == pytest.approx((2 / 3, 1 / 3))
+    assert cost.stage_times(0.3, 64) == pytest.approx([0.2, 0.1 + 1e-3 + 64e-5])
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_a_full_pipeline_keeps_every_stage_busy(pp):
+    """16 requests, 16 sequences: each of the pp batches in flight takes 16 / pp of them. With a constant step time
+    (work that does not grow with the batch, e.g. reading the weights) a stage's 1/pp of it serves 16 / pp rows,
+    as fast as one device serving 16; with work per row, the pp stages together go pp times as fast."""
+    one, piped = (simulate(decodes(16), pp_config(p), constant, **NO_TRANSFER) for p in (1, pp))
+    summary = piped.to_json()
+    assert summary["pipeline_parallel_size"] == pp and summary["pp_stage_shares"] == [1 / pp] * pp
+    assert piped.num_steps == pp * one.num_steps  # a batch per stage
+    assert piped.duration == pytest.approx(one.duration, rel=0.02)  # the fill and drain only
+    assert summary["pp_bubble_fraction"] < 0.01 and summary["pp_mean_batches_in_flight"] > pp - 0.02
+    one, piped = (simulate(decodes(16), pp_config(p), per_row, **NO_TRANSFER) for p in (1, pp))
+    assert piped.duration == pytest.approx(one.duration / pp, rel=0.02)
+    assert piped.to_json()["pp_bubble_fraction"] < 0.01
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_one_request_leaves_the_other_stages_idle(pp):
+    """A lone request is in one batch at a time: each stage works 1/pp of the time, the copies add latency."""
+    one = simulate(decodes(1), pp_config(1), constant)
+    piped = simulate(decodes(1), pp_config(pp), constant, pp_transfer_latency_s=1e-3, pp_transfer_s_per_token=0.0)
+    summary = piped.to_json()
+    assert summary["pp_bubble_fraction"] == pytest.approx(1 - 1 / pp, abs=0.01)
+    assert summary["pp_mean_batches_in_flight"] == pytest.approx(1.0)
+    assert piped.num_steps == one.num_steps
+    assert piped.duration == pytest.approx(one.duration + one.num_steps * (pp - 1) * 1e-3)
+
+
+def test_the_slowest_stage_sets_the_pace():
+    one = simulate(decodes(16), pp_config(1), per_row, **NO_TRANSFER)
+    uneven = simulate(decodes(16), pp_config(2, pp_stage_layers=(2, 1)), per_row, **NO_TRANSFER)
+    assert uneven.duration == pytest.approx(one.duration * 2 / 3, rel=0.02)
+    busy = uneven.to_json()["pp_stage_utilization"]
+    assert busy[0] == pytest.approx(1.0, abs=0.01) and busy[1] == pytest.approx(0.5, abs=0.01)
+
+
+@pytest.mark.parametrize("pp,k", [(2, 0), (3, 0), (2, 4)])
+def test_pipelined_batches_never_share_a_request_and_every_block_returns(pp, k, monkeypatch):
+    in_flight: list[set[str]] = []
+    most = 0
+    original = Scheduler.update
+
+    def applied(self, out, sampled):
+        ids = {s.request.request_id for s in out.scheduled}
+        assert in_flight[0] == ids  # the oldest first
+        in_flight.pop(0)
+        return original(self, out, sampled)
+
+    monkeypatch.setattr(Scheduler, "update", applied)
+    config = replace(spec_config(k, num_blocks=40), pipeline_parallel_size=pp)
+    cost = cost_model_step_time(COST, config)
+
+    def step_time(out):
+        nonlocal most
+        ids = {s.request.request_id for s in out.scheduled}
+        assert all(not ids & batch for batch in in_flight)
+        in_flight.append(ids)
+        most = max(most, len(in_flight))
+        assert len(ids) <= -(-8 // pp) and len(in_flight) <= pp
+        return cost(out)
+
+    trace = busy_trace()
+    result = simulate(trace, config, step_time, seed=3, acceptance_rate=0.7)
+    assert most == pp and not in_flight
+    assert result.num_preemptions > 0  # the small pool still forces some (between batches in flight)
+    assert [r.output_len for r in result.records] == [t.output_len for t in trace]
+    assert all(r.success for r in result.records)
+    assert result.free_blocks_at_end == result.num_usable_blocks
+    if k:
+        assert result.to_json()["spec_decode_num_drafts"] > 0
+
+
+def test_cli_compares_pipeline_stages(tmp_path, capsys):
+    from jaxllm.entrypoints.cli import main
+
+    trace, cost, result = tmp_path / "t.jsonl", tmp_path / "cost.json", tmp_path / "r.json"
+    synth = ["trace", "synth", "--out", str(trace), "--num-requests", "30", "--request-rate", "inf"]
+    assert main([*synth, "--input-len", "40", "--output-len", "30"]) == 0
+    engine = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 512, "block_size": 16}
+    engine.update(num_blocks=100, enable_prefix_caching=True, num_layers=30)
+    replace(COST, engine=engine).save(cost)
+    runs = {}
+    for pp in (1, 2):
+        assert (
+            main(
+                [
+                    "simulate",
+                    str(trace),
+                    "--cost",
+                    str(cost),
+                    "--pipeline-parallel-size",
+                    str(pp),
+                    "--output",
+                    str(result),
+                ]
+            )
+            == 0
+        )
+        runs[pp] = json.loads(result.read_text())
+    assert runs[1]["pipeline_parallel_size"] == 1 and "pp_bubble_fraction" not in runs[1]
+    piped = runs[2]
+    assert piped["pp_stage_layers"] == [15, 15] and piped["num_blocks"] == 200  # each stage: half of each block
+    assert 0 <= piped["pp_bubble_fraction"] < 0.5 and piped["pp_mean_batches_in_flight"] > 1
+    assert piped["completed"] == 30 and piped["num_steps"] > runs[1]["num_steps"]
+    assert "pipeline: 2 stages (layers [15, 15]), 200 KV blocks; bubble" in capsys.readouterr().out
+    flags = ["--pipeline-parallel-size", "3", "--pp-layer-partition", "5,5,20", "--num-gpu-blocks-override", "90"]
+    assert (
+        main(
+            [
+                "simulate",
+                str(trace),
+                "--cost",
+                str(cost),
+                *flags,
+                "--pp-transfer-latency-s",
+                "0.001",
+                "--output",
+                str(result),
+            ]
+        )
+        == 0
+    )
+    data = json.loads(result.read_text())
+    assert data["pp_stage_shares"] == pytest.approx([1 / 6, 1 / 6, 2 / 3]) and data["num_blocks"] == 90
+    assert data["pp_transfer_latency_s"] == 0.001 and data["pp_transfer_s_per_token"] > 0  # the default
+    assert main(["simulate", str(trace), "--cost", str(cost), "--pp-transfer-latency-s", "0"]) == 2  # no stages
+    assert main(["simulate", str(trace), "--cost", str(cost), "--pp-layer-partition", "15,15"]) == 2
+    replace(COST, engine={**engine, "pipeline_parallel_size": 2}).save(cost)
+    assert main(["simulate", str(trace), "--cost", str(cost), "--pipeline-parallel-size", "2"]) == 2  # a staged model

@@ -249,6 +249,9 @@ def _engine_description(core) -> dict:
         "block_size": core.kv.block_size,
         "num_blocks": core.runner.num_blocks,
         "enable_prefix_caching": core.config.cache.enable_prefix_caching,
+        "num_layers": core.loaded.arch.num_layers,  # the simulator's pipeline split (`jaxllm simulate`)
+        "tensor_parallel_size": core.config.parallel.tensor_parallel_size,
+        "pipeline_parallel_size": core.config.parallel.pipeline_parallel_size,
         "kv_bytes_per_block": bytes_per_block(
             core.loaded.arch, core.kv.block_size, core.loaded.dtype, core.runner.mesh.shape["model"]
         ),

@@ -37,6 +37,9 @@ Besides the step time, two per-event costs (measured by `jaxllm calibrate`, the 
   scheduling work). Fitted together with `per_prefill_step_s` (`fit_event_costs`), offline as well.
 
 Coefficients are fitted by least squares on relative error and kept non-negative. No JAX here.
+
+Pipeline parallelism (`PipelineCost`) reuses the one-stage model: a stage's time for a batch is its layers'
+share of the batch's step time plus, after the first stage, the copy of the hidden states into it.
 """
 
 from __future__ import annotations
@@ -84,6 +87,56 @@ def bucket_tokens(num_tokens: int, max_num_batched_tokens: int) -> int:
     while size < num_tokens:
         size *= 2
     return min(size, max_num_batched_tokens)
+
+
+# the copy of a batch's hidden states from one pipeline stage to the next (`PipelineCost`), measured on a 2-core
+# x86 VM (Dec 5): jax.device_put of (T, 576) float32 (SmolLM2-135M's hidden size) between two host-platform CPU
+# devices, ~120 us for any T up to 64, plus 0.2-0.7 us per token beyond (load average 2.3)
+DEFAULT_PP_TRANSFER_LATENCY_S = 1e-4
+DEFAULT_PP_TRANSFER_S_PER_TOKEN = 2e-7
+
+
+@dataclass(frozen=True)
+class PipelineCost:
+    """Per-stage times of a pipeline-parallel step, from a one-stage step time (a `CostModel`'s, or any).
+
+    Kept simple: stage s runs `stage_shares[s]` of the whole step time — its layers over all layers — so the
+    embedding, the LM head, the sampler and the per-row host work, which the one-stage model does not separate
+    from the layers, are split in the same proportion rather than put on the first and last stages. Every
+    stage after the first also waits for the previous stage's hidden states: `transfer_latency_s` plus
+    `transfer_s_per_token` per token of the step's bucket (the runner copies the padded hidden states), charged
+    to the receiving stage. With one stage it is the step time itself.
+    """
+
+    stage_shares: tuple[float, ...] = (1.0,)
+    transfer_latency_s: float = DEFAULT_PP_TRANSFER_LATENCY_S
+    transfer_s_per_token: float = DEFAULT_PP_TRANSFER_S_PER_TOKEN
+
+    def __post_init__(self):
+        if not self.stage_shares or min(self.stage_shares) <= 0 or abs(sum(self.stage_shares) - 1) > 1e-9:
+            raise ValueError(f"stage_shares must be positive fractions summing to 1, got {self.stage_shares}")
+        for name in ("transfer_latency_s", "transfer_s_per_token"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    @classmethod
+    def of_layers(cls, stage_layers: tuple[int, ...] | list[int], **transfer) -> PipelineCost:
+        """Shares from each stage's layer count (`jaxllm.parallel.pipeline.layer_ranges`'s split)."""
+        total = sum(stage_layers)
+        return cls(tuple(n / total for n in stage_layers), **transfer)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_shares)
+
+    def transfer_time(self, bucket: int) -> float:
+        """One stage boundary's copy of a step of `bucket` (padded) tokens."""
+        return self.transfer_latency_s + self.transfer_s_per_token * bucket
+
+    def stage_times(self, step_seconds: float, bucket: int) -> list[float]:
+        """Each stage's time for a step the one-stage model prices at `step_seconds`."""
+        transfer = self.transfer_time(bucket)
+        return [step_seconds * share + (transfer if s else 0.0) for s, share in enumerate(self.stage_shares)]
 
 
 class EventCosts(TypedDict):

@@ -25,13 +25,27 @@ accepted is drawn once per (seed, request, p), from a generator seeded by the se
 and the same positions are accepted whatever k, load or policy (common random numbers, so two
 configurations differ by their own effect, not by luck). The scheduler's `DraftBudget` is fed each
 step's simulated time, as the engine feeds it measured ones, so the load-aware rule acts as it would.
+
+Pipeline parallelism (`SimConfig.pipeline_parallel_size` P > 1): the engine's batch queue on the virtual clock.
+The scheduler is the engine's under PP (`max_concurrent_batches` = P: each batch takes at most
+ceil(max_num_seqs / P) rows, a request is in one batch in flight at most). The loop is the engine's
+`_step_pipelined`: when P batches are in flight the oldest is applied first; then a new batch is scheduled and
+launched at once (the host does not wait for the device); when none can be scheduled the oldest in flight is
+applied. Launching costs the host no time; applying waits for the batch's last stage. The stages are a
+pipeline: stage s of a batch starts when stage s - 1 of it and stage s of the batch before it have finished,
+and takes the time `PipelineCost` gives it (its layers' share of the step time the cost model prices for the
+batch's shape, plus the hidden states' copy into it). The result reports the bubble: the fraction of the
+stages' time idle while at least one batch was in flight, (P x busy time - sum of stage times) / (P x busy
+time), with the idle periods between requests left out; and the mean number of batches in flight over that busy
+time. With P = 1 it is the one-step-at-a-time loop exactly (one stage, the whole step time, nothing to copy).
 """
 
 from __future__ import annotations
 
 import hashlib
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -41,7 +55,14 @@ from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.request import Request
 from jaxllm.engine.scheduler import Scheduler, SchedulerOutput
 from jaxllm.sampling_params import SamplingParams
-from jaxllm.sim.costmodel import CostModel, StepShape
+from jaxllm.sim.costmodel import (
+    DEFAULT_PP_TRANSFER_LATENCY_S,
+    DEFAULT_PP_TRANSFER_S_PER_TOKEN,
+    CostModel,
+    PipelineCost,
+    StepShape,
+    bucket_tokens,
+)
 from jaxllm.sim.trace import TOKEN_RANGE, TraceRequest, prompt_token_ids
 from jaxllm.spec_decode.config import SpeculativeConfig
 from jaxllm.spec_decode.stats import SpecDecodingStats
@@ -60,6 +81,8 @@ class SimConfig:
     block_size: int = 16
     enable_prefix_caching: bool = True
     speculative: SpeculativeConfig | None = None  # n-gram speculation (see the module docstring)
+    pipeline_parallel_size: int = 1  # stages; the scheduler config gets max_concurrent_batches = this
+    pp_stage_layers: tuple[int, ...] | None = None  # layers of each stage (`stage_layers`); None: an even split
 
     def __post_init__(self):
         if self.speculative is not None and self.speculative.method != "ngram":
@@ -67,6 +90,38 @@ class SimConfig:
                 f"the simulator prices n-gram speculation only (drafts proposed on the host, free); method "
                 f"{self.speculative.method!r} would need its draft model's steps in the cost model"
             )
+        pp = self.pipeline_parallel_size
+        if pp < 1:
+            raise ValueError(f"pipeline_parallel_size must be >= 1, got {pp}")
+        if self.pp_stage_layers is not None:
+            layers = tuple(self.pp_stage_layers)
+            if len(layers) != pp or min(layers) < 1:
+                raise ValueError(f"pp_stage_layers must give each of the {pp} stages at least one layer, got {layers}")
+            object.__setattr__(self, "pp_stage_layers", layers)
+        batches = self.scheduler.max_concurrent_batches
+        if batches not in (1, pp):
+            raise ValueError(f"the scheduler's max_concurrent_batches={batches} is not pipeline_parallel_size={pp}")
+        if batches != pp:  # as EngineArgs.create_engine_config sets it: a batch in flight per stage
+            object.__setattr__(self, "scheduler", replace(self.scheduler, max_concurrent_batches=pp))
+
+    def pipeline_cost(
+        self,
+        transfer_latency_s: float = DEFAULT_PP_TRANSFER_LATENCY_S,
+        transfer_s_per_token: float = DEFAULT_PP_TRANSFER_S_PER_TOKEN,
+    ) -> PipelineCost:
+        """The stages' split of the step time: by `pp_stage_layers`, else evenly."""
+        transfer = {"transfer_latency_s": transfer_latency_s, "transfer_s_per_token": transfer_s_per_token}
+        if self.pp_stage_layers is not None:
+            return PipelineCost.of_layers(self.pp_stage_layers, **transfer)
+        return PipelineCost.of_layers([1] * self.pipeline_parallel_size, **transfer)
+
+
+def stage_layers(num_layers: int, pipeline_parallel_size: int, partition: str | None = None) -> tuple[int, ...]:
+    """Each stage's layer count as the engine splits them (`jaxllm.parallel.pipeline.layer_ranges`: vLLM's
+    split, or `partition` / JAXLLM_PP_LAYER_PARTITION, "15,15"). Imports JAX (the engine's own function)."""
+    from jaxllm.parallel.pipeline import layer_ranges
+
+    return tuple(end - start for start, end in layer_ranges(num_layers, pipeline_parallel_size, partition))
 
 
 def cost_model_step_time(cost: CostModel, config: SimConfig) -> StepTime:
@@ -128,6 +183,31 @@ class SimResult:
         return result
 
 
+@dataclass
+class _Batch:
+    """A batch in flight (pipeline parallelism; with one stage, the step being run)."""
+
+    out: SchedulerOutput
+    finish: float  # when its last stage ends
+    elapsed: float  # from its launch to `finish`, as summed (the one-stage loop's step time exactly)
+
+
+def pipeline_summary(pipeline: PipelineCost, stage_busy: list[float], busy_time: float, batch_time: float) -> dict:
+    """The result JSON's pipeline figures (the module docstring): the bubble and batches in flight over the
+    time at least one batch was in flight, each stage's busy fraction of it, and the model's parameters."""
+    stages = pipeline.num_stages
+    return {
+        "pipeline_parallel_size": stages,
+        "pp_stage_shares": list(pipeline.stage_shares),
+        "pp_transfer_latency_s": pipeline.transfer_latency_s,
+        "pp_transfer_s_per_token": pipeline.transfer_s_per_token,
+        "pp_busy_s": busy_time,
+        "pp_bubble_fraction": 1 - sum(stage_busy) / (stages * busy_time) if busy_time else None,
+        "pp_mean_batches_in_flight": batch_time / busy_time if busy_time else None,
+        "pp_stage_utilization": [b / busy_time if busy_time else None for b in stage_busy],
+    }
+
+
 def record_token(record: RequestRecord, now: float, previous: float, count: int = 1) -> None:
     """`count` more tokens at `now` (a verification step brings several); `previous` is when the request's
     last one came. As `jaxllm bench serve` records a stream chunk of several tokens: the first chunk's extra
@@ -175,13 +255,18 @@ def simulate(
     request_latency_s: float = 0.0,
     idle_wake_s: float = 0.0,
     acceptance_rate: float | None = None,
+    pp_transfer_latency_s: float = DEFAULT_PP_TRANSFER_LATENCY_S,
+    pp_transfer_s_per_token: float = DEFAULT_PP_TRANSFER_S_PER_TOKEN,
 ) -> SimResult:
     """Run `trace` (sorted by arrival) to completion; `oracle_output_len` tells policies each true output length.
 
     `request_latency_s` and `idle_wake_s` are `CostModel`'s (see there): a request reaches the scheduler
-    that long after it was sent; the first step after the engine was idle takes that much longer.
+    that long after it was sent; the first step after the engine was idle takes that much longer (its
+    first stage does, under PP).
     `acceptance_rate`: with `config.speculative`, the per-position acceptance rate of requests whose trace
     record has none (see the module docstring).
+    `pp_transfer_latency_s`, `pp_transfer_s_per_token`: with `config.pipeline_parallel_size` > 1, the copy of
+    a batch's hidden states across each stage boundary (`PipelineCost`); unused with one stage.
     """
     for name, value in (("request_latency_s", request_latency_s), ("idle_wake_s", idle_wake_s)):
         if value < 0:
@@ -204,6 +289,8 @@ def simulate(
             f"max_model_len={sched_cfg.max_model_len}: raise the number of blocks"
         )
     scheduler = Scheduler(sched_cfg, kv, speculative)
+    pipeline = config.pipeline_cost(pp_transfer_latency_s, pp_transfer_s_per_token)
+    num_stages = pipeline.num_stages
     records = [RequestRecord(prompt_len=0, start=r.arrival_time) for r in trace]
     index: dict[int, int] = {}  # id(Request) → trace index
     last_token: list[float] = [0.0] * len(trace)
@@ -247,7 +334,8 @@ def simulate(
         decoding = []
         for request in scheduler.running:
             request.draft_token_ids = []
-            if request.num_tokens - request.num_computed_tokens == 1:
+            # (a request in a batch still in flight, under PP, gets none: the engine's Drafter skips it)
+            if request.num_tokens - request.num_computed_tokens == 1 and not scheduler.has_step_in_flight(request):
                 decoding.append(request)
         k = speculative.num_speculative_tokens
         cap = scheduler.draft_budget.cap([k] * len(decoding), 0) if decoding else 0
@@ -281,25 +369,35 @@ def simulate(
     start = clock
     next_arrival = 0
     idle = True  # the engine has nothing to do before the first arrival
-    while next_arrival < len(trace) or scheduler.num_unfinished:
-        if not scheduler.num_unfinished:  # idle: jump to the next arrival
-            clock = max(clock, reaches_engine(next_arrival))
-            idle = True
-        while next_arrival < len(trace) and reaches_engine(next_arrival) <= clock:
-            arrive(next_arrival)
-            next_arrival += 1
-        if speculative is not None:
-            propose()
-        out = scheduler.schedule()
-        if out.is_empty:
-            if scheduler.num_unfinished and not scheduler.running:
-                raise RuntimeError(f"step {out.step}: requests wait but none can be scheduled")
-            continue
-        if steps is not None:
-            steps.append([s.request.request_id for s in out.scheduled])
-        seconds = step_time(out) + (idle_wake_s if idle else 0.0)
-        clock += seconds
+    in_flight: deque[_Batch] = deque()  # launched, not yet applied, oldest first (the engine's BatchQueue)
+    stage_free = [clock] * num_stages  # when each stage finishes the last batch given to it
+    stage_busy = [0.0] * num_stages
+    busy_since, busy_time, batch_time = clock, 0.0, 0.0  # time with a batch in flight; batches x time in flight
+
+    def launch(out: SchedulerOutput) -> None:
+        """Put `out` through the stages, each after the batch before it there (`_Batch` records when it ends)."""
+        nonlocal idle, busy_since
+        bucket = bucket_tokens(out.num_tokens, sched_cfg.max_num_batched_tokens)
+        durations = pipeline.stage_times(step_time(out), bucket)
+        durations[0] += idle_wake_s if idle else 0.0
         idle = False
+        if not in_flight:
+            busy_since = clock
+        elapsed = 0.0  # from the launch to the end of the stage so far
+        for s, seconds in enumerate(durations):
+            elapsed = max(elapsed, stage_free[s] - clock) + seconds
+            stage_free[s] = clock + elapsed
+            stage_busy[s] += seconds
+        in_flight.append(_Batch(out, clock + elapsed, elapsed))
+
+    def apply(batch: _Batch) -> None:
+        """Wait for the batch's last stage, then apply its tokens (the real `Scheduler.update`)."""
+        nonlocal clock, busy_time, batch_time
+        out, seconds = batch.out, batch.elapsed  # launch to applied, as the engine measures it for the draft cap
+        clock = max(clock, batch.finish)  # (the host waits only for the oldest batch: never later than its end)
+        batch_time += seconds
+        if not in_flight:
+            busy_time += clock - busy_since
         if scheduler.draft_budget is not None:  # as the engine feeds it each step's measured time
             scheduler.draft_budget.observe_step(out.num_tokens, seconds)
         sampled = plain_sampled if speculative is None else verdicts(out)
@@ -313,6 +411,33 @@ def simulate(
                 record.success = True
         kv_usage.append((clock - start, kv.usage))
 
+    while next_arrival < len(trace) or scheduler.num_unfinished or in_flight:
+        if len(in_flight) >= num_stages:  # the queue is full: the oldest batch first
+            apply(in_flight.popleft())
+            continue
+        if not scheduler.num_unfinished and not in_flight:  # idle: jump to the next arrival
+            clock = max(clock, reaches_engine(next_arrival))
+            idle = True
+        while next_arrival < len(trace) and reaches_engine(next_arrival) <= clock:
+            arrive(next_arrival)
+            next_arrival += 1
+        if speculative is not None:
+            propose()
+        out = scheduler.schedule()
+        if not out.is_empty:
+            if steps is not None:
+                steps.append([s.request.request_id for s in out.scheduled])
+            launch(out)
+            continue
+        if in_flight:  # nothing new can start: the oldest batch in flight
+            apply(in_flight.popleft())
+            continue
+        if scheduler.num_unfinished and not scheduler.running:
+            raise RuntimeError(f"step {out.step}: requests wait but none can be scheduled")
+
+    extra = spec_summary(scheduler.spec_stats, num_decodes) if scheduler.spec_stats is not None else {}
+    if num_stages > 1:
+        extra.update(pipeline_summary(pipeline, stage_busy, busy_time, batch_time))
     return SimResult(
         records=records,
         duration=clock - start,
@@ -324,7 +449,7 @@ def simulate(
         free_blocks_at_end=kv.num_free_blocks,
         num_usable_blocks=kv.num_usable_blocks,
         steps=steps,
-        extra=spec_summary(scheduler.spec_stats, num_decodes) if scheduler.spec_stats is not None else {},
+        extra=extra,
         draft_tokens=drafted if speculative is not None else None,
         accepted_tokens=accepted_total if speculative is not None else None,
     )

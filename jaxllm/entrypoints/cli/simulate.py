@@ -1,4 +1,9 @@
-"""`jaxllm simulate TRACE --cost cost.json`: replay a trace through the engine's scheduler on a virtual clock."""
+"""`jaxllm simulate TRACE --cost cost.json`: replay a trace through the engine's scheduler on a virtual clock.
+
+`--pipeline-parallel-size P` simulates the pipeline-parallel engine from a one-stage cost model: the step time
+split over the stages by their layers, plus the hidden states' copy between stages (jaxllm/sim/simulator.py).
+Tensor parallelism is in the cost model itself: calibrate one with `jaxllm calibrate --tensor-parallel-size N`.
+"""
 
 from __future__ import annotations
 
@@ -28,6 +33,44 @@ def register(sub) -> None:
     for name, kind in ENGINE_FLAGS.items():
         engine.add_argument("--" + name.replace("_", "-"), type=kind, default=None, metavar=name.upper())
     engine.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    pipeline = parser.add_argument_group("pipeline parallelism (a one-stage cost model split over the stages)")
+    pipeline.add_argument(
+        "--pipeline-parallel-size",
+        type=int,
+        default=1,
+        metavar="P",
+        help="stages, a batch in flight per stage; without --num-gpu-blocks-override the KV pool is what the "
+        "calibrated engine's KV bytes per device hold when each stage keeps only its layers' K/V",
+    )
+    pipeline.add_argument(
+        "--num-layers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the model's layers, split as the engine splits them (JAXLLM_PP_LAYER_PARTITION honoured) "
+        "(default: the cost model's record; without one, an even split)",
+    )
+    pipeline.add_argument(
+        "--pp-layer-partition",
+        default=None,
+        metavar="COUNTS",
+        help='layers per stage, e.g. "15,15" (as JAXLLM_PP_LAYER_PARTITION)',
+    )
+    pipeline.add_argument(
+        "--pp-transfer-latency-s",
+        type=float,
+        default=None,
+        metavar="S",
+        help="each stage boundary's copy of a batch's hidden states, per batch (default 1e-4, measured between "
+        "two host-platform CPU devices)",
+    )
+    pipeline.add_argument(
+        "--pp-transfer-s-per-token",
+        type=float,
+        default=None,
+        metavar="S",
+        help="... and per token of the batch's bucket (default 2e-7: hidden size 576 in float32, the same measurement)",
+    )
     spec = parser.add_argument_group("speculative decoding")
     spec.add_argument(
         "--speculative-config",
@@ -65,6 +108,17 @@ def sim_config(args, cost):
     from jaxllm.sim.simulator import SimConfig
     from jaxllm.spec_decode.config import SpeculativeConfig
 
+    pp = args.pipeline_parallel_size
+    calibrated_pp = cost.engine.get("pipeline_parallel_size", 1)
+    if calibrated_pp != 1:
+        raise ValueError(
+            f"the cost model was calibrated with pipeline_parallel_size={calibrated_pp}: its steps are whole "
+            f"pipelines run one at a time; calibrate with one stage (the simulator splits it over the stages)"
+        )
+    if pp == 1 and args.pp_layer_partition is not None:
+        raise ValueError("--pp-layer-partition needs --pipeline-parallel-size > 1")
+    layers = pipeline_layers(args, cost, pp) if pp > 1 else None
+
     def setting(name):
         value = getattr(args, name)
         if value is not None:
@@ -78,13 +132,39 @@ def sim_config(args, cost):
     scheduler = SchedulerConfig(
         setting("max_num_seqs"), setting("max_num_batched_tokens"), setting("max_model_len"), args.scheduling_policy
     )
+    num_blocks = setting("num_gpu_blocks_override")
+    if pp > 1 and args.num_gpu_blocks_override is None:
+        num_blocks = pipeline_pool(num_blocks, layers or (1,) * pp)
     return SimConfig(
         scheduler,
-        num_blocks=setting("num_gpu_blocks_override"),
+        num_blocks=num_blocks,
         block_size=setting("block_size"),
         enable_prefix_caching=setting("enable_prefix_caching"),
         speculative=SpeculativeConfig.parse(args.speculative_config),
+        pipeline_parallel_size=pp,
+        pp_stage_layers=layers,
     )
+
+
+def pipeline_layers(args, cost, pp: int) -> tuple[int, ...] | None:
+    """Each stage's layers: --pp-layer-partition, else the engine's split of --num-layers (or the cost model's
+    record of them); None when neither is known (an even split of the step time)."""
+    from jaxllm.sim.simulator import stage_layers
+
+    if args.pp_layer_partition is not None:
+        try:
+            counts = [int(n) for n in args.pp_layer_partition.split(",")]
+        except ValueError:
+            raise ValueError(f"--pp-layer-partition {args.pp_layer_partition!r}: not comma-separated counts") from None
+        return stage_layers(sum(counts), pp, args.pp_layer_partition)
+    num_layers = args.num_layers if args.num_layers is not None else cost.engine.get("num_layers")
+    return stage_layers(num_layers, pp) if num_layers is not None else None
+
+
+def pipeline_pool(num_blocks: int, layers: tuple[int, ...]) -> int:
+    """The pool of a pipeline-parallel engine with the calibrated engine's KV bytes per device: a block's K/V on
+    a stage is its layers' share of the whole model's, and the tightest stage sets the count (runner/pipeline.py)."""
+    return num_blocks * sum(layers) // max(layers)
 
 
 def run(args) -> dict:
@@ -96,6 +176,17 @@ def run(args) -> dict:
 
     cost = CostModel.load(args.cost)
     config = sim_config(args, cost)
+    pp = config.pipeline_parallel_size
+    transfer = {
+        name: value
+        for name, value in (
+            ("pp_transfer_latency_s", args.pp_transfer_latency_s),
+            ("pp_transfer_s_per_token", args.pp_transfer_s_per_token),
+        )
+        if value is not None
+    }
+    if transfer and pp == 1:
+        raise ValueError("--pp-transfer-* need --pipeline-parallel-size > 1")
     if args.acceptance_rate is not None and config.speculative is None:
         raise ValueError("--acceptance-rate needs --speculative-config")
     trace = load_trace(args.trace)
@@ -110,6 +201,7 @@ def run(args) -> dict:
         **cost.event_costs(),
         oracle_output_len=args.oracle_output_len,
         acceptance_rate=args.acceptance_rate,
+        **transfer,
     )
     wall = time.perf_counter() - started
     sched = config.scheduler
@@ -127,6 +219,9 @@ def run(args) -> dict:
         "block_size": config.block_size,
         "enable_prefix_caching": config.enable_prefix_caching,
         "speculative_config": json.loads(config.speculative.to_json()) if config.speculative else None,
+        "tensor_parallel_size": cost.engine.get("tensor_parallel_size", 1),  # the cost model's
+        "pipeline_parallel_size": pp,
+        "pp_stage_layers": list(config.pp_stage_layers) if config.pp_stage_layers else None,
         "acceptance_rate": args.acceptance_rate,
         "seed": args.seed,
         "simulation_seconds": wall,
@@ -141,6 +236,8 @@ def run(args) -> dict:
     )
     if config.speculative is not None:
         print(speculation_line(result))
+    if pp > 1:
+        print(pipeline_line(result))
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         arrays = per_request(sim.records)
@@ -169,4 +266,18 @@ def speculation_line(result: dict) -> str:
         f"({result['spec_decode_mean_draft_tokens']:.2f} each), drafts in "
         f"{result['spec_decode_speculated_fraction']:.1%} of {result['spec_decode_num_decodes']} decodes; "
         f"accepted per position {result['spec_decode_num_accepted_tokens_per_pos']}"
+    )
+
+
+def pipeline_line(result: dict) -> str:
+    """The summary's pipeline figures."""
+    if result["pp_bubble_fraction"] is None:
+        return "pipeline: no batch ran"
+    layers = result["pp_stage_layers"]
+    split = f"layers {layers}" if layers else "an even split"
+    utilization = ", ".join(f"{u:.1%}" for u in result["pp_stage_utilization"] if u is not None)
+    return (
+        f"pipeline: {result['pipeline_parallel_size']} stages ({split}), {result['num_blocks']} KV blocks; bubble "
+        f"{result['pp_bubble_fraction']:.1%} of the stages' time while busy, "
+        f"{result['pp_mean_batches_in_flight']:.2f} batches in flight on average; stages busy {utilization}"
     )
