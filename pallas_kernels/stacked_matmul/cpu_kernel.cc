@@ -449,14 +449,12 @@ struct QuantLayer {  // one packed layer
 template <int ROWS, int VECS, int BITS, bool MIN>
 inline void QuantStrip(const float* x, int64_t ldx, int64_t group, const void* q, int c, const uint16_t* d16,
                        const uint16_t* m16, const float* xsum, int64_t groups, float* y, int64_t ldy) {
-  // Two sets of accumulators where registers allow (few rows: one for k even and one for k odd, or for the
-  // low and the high nibbles), so that each holds one FMA chain per step rather than two back to back
-  constexpr int kSets = ROWS * VECS * 2 + VECS * (BITS == 4 ? 2 : 1) + 2 <= kVecRegs ? 2 : 1;
-  VecF acc[kSets][ROWS][VECS];
+  // One accumulator set: a second (k even / odd, low / high nibbles) to halve the FMA chains measured no faster,
+  // with or without a barrier against GCC reassociating it back into one chain (benchmarks/NOTES.md)
+  VecF acc[ROWS][VECS];
 #pragma GCC unroll 8
-  for (int s = 0; s < kSets; ++s)
-    for (int r = 0; r < ROWS; ++r)
-      for (int v = 0; v < VECS; ++v) acc[s][r][v] = VecF{};
+  for (int r = 0; r < ROWS; ++r)
+    for (int v = 0; v < VECS; ++v) acc[r][v] = VecF{};
   if constexpr (BITS == 8) {
     const int8_t* qp = static_cast<const int8_t*>(q) + c;
     int64_t k = 0;
@@ -470,7 +468,7 @@ inline void QuantStrip(const float* x, int64_t ldx, int64_t group, const void* q
         for (int r = 0; r < ROWS; ++r) {
           const float a = x[r * ldx + k + h];
 #pragma GCC unroll 8
-          for (int v = 0; v < VECS; ++v) acc[h % kSets][r][v] += a * w[v];
+          for (int v = 0; v < VECS; ++v) acc[r][v] += a * w[v];
         }
       }
     }
@@ -478,7 +476,7 @@ inline void QuantStrip(const float* x, int64_t ldx, int64_t group, const void* q
       VecF w[VECS];
       for (int v = 0; v < VECS; ++v) w[v] = WidenQ8(qp + k * kPanel + v * kLanes);
       for (int r = 0; r < ROWS; ++r)
-        for (int v = 0; v < VECS; ++v) acc[0][r][v] += x[r * ldx + k] * w[v];
+        for (int v = 0; v < VECS; ++v) acc[r][v] += x[r * ldx + k] * w[v];
     }
   } else {
     const uint8_t* qp = static_cast<const uint8_t*>(q) + c;
@@ -491,18 +489,10 @@ inline void QuantStrip(const float* x, int64_t ldx, int64_t group, const void* q
         for (int r = 0; r < ROWS; ++r) {
           const float a_lo = x[r * ldx + b + j], a_hi = x[r * ldx + b + 16 + j];
 #pragma GCC unroll 8
-          for (int v = 0; v < VECS; ++v) {
-            acc[0][r][v] += a_lo * lo[v];
-            acc[kSets - 1][r][v] += a_hi * hi[v];
-          }
+          for (int v = 0; v < VECS; ++v) acc[r][v] += a_lo * lo[v] + a_hi * hi[v];
         }
       }
     }
-  }
-  if constexpr (kSets == 2) {
-#pragma GCC unroll 8
-    for (int r = 0; r < ROWS; ++r)
-      for (int v = 0; v < VECS; ++v) acc[0][r][v] += acc[1][r][v];
   }
 #pragma GCC unroll 8
   for (int v = 0; v < VECS; ++v) {
@@ -512,7 +502,7 @@ inline void QuantStrip(const float* x, int64_t ldx, int64_t group, const void* q
 #pragma GCC unroll 8
     for (int r = 0; r < ROWS; ++r) {
       float* o = y + r * ldy + c + v * kLanes;
-      VecF out = Load(o) + d * acc[0][r][v];
+      VecF out = Load(o) + d * acc[r][v];
       if constexpr (BITS == 4) out += m * xsum[r * groups];
       Store(o, out);
     }
