@@ -312,6 +312,19 @@ def test_transfer_that_never_completes_is_recomputed_within_its_deadline(pd, ref
     assert _tokens(_decode(consumer, [PROMPTS[0]], [params])) == [reference[0]]
 
 
+def test_transfer_from_a_producer_that_is_gone_fails_at_once_and_recomputes(pd, reference):
+    from jaxllm.bench.server_process import free_port
+
+    producer, consumer = pd
+    gone = {**_producer_params(producer, PROMPTS[2]), "remote_address": f"127.0.0.1:{free_port()}"}
+    started = time.monotonic()
+    out = _decode(consumer, [PROMPTS[2]], [gone])[0]
+    assert time.monotonic() - started < 3  # not the 3 s pull deadline: nobody listens there
+    assert out.outputs[0].token_ids == reference[2]
+    assert consumer.engine.stats()["kv_transfer_failures"].get("unreachable", 0) >= 1
+    assert _no_blocks_in_use(consumer)
+
+
 def test_transfer_from_a_different_scope_or_malformed_params_is_refused_as_it_arrives(pd, reference):
     producer, consumer = pd
     params = _producer_params(producer, PROMPTS[1])

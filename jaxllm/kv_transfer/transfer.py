@@ -24,6 +24,7 @@ from __future__ import annotations
 import datetime
 import logging
 import secrets
+import socket
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -139,6 +140,13 @@ def _check_remote(params: dict, scope) -> dict:
     return params
 
 
+def _check_reachable(address: str, timeout: float = 2.0) -> None:
+    """Raise OSError unless something accepts a TCP connection at host:port (the connection is closed at once):
+    JAX's `connect` is lazy, and a pull from nobody never completes."""
+    host, _, port = address.rpartition(":")
+    socket.create_connection((host, int(port)), timeout=timeout).close()
+
+
 class TransferWorker(KVConnectorWorker):
     """The engine's transfer server (offers), and the pulls it runs as a consumer (one connection per producer,
     made again after a failure)."""
@@ -177,9 +185,13 @@ class TransferWorker(KVConnectorWorker):
         try:
             connection = self._connections.get(load.address)
             if connection is None:
+                _check_reachable(load.address)  # a dead producer's pull would only end at its deadline
                 connection = self._connections[load.address] = self.server.connect(load.address)
             spec = self.mover.spec(len(load.block_ids))
             arrays = connection.pull(load.transfer_id, [spec, spec])
+        except OSError as e:
+            self._fail(load, f"the KV producer at {load.address} is unreachable: {e}", reason="unreachable")
+            return
         except Exception as e:  # noqa: BLE001 - any transport error fails this load only
             self._fail(load, f"could not pull KV from {load.address}: {e}")
             return
