@@ -12,7 +12,7 @@ import sys
 
 from jaxllm.entrypoints.cli.common import Parser
 
-SUBCOMMANDS = ("generate", "chat", "serve", "router", "convert", "bench", "trace", "calibrate", "simulate")
+SUBCOMMANDS = ("generate", "chat", "serve", "router", "convert", "bench", "trace", "calibrate", "simulate", "tune")
 
 
 def build_parser() -> Parser:

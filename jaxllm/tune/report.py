@@ -1,0 +1,138 @@
+"""The tuning report: the JSON (`--output`, written whole or not at all), the table printed, the `jaxllm serve`
+command of the best setting, and `--plot` PNGs (each setting's sustainable rate; the TTFT/TPOT trade-off)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+import tempfile
+from pathlib import Path
+
+from jaxllm.engine.args import EngineArgs
+from jaxllm.tune.search import Candidate
+
+
+def engine_args_dict(args: EngineArgs) -> dict:
+    """The engine arguments that differ from EngineArgs' defaults (what `to_cli_args` writes as flags)."""
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if getattr(args, f.name) != f.default}
+
+
+def serve_command(args: EngineArgs) -> str:
+    return shlex.join(["jaxllm", "serve", *args.to_cli_args()])
+
+
+def candidate_json(c: Candidate) -> dict:
+    at = c.capacity.at_trace
+    return {
+        "setting": c.setting,
+        "engine_args": engine_args_dict(c.args),
+        "max_request_rate": c.max_request_rate,
+        # set when the search stopped early (the setting could not reach the best): the rate lies in
+        # [max_request_rate, max_request_rate_below)
+        "max_request_rate_below": c.capacity.below,
+        "goodput_fraction": at.fraction,  # on the trace as given
+        "slo_attainment": at.misses,  # per SLO: the metric at the goodput fraction's quantile / the SLO
+        "simulations": c.capacity.simulations,
+        "predicted": at.summary,
+    }
+
+
+def short(setting: dict) -> str:
+    abbrev = {"max_num_seqs": "seqs", "max_num_batched_tokens": "tokens", "scheduling_policy": "policy"}
+    return " ".join(f"{abbrev.get(k, k)}={v}" for k, v in setting.items())
+
+
+def rate(c: Candidate) -> str:
+    return f"<{c.capacity.below:.2f}" if c.capacity.below is not None else f"{c.max_request_rate:.2f}"
+
+
+def table(candidates: list[Candidate], slos: dict[str, float], limit: int = 15) -> str:
+    """The best `limit` candidates, one line each."""
+    head = f"{'setting':<40} {'max req/s':>9} {'goodput':>8} {'TTFT ms':>8} {'TPOT ms':>8} {'E2EL ms':>8}"
+    lines = [head, "-" * len(head)]
+    for c in candidates[:limit]:
+        s = c.capacity.at_trace.summary
+        lines.append(
+            f"{short(c.setting):<40} {rate(c):>9} {c.capacity.at_trace.fraction:>8.1%} "
+            f"{s['mean_ttft_ms']:>8.1f} {s['mean_tpot_ms']:>8.1f} {s['mean_e2el_ms']:>8.1f}"
+        )
+    if len(candidates) > limit:
+        lines.append(f"... {len(candidates) - limit} more in the JSON")
+    lines.append(
+        "(max req/s: the highest sustainable rate, <R where the search stopped once the setting could not reach the "
+        "best; the rest predicted on the trace as given)"
+    )
+    return "\n".join(lines)
+
+
+def validation_table(rows: list[dict]) -> str:
+    lines = [f"{'setting':<40} {'metric':<18} {'predicted':>10} {'measured':>10} {'error':>7}"]
+    for row in rows:
+        for key, v in row["compared"].items():
+            error = f"{v['relative_error']:+.0%}" if v["relative_error"] is not None else "-"
+            fmt = ".1%" if key == "goodput_fraction" else ".2f"
+            lines.append(
+                f"{short(row['setting']):<40} {key:<18} {v['predicted']:>10{fmt}} {v['measured']:>10{fmt}} {error:>7}"
+            )
+    return "\n".join(lines)
+
+
+def write_json(result: dict, path: str | Path) -> None:
+    """Atomically: a temporary file beside it, renamed into place (no partial file on an error)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(result, indent=1) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def save_plots(candidates: list[Candidate], slos: dict[str, float], directory: str | Path) -> list[Path]:
+    """max_request_rate.png (each setting's sustainable rate, best first) and latency_tradeoff.png (p99 TTFT
+    against p99 TPOT on the trace as given, coloured by sustainable rate, the SLOs drawn)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    shown = candidates[:40]
+    fig = Figure(figsize=(9, 0.9 + 0.28 * len(shown)), layout="constrained")
+    ax = fig.add_subplot()
+    labels = [short(c.setting) for c in shown][::-1]
+    rates = [c.max_request_rate for c in shown][::-1]
+    bars = ax.barh(range(len(shown)), rates, color="tab:blue")
+    bars[-1].set_color("tab:orange")  # the best
+    ax.set_yticks(range(len(shown)), labels, fontsize=8)
+    ax.set_xlabel("highest sustainable request rate (req/s, simulated)")
+    ax.set_title(f"Sustainable rate per setting ({len(candidates)} tried; best in orange)")
+    FigureCanvasAgg(fig)
+    paths.append(out / "max_request_rate.png")
+    fig.savefig(paths[-1], dpi=110)
+
+    fig = Figure(figsize=(7, 5), layout="constrained")
+    ax = fig.add_subplot()
+    xs = [c.capacity.at_trace.summary["p99_tpot_ms"] for c in candidates]
+    ys = [c.capacity.at_trace.summary["p99_ttft_ms"] for c in candidates]
+    points = ax.scatter(xs, ys, c=[c.max_request_rate for c in candidates], cmap="viridis")
+    ax.scatter(xs[:1], ys[:1], s=160, facecolors="none", edgecolors="tab:orange", label="best")
+    fig.colorbar(points, ax=ax, label="sustainable rate (req/s)")
+    if "tpot" in slos:
+        ax.axvline(slos["tpot"], color="tab:red", linestyle="--", label="TPOT SLO")
+    if "ttft" in slos:
+        ax.axhline(slos["ttft"], color="tab:red", linestyle=":", label="TTFT SLO")
+    ax.set_xlabel("p99 TPOT (ms)")
+    ax.set_yscale("log")
+    ax.set_ylabel("p99 TTFT (ms, log)")
+    ax.set_title("Latency trade-off on the trace as given (simulated)")
+    ax.legend()
+    FigureCanvasAgg(fig)
+    paths.append(out / "latency_tradeoff.png")
+    fig.savefig(paths[-1], dpi=110)
+    return paths
