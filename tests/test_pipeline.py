@@ -146,3 +146,31 @@ def test_two_stages_through_jaxllm_serve_with_concurrent_requests(llm):
 def test_bad_layouts_are_refused_with_one_clear_message(settings, message):
     with pytest.raises(ValueError, match=message):
         LLM(**TEST_ENGINE, kv_cache_memory_bytes=kv_bytes(64), **settings)
+
+
+def test_two_stages_with_speculation_prompt_logprobs_and_structured_outputs(llm):
+    """n-gram speculation (drafts verified in a stage-crossing step), prompt logprobs and a grammar: as one device."""
+    from jaxllm.sampling_params import StructuredOutputsParams
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2}
+    staged = LLM(**TEST_ENGINE, kv_cache_memory_bytes=kv_bytes(64), pipeline_parallel_size=2, speculative_config=spec)
+    prompts = PROMPTS[:6]
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    assert _tokens(staged.generate(prompts, greedy, use_tqdm=False)) == _tokens(
+        llm.generate(prompts, greedy, use_tqdm=False)
+    )
+    assert staged.engine.stats()["spec_decode_num_accepted_tokens"] > 0
+    scored = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=2)
+    for one, two in zip(
+        llm.generate(prompts[:2], scored, use_tqdm=False),
+        staged.generate(prompts[:2], scored, use_tqdm=False),
+        strict=True,
+    ):
+        for a, b in zip(one.prompt_logprobs[1:], two.prompt_logprobs[1:], strict=True):
+            assert abs(a[min(a)].logprob - b[min(a)].logprob) < 2e-3 if min(a) in b else True
+    choice = SamplingParams(
+        max_tokens=20, temperature=0, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])
+    )
+    texts = [o.outputs[0].text for o in staged.generate(prompts[:3], choice, use_tqdm=False)]
+    assert texts == [o.outputs[0].text for o in llm.generate(prompts[:3], choice, use_tqdm=False)]
+    assert set(texts) <= {"yes", "no"}
