@@ -48,9 +48,14 @@ def stage_meshes(pipeline_parallel_size: int, tensor_parallel_size: int) -> list
     devices = jax.devices()
     needed = pipeline_parallel_size * tensor_parallel_size
     if needed > len(devices):
+        hint = (
+            f" (on a CPU: XLA_FLAGS=--xla_force_host_platform_device_count={needed} splits it into {needed})"
+            if jax.default_backend() == "cpu"
+            else ""
+        )
         raise ValueError(
             f"pipeline_parallel_size={pipeline_parallel_size} x tensor_parallel_size={tensor_parallel_size} needs "
-            f"{needed} devices, but only {len(devices)} {jax.default_backend()} device(s) are visible"
+            f"{needed} devices, but only {len(devices)} {jax.default_backend()} device(s) are visible{hint}"
         )
     tp = tensor_parallel_size
     return [
