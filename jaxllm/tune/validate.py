@@ -38,6 +38,7 @@ def measure(
     from jaxllm.bench.serve import ENDPOINT, first_model, run
     from jaxllm.bench.server_process import ServerProcess
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     flags = candidate.args.to_cli_args()
     started = time.perf_counter()
     with ServerProcess(flags, startup_timeout=startup_timeout, env=env) as server:
