@@ -107,8 +107,11 @@ def save_plots(candidates: list[Candidate], slos: dict[str, float], directory: s
     ax = fig.add_subplot()
     labels = [short(c.setting) for c in shown][::-1]
     rates = [c.max_request_rate for c in shown][::-1]
-    bars = ax.barh(range(len(shown)), rates, color="tab:blue")
+    bounds = [c.capacity.below or 0.0 for c in shown][::-1]
+    ax.barh(range(len(shown)), bounds, color="lightgray", hatch="//", label="pruned: the rate is below this")
+    bars = ax.barh(range(len(shown)), rates, color="tab:blue", label="sustainable rate (pruned: a lower bound)")
     bars[-1].set_color("tab:orange")  # the best
+    ax.legend(loc="lower right", fontsize=8)
     ax.set_yticks(range(len(shown)), labels, fontsize=8)
     ax.set_xlabel("highest sustainable request rate (req/s, simulated)")
     ax.set_title(f"Sustainable rate per setting ({len(candidates)} tried; best in orange)")
