@@ -149,7 +149,9 @@ def test_slos_no_setting_meets_name_the_closest_and_the_miss(trace, tmp_path, ca
 
 def test_a_cost_model_from_another_machine_is_warned_about(trace, tmp_path, caplog):
     data = json.loads(Path(COST).read_text())
-    data["engine"].update(machine="elsewhere", processor="arm64")
+    data["engine"].update(
+        machine="elsewhere", processor="arm64", cpu="Some Other CPU", kernel_target="NEON (-march=armv8-a)"
+    )
     other = tmp_path / "other.json"
     other.write_text(json.dumps(data))
     out = tmp_path / "r.json"
@@ -158,7 +160,8 @@ def test_a_cost_model_from_another_machine_is_warned_about(trace, tmp_path, capl
     warned = caplog.text
     assert "machine: calibrated 'elsewhere'" in warned and "processor: calibrated 'arm64'" in warned
     assert "dtype: calibrated 'float32', here 'bfloat16'" in warned
-    assert len(json.loads(out.read_text())["cost_model_differences"]) == 3
+    assert "cpu: calibrated 'Some Other CPU'" in warned and "kernel_target: calibrated 'NEON" in warned
+    assert len(json.loads(out.read_text())["cost_model_differences"]) == 5
 
 
 def test_validate_one_serves_the_best_for_real(tmp_path):

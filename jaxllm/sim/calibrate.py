@@ -257,8 +257,24 @@ def _engine_description(core) -> dict:
         ),
         "machine": platform.node(),
         "processor": platform.processor() or platform.machine(),
+        **machine_speed_keys(),
+        "quantization": core.loaded.quant.describe(),
+        "kv_cache_dtype": core.config.cache.cache_dtype,
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
     }
+
+
+def machine_speed_keys() -> dict:
+    """What decides this machine's step times beyond its name: the CPU model, and the vector ISA and -march the
+    C++ kernels are built for (a VM moved to another host keeps its name; `jaxllm tune` compares these)."""
+    from jaxllm.bench.offline import cpu_name
+
+    keys = {"cpu": cpu_name()}
+    if jax.default_backend() == "cpu":
+        from pallas_kernels import cpu_ffi
+
+        keys["kernel_target"] = f"{cpu_ffi.isa()} (-march={cpu_ffi.march()})"
+    return keys
 
 
 def light_trace(max_model_len: int, seed: int = 3):

@@ -216,10 +216,13 @@ def machine_differences(cost: CostModel, given: EngineArgs) -> list[str]:
     import platform
     from pathlib import Path
 
+    from jaxllm.sim.calibrate import machine_speed_keys
+
     engine, here = cost.engine, []
     checks = [
         ("machine", platform.node()),
         ("processor", platform.processor() or platform.machine()),
+        *((key, value) for key, value in machine_speed_keys().items() if key in engine),  # newer models record them
     ]
     if given.model is not None:
         checks.append(("model", Path(given.model.rstrip("/")).name))
