@@ -12,6 +12,7 @@ runs batch i, stage s runs batch i+1 (the engine keeps up to PP batches in fligh
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import cast
 
@@ -52,7 +53,7 @@ class PipelineRunner(ModelRunner):
         arch = loaded.arch
         self.meshes = meshes
         self.ranges = layer_ranges(arch.num_layers, len(meshes))
-        self.stage_archs = [arch.__class__(**{**arch.__dict__, "num_layers": b - a}) for a, b in self.ranges]
+        self.stage_archs = [dataclasses.replace(arch, num_layers=b - a) for a, b in self.ranges]
         last = len(meshes) - 1
         self.stage_models = [
             step_model(stage_arch, config, loaded.dtype, mesh, loaded.quant).clone(
