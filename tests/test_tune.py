@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shlex
 from itertools import product
@@ -113,7 +114,7 @@ def test_the_default_space_stays_within_what_the_cost_model_covers(trace, tmp_pa
         ('{"arrival_time": 0, "output_len": 4}\n', [], "trace.jsonl:1"),
         ("not json\n", [], "trace.jsonl:1"),
         (None, ["--search", "max_num_sequences=4"], "not an engine argument"),
-        (None, ["--search", "tensor_parallel_size=1,2"], "cannot price"),
+        (None, ["--search", "block_size=16,32"], "cannot price"),
         (None, ["--search", "max_num_seqs=four"], "not an integer"),
         (None, ["--search", "max_num_seqs=0"], ">= 1"),
         (None, ["--search", "scheduling_policy=fcfs,nope"], "'nope'"),
@@ -177,3 +178,130 @@ def test_validate_one_serves_the_best_for_real(tmp_path):
     assert row["measured"]["completed"] == 8 and row["measured"]["failed"] == 0
     assert set(row["compared"]) >= {"goodput_fraction", "request_goodput", "mean_ttft_ms", "mean_tpot_ms"}
     assert result["best"]["kv_cache_memory_bytes"] == kv_bytes(TEST_KV_BLOCKS)
+
+
+# ---- --max-rate: one setting's highest sustainable Poisson rate ------------------------------------------------
+
+
+def test_max_rate_bisects_a_seeded_poisson_process_to_the_boundary(trace, tmp_path):
+    from jaxllm.bench.serve import parse_goodput
+    from jaxllm.sim.trace import load_trace
+    from jaxllm.tune.capacity import STEPS_PER_DOUBLING, Objective, poisson
+    from jaxllm.tune.space import base_engine_args
+
+    runs = [tune(trace, tmp_path / f"m{i}.json", "--max-rate", "--max-num-seqs", "4") for i in range(2)]
+    assert without_timing(runs[0]) == without_timing(runs[1])
+    result = runs[0]
+    rate, above = result["max_request_rate"], result["max_request_rate_below"]
+    assert rate > 0 and above == pytest.approx(rate * 2 ** (1 / STEPS_PER_DOUBLING))
+    assert result["setting"]["max_num_seqs"] == 4 and result["engine_args"]["max_num_seqs"] == 4
+    tried = {r["request_rate"]: r for r in result["rates"]}
+    assert tried[rate]["sustainable"] and not tried[above]["sustainable"]
+    assert result["predicted"]["max_request_rate"] == rate and result["predicted"]["goodput_fraction"] >= 0.99
+    assert result["arrivals"] == {"process": "poisson", "seed": 0, "start_rate": pytest.approx(3.9, rel=0.3)}
+    # the arrivals simulated are the ones `jaxllm bench serve --request-rate R --seed 0` sends (`retime`): the
+    # simulator on poisson(trace, R) directly gives the same figures
+    args = build_parser().parse_args(shlex.split(result["bench_command"])[1:])
+    assert args.request_rate == rate and args.seed == 0 and args.dataset_path == trace
+    engine = base_engine_args(EngineArgs(max_num_seqs=4), CostModel.load(COST))
+    direct = Objective(poisson(load_trace(trace), rate, 0), CostModel.load(COST), parse_goodput(SLOS[1:]), rate=rate)
+    run = direct.run(engine)
+    assert run.fraction == result["predicted"]["goodput_fraction"]
+    for key in ("mean_ttft_ms", "mean_tpot_ms", "duration"):
+        assert run.summary[key] == pytest.approx(result["predicted"][key])
+    assert EngineArgs(**result["engine_args"]) == engine and "--max-num-seqs 4" in result["command"]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--search", "max_num_seqs=4,8"], "leave out --search"),
+        (["--full-grid"], "leave out --full-grid"),
+        (["--validate", "2"], "1, not 2"),
+        (["--goodput", "ttft:5", "tpot:60"], "no setting meets the SLOs"),
+        (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'], "acceptance rate"),
+        (["--acceptance-rate", "1.5"], "[0, 1]"),
+    ],
+)
+def test_max_rate_bad_input_is_a_clear_error_and_no_output_file(trace, tmp_path, capsys, extra, message):
+    out = tmp_path / "r.json"
+    assert (
+        main(["tune", trace, "--cost", COST, *SLOS, "--output", str(out), "--disable-tqdm", "--max-rate", *extra]) == 2
+    )
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_max_rate_validate_serves_the_setting_at_the_poisson_arrivals_found(trace, tmp_path, monkeypatch):
+    """`--max-rate --validate 1` hands `measure` (a real `jaxllm serve` + bench serve's client, run end to end by
+    test_validate_one_serves_the_best_for_real) the setting and the very arrivals `jaxllm bench serve --request-rate
+    R --seed S` sends; here `measure` is replaced, to keep this file's runtime small (a server start is ~30 s)."""
+    from jaxllm.sim.trace import load_trace
+    from jaxllm.tune import validate
+    from jaxllm.tune.capacity import poisson
+
+    served = {}
+
+    def measure(candidate, requests, slos, *, seed=0, **_):
+        served.update(args=candidate.args, requests=requests, seed=seed)
+        return {**candidate.capacity.at_max.summary, "goodput_fraction": 0.5}
+
+    monkeypatch.setattr(validate, "measure", measure)
+    result = tune(trace, tmp_path / "r.json", "--max-rate", "--validate", "1", "--seed", "3")
+    rate, row = result["max_request_rate"], result["validated"]
+    assert row["request_rate"] == rate and served["seed"] == 3
+    assert served["args"] == EngineArgs(**result["engine_args"])
+    expected = poisson(load_trace(trace), rate, 3)
+    assert [r.arrival_time for r in served["requests"]] == pytest.approx([r.arrival_time for r in expected])
+    assert row["compared"]["goodput_fraction"] == {
+        "predicted": result["predicted"]["goodput_fraction"],
+        "measured": 0.5,
+        "relative_error": pytest.approx((result["predicted"]["goodput_fraction"] - 0.5) / 0.5),
+    }
+    assert row["slos_hold"] is False and row["compared"]["mean_ttft_ms"]["relative_error"] == 0
+
+
+# ---- the rest of the space: speculation depth and layouts -------------------------------------------------------
+
+
+def test_speculation_depth_is_searched_with_an_acceptance_rate_and_served_as_ngram(trace, tmp_path):
+    result = tune(trace, tmp_path / "r.json", "--search", "num_speculative_tokens=0,2,8", "--acceptance-rate", "0.9")
+    assert result["search"]["space"] == {"num_speculative_tokens": [0, 2]}
+    assert any("left out [8]" in line for line in result["search"]["restricted"])
+    by_k = {c["setting"]["num_speculative_tokens"]: c for c in result["candidates"]}
+    assert by_k[2]["predicted"]["mean_tpot_ms"] < by_k[0]["predicted"]["mean_tpot_ms"]  # 90 % accepted: it pays
+    assert "speculative_config" not in by_k[0]["engine_args"]
+    assert by_k[2]["engine_args"]["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 2}
+    parsed = EngineArgs.from_cli_args(build_parser().parse_args(shlex.split(result["command"])[1:]))
+    best = EngineArgs(**result["best"])  # the flag is the config's JSON text, the result's a dict: the same config
+    assert parsed.speculative() == best.speculative() and parsed.speculative() is not None
+    assert dataclasses.replace(parsed, speculative_config=None) == dataclasses.replace(best, speculative_config=None)
+    # the default space has speculation depth in it where an acceptance rate is known
+    from jaxllm.sim.trace import load_trace
+    from jaxllm.tune.space import build_space
+
+    requests, cost = load_trace(trace), CostModel.load(COST)
+    assert build_space({}, cost, requests, {}, acceptance_known=True).values["num_speculative_tokens"] == [0, 1, 2, 4]
+    without = build_space({}, cost, requests, {})
+    assert "num_speculative_tokens" not in without.values and "no speculation depth" in without.restricted[-1]
+
+
+def test_layouts_pipeline_is_searched_tensor_restricted_to_the_calibrated_size_data_refused(trace, tmp_path, capsys):
+    from jaxllm.tune.capacity import sim_config_of
+    from jaxllm.tune.space import base_engine_args
+
+    result = tune(trace, tmp_path / "r.json", "--search", "pipeline_parallel_size=1,2", "tensor_parallel_size=1,2")
+    assert result["search"]["space"] == {"pipeline_parallel_size": [1, 2], "tensor_parallel_size": [1]}
+    restricted = " ".join(result["search"]["restricted"])
+    assert "tensor_parallel_size: left out [2]" in restricted and "pipeline_parallel_size: priced" in restricted
+    assert {c["setting"]["pipeline_parallel_size"] for c in result["candidates"]} == {1, 2}
+    cost = CostModel.load(COST)
+    base = base_engine_args(EngineArgs(), cost)
+    one, two = (sim_config_of(EngineArgs(**{**vars(base), "pipeline_parallel_size": p}), cost) for p in (1, 2))
+    assert two.pipeline_parallel_size == 2 and two.num_blocks == 2 * one.num_blocks  # each stage: half the layers
+    out = tmp_path / "dp.json"
+    argv = ["tune", trace, "--cost", COST, *SLOS, "--output", str(out), "--disable-tqdm"]
+    assert main([*argv, "--search", "data_parallel_size=1,2"]) == 2
+    assert "does not model data-parallel replicas" in capsys.readouterr().err
+    assert main([*argv, "--search", "tensor_parallel_size=2"]) == 2
+    assert "nothing left to search" in capsys.readouterr().err and not out.exists()

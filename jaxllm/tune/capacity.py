@@ -6,6 +6,11 @@ requests meet every SLO (`--goodput`, as `jaxllm bench serve` counts goodput). T
 geometric grid, the trace's own rate x 2^(k/STEPS_PER_DOUBLING) for integer k, so equal rates compare
 exactly (and ties go to the tie-breakers); the search doubles (or halves) from the trace's rate until it
 brackets the boundary, then bisects k. It assumes the goodput fraction falls as the rate rises.
+
+`--max-rate` searches one setting on a Poisson process instead (`poisson`): the trace's requests at fresh,
+seeded exponential gaps of rate r0; since the gaps scale exactly with the rate, the same bisection on its time
+scaling tries Poisson arrivals at r0 x 2^(k/STEPS_PER_DOUBLING), the arrivals `jaxllm bench serve --request-rate R
+--seed S` sends.
 """
 
 from __future__ import annotations
@@ -37,6 +42,14 @@ def trace_rate(trace: list[TraceRequest]) -> float:
     return (len(trace) - 1) / span
 
 
+def poisson(trace: list[TraceRequest], rate: float, seed: int) -> list[TraceRequest]:
+    """The trace's requests at Poisson arrivals of `rate` per second, drawn as `jaxllm bench serve --request-rate
+    RATE --seed SEED` draws them (`retime`): `scaled(poisson(t, r, s), f)` is `poisson(t, r * f, s)`."""
+    from jaxllm.bench.datasets import retime
+
+    return retime(trace, rate, seed=seed)
+
+
 def scaled(trace: list[TraceRequest], factor: float) -> list[TraceRequest]:
     """The trace at `factor` times its rate: each arrival's offset from the first divided by `factor`."""
     first = trace[0].arrival_time
@@ -44,11 +57,14 @@ def scaled(trace: list[TraceRequest], factor: float) -> list[TraceRequest]:
 
 
 def sim_config_of(args: EngineArgs, cost: CostModel):
-    """The simulator's config for these engine arguments (through `jaxllm simulate`'s own builder)."""
-    from jaxllm.entrypoints.cli.simulate import sim_config
+    """The simulator's config for these engine arguments (through `jaxllm simulate`'s own builder). With pipeline
+    parallelism `kv_cache_memory_bytes` is each stage's budget for its own layers' K/V (runner/pipeline.py), so
+    the pool holds more blocks (`pipeline_pool`, the tightest stage's count)."""
+    from jaxllm.entrypoints.cli.simulate import pipeline_layers, pipeline_pool, sim_config
     from jaxllm.tune.space import kv_bytes_per_block
 
     assert args.kv_cache_memory_bytes is not None  # base_engine_args fills it
+    pp = args.pipeline_parallel_size
     namespace = SimpleNamespace(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
@@ -57,11 +73,14 @@ def sim_config_of(args: EngineArgs, cost: CostModel):
         num_gpu_blocks_override=args.kv_cache_memory_bytes // kv_bytes_per_block(cost, args.block_size),
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy,
-        pipeline_parallel_size=1,
+        pipeline_parallel_size=pp,
         pp_layer_partition=None,
-        num_layers=None,
-        speculative_config=None,
+        num_layers=None,  # the cost model's record, else an even split
+        speculative_config=args.speculative_config,
     )
+    if pp > 1:
+        layers = pipeline_layers(namespace, cost, pp) or (1,) * pp
+        namespace.num_gpu_blocks_override = pipeline_pool(namespace.num_gpu_blocks_override, layers)
     return sim_config(namespace, cost)
 
 
@@ -80,6 +99,7 @@ class Capacity:
     k: int | None  # its grid index (None: none sustainable)
     at_trace: Run  # the trace as given
     lowest: Run  # at the lowest rate tried (what an unsustainable setting misses by)
+    at_max: Run | None = None  # at max_request_rate (None: none sustainable)
     below: float | None = None  # pruned: the true rate is below this (and max_request_rate a lower bound)
     simulations: int = 0
     fractions: dict[int, float] = field(default_factory=dict)  # k -> goodput fraction
@@ -95,13 +115,19 @@ class Objective:
         slos: dict[str, float],
         fraction: float = 0.99,
         seed: int = 0,
+        *,
+        rate: float | None = None,
+        acceptance_rate: float | None = None,
     ):
+        """`rate`: the rate the trace stands for (default: its own, `trace_rate`; a Poisson trace's process rate);
+        `acceptance_rate`: speculation's, for requests whose trace record carries none (`simulate`'s)."""
         if not slos:
             raise ValueError("--goodput needs at least one SLO, e.g. ttft:500 tpot:50")
         if not 0 < fraction <= 1:
             raise ValueError(f"--goodput-fraction must be in (0, 1], got {fraction}")
         self.trace, self.cost, self.slos, self.fraction, self.seed = trace, cost, slos, fraction, seed
-        self.rate = trace_rate(trace)
+        self.rate = rate if rate is not None else trace_rate(trace)
+        self.acceptance_rate = acceptance_rate
         self.simulations = 0
         self.best_k: int | None = None  # the best sustainable grid index found so far (for pruning)
 
@@ -115,7 +141,12 @@ class Objective:
         config = sim_config_of(args, self.cost)
         trace = self.trace if k == 0 else scaled(self.trace, 2 ** (k / STEPS_PER_DOUBLING))
         sim = simulate(
-            trace, config, cost_model_step_time(self.cost, config), seed=self.seed, **self.cost.event_costs()
+            trace,
+            config,
+            cost_model_step_time(self.cost, config),
+            seed=self.seed,
+            acceptance_rate=self.acceptance_rate,
+            **self.cost.event_costs(),
         )
         self.simulations += 1
         summary = summarize(sim.records, sim.duration, goodput=self.slos)
@@ -174,6 +205,7 @@ class Objective:
             k=low,
             at_trace=runs[0],
             lowest=runs[min(runs)],
+            at_max=runs.get(low) if low is not None else None,
             below=self.rate_at(high) if pruned and high is not None else None,
             simulations=self.simulations - before,
             fractions={k: r.fraction for k, r in sorted(runs.items())},

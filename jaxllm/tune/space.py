@@ -1,9 +1,15 @@
 """The search space: `--search NAME=V1,V2,...` parsed and checked against EngineArgs, and the default space,
-restricted to the shapes the cost model was calibrated at (it records them in `CostModel.engine`)."""
+restricted to the shapes the cost model was calibrated at (it records them in `CostModel.engine`).
+
+Besides EngineArgs fields, `num_speculative_tokens` (vLLM's name inside `--speculative-config`) searches n-gram
+speculation depth, 0 meaning none (`with_setting` turns it into `speculative_config`). Layouts: the simulator
+splits a one-stage cost model over pipeline stages (`pipeline_parallel_size`); a tensor-parallel step is the cost
+model's own (calibrated at one size), and data-parallel replicas with the front's routing are not simulated."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from itertools import product
 
@@ -20,8 +26,23 @@ SEARCHABLE: dict[str, type] = {
     "scheduling_policy": str,
     "enable_prefix_caching": bool,
     "kv_cache_memory_bytes": int,
+    "num_speculative_tokens": int,  # n-gram speculation depth; 0: none
+    "pipeline_parallel_size": int,
+    "tensor_parallel_size": int,  # only the calibrated size: the cost model is one TP layout's
 }
-NUMERIC = ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes")
+NUMERIC = (
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "kv_cache_memory_bytes",
+    "num_speculative_tokens",
+    "pipeline_parallel_size",
+    "tensor_parallel_size",
+)
+SPECULATION = "num_speculative_tokens"
+NOT_SIMULATED = {
+    "data_parallel_size": "the simulator does not model data-parallel replicas and the front's routing between "
+    "them (jaxllm/distributed/dp_client.py); compare DP sizes on the real server (benchmarks/data_parallel.py)",
+}
 
 Setting = dict  # searched engine argument -> value
 
@@ -59,8 +80,9 @@ def _parse_value(name: str, text: str):
             value = int(text)
         except ValueError:
             raise ValueError(f"--search {name}: {text!r} is not an integer") from None
-        if value < 1:
-            raise ValueError(f"--search {name}: values must be >= 1, got {value}")
+        least = 0 if name == SPECULATION else 1
+        if value < least:
+            raise ValueError(f"--search {name}: values must be >= {least}, got {value}")
         return value
     policy = text.strip()
     from jaxllm.engine.policy import resolve_policy
@@ -81,8 +103,10 @@ def parse_search(items: list[str] | None) -> dict[str, list]:
         name = raw_name.strip().lstrip("-").replace("-", "_")
         if not sep or not raw_values.strip():
             raise ValueError(f"--search takes NAME=V1,V2,... such as max_num_seqs=4,8; got {item!r}")
-        if name not in fields:
+        if name not in fields and name != SPECULATION:
             raise ValueError(f"--search {raw_name!r}: not an engine argument (EngineArgs has no field {name!r})")
+        if name in NOT_SIMULATED:
+            raise ValueError(f"--search {name}: {NOT_SIMULATED[name]}")
         if name not in SEARCHABLE:
             raise ValueError(
                 f"--search {name}: the simulator cannot price it; searchable: {', '.join(SEARCHABLE)} "
@@ -119,10 +143,18 @@ def default_policies(trace: list[TraceRequest]) -> list[str]:
     return policies
 
 
-def build_space(explicit: dict[str, list], cost: CostModel, trace: list[TraceRequest], fixed: dict) -> Space:
+def build_space(
+    explicit: dict[str, list],
+    cost: CostModel,
+    trace: list[TraceRequest],
+    fixed: dict,
+    *,
+    acceptance_known: bool = False,
+) -> Space:
     """The space searched: the `--search` dimensions, else the default ones (max_num_seqs, max_num_batched_tokens,
-    scheduling_policy), every shape within what the cost model was calibrated at. `fixed` holds the engine
-    arguments set by flags (a default dimension the user fixed with its own flag is not searched)."""
+    scheduling_policy, and n-gram speculation depth when an acceptance rate is known: `acceptance_known`), every
+    shape within what the cost model was calibrated at. `fixed` holds the engine arguments set by flags (a default
+    dimension the user fixed with its own flag is not searched)."""
     seqs_cap = cost.engine.get("max_num_seqs")
     tokens_cap = max(cost.bucket_tokens)
     if "max_num_batched_tokens" in cost.engine:
@@ -137,20 +169,53 @@ def build_space(explicit: dict[str, list], cost: CostModel, trace: list[TraceReq
             values["max_num_batched_tokens"] = powers_of_two(tokens_cap, start=8)
         if fixed.get("scheduling_policy") in (None, "fcfs"):
             values["scheduling_policy"] = default_policies(trace)
+        if acceptance_known and fixed.get(SPECULATION) is None:
+            values[SPECULATION] = [0, 1, 2, 4]
     restricted = []
+    # a verification of k drafts is k + 1 rows of logits and tokens: beyond the calibrated rows (max_num_seqs)
+    # the per-row cost would be extrapolated
+    spec_cap = seqs_cap - 1 if seqs_cap is not None else None
+    calibrated_tp = cost.engine.get("tensor_parallel_size", 1)
     for name, cap, what in (
         ("max_num_seqs", seqs_cap, f"the cost model was calibrated at max_num_seqs={seqs_cap}"),
         ("max_num_batched_tokens", tokens_cap, f"the cost model measured step buckets up to {tokens_cap} tokens"),
+        (SPECULATION, spec_cap, f"a verification of k drafts has k + 1 rows; the cost model's steps had <= {seqs_cap}"),
     ):
         if name in values and cap is not None:
             dropped = [v for v in values[name] if v > cap]
             if dropped:
                 values[name] = [v for v in values[name] if v <= cap]
                 restricted.append(f"{name}: left out {dropped} ({what}; recalibrate at larger shapes to search them)")
+    if "tensor_parallel_size" in values:
+        dropped = [v for v in values["tensor_parallel_size"] if v != calibrated_tp]
+        if dropped:
+            values["tensor_parallel_size"] = [v for v in values["tensor_parallel_size"] if v == calibrated_tp]
+            restricted.append(
+                f"tensor_parallel_size: left out {dropped} (the cost model's steps are those of "
+                f"tensor_parallel_size={calibrated_tp}; a TP step has its own sharded matmuls and all-reduces: "
+                f"calibrate one cost model per size and tune with each)"
+            )
+    if "pipeline_parallel_size" in values and any(v > 1 for v in values["pipeline_parallel_size"]):
+        layers = cost.engine.get("num_layers")
+        split = f"by its {layers} layers" if layers else "evenly (the cost model records no num_layers)"
+        restricted.append(
+            f"pipeline_parallel_size: priced from the one-stage cost model split over the stages {split}, plus "
+            f"the hidden states' copy per boundary, each stage on a device of its own as fast as the calibrated "
+            f"one (docs/research.md); CPU host devices share the machine's cores, so on a CPU the prediction is "
+            f"for P real devices, not for `jaxllm serve --pipeline-parallel-size` on this machine"
+        )
+    if SPECULATION in values and any(values[SPECULATION]) and not any(k.startswith("verify") for k in cost.fit):
+        restricted.append(
+            f"{SPECULATION}: the cost model timed no verification steps (calibrated before they were added): "
+            f"a verification of k drafts is priced as a chunk of k + 1 tokens, which costs the same "
+            f"(docs/research.md, verification steps in the cost model)"
+        )
     if not explicit:
         restricted.append(
             f"default space: max_num_seqs <= {seqs_cap}, max_num_batched_tokens <= {tokens_cap} "
             f"(the shapes the cost model covers)"
+            + ("" if acceptance_known else "; no speculation depth (no acceptance rate: --acceptance-rate)")
+            + "; layouts: the calibrated one only (name pipeline_parallel_size in --search)"
         )
     for line in restricted:
         logger.warning("search restricted: %s", line)
@@ -173,10 +238,14 @@ def base_engine_args(given: EngineArgs, cost: CostModel) -> EngineArgs:
     """The engine arguments every setting starts from: the flags given, and for what they leave unset the
     calibrated engine's (dtype, max_model_len, shapes, and the KV pool's bytes: "KV memory from the machine")."""
     engine = cost.engine
-    if given.pipeline_parallel_size != 1 or given.data_parallel_size != 1:
-        raise ValueError("jaxllm tune searches one-device-group layouts only: leave out --pipeline/data-parallel-size")
-    if given.speculative_config is not None:
-        raise ValueError("jaxllm tune does not search speculation yet: leave out --speculative-config")
+    if given.data_parallel_size != 1:
+        raise ValueError(f"--data-parallel-size: {NOT_SIMULATED['data_parallel_size']}")
+    spec = given.speculative()  # parses (a clear error on bad JSON)
+    if spec is not None and spec.method != "ngram":
+        raise ValueError(
+            f"--speculative-config: the simulator prices n-gram speculation only (method {spec.method!r} would "
+            f"need its draft model's steps in the cost model)"
+        )
     if engine.get("pipeline_parallel_size", 1) != 1:
         raise ValueError("the cost model was calibrated with pipeline parallelism: calibrate with one stage")
     calibrated_tp = engine.get("tensor_parallel_size", 1)
@@ -208,7 +277,20 @@ def kv_bytes_per_block(cost: CostModel, block_size: int) -> int:
 
 
 def with_setting(base: EngineArgs, setting: Setting) -> EngineArgs:
-    return dataclasses.replace(base, **setting)
+    """The base arguments with the setting's values; `num_speculative_tokens` k becomes n-gram speculation with k
+    drafts (the base's other n-gram fields kept), 0 none."""
+    updates = dict(setting)
+    if SPECULATION in updates:
+        k = updates.pop(SPECULATION)
+        spec = base.speculative()
+        fields = json.loads(spec.to_json()) if spec is not None else {"method": "ngram"}
+        updates["speculative_config"] = {**fields, SPECULATION: k} if k else None
+    return dataclasses.replace(base, **updates)
+
+
+def speculation_depth(args: EngineArgs) -> int:
+    spec = args.speculative()
+    return spec.num_speculative_tokens if spec is not None else 0
 
 
 def machine_differences(cost: CostModel, given: EngineArgs) -> list[str]:
