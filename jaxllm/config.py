@@ -133,6 +133,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     pipeline_parallel_size: int = 1  # stages, each its own devices and layers (parallel/pipeline.py)
+    distributed_timeout: float = 60.0  # multi-host: seconds a node waits for another's arrays before giving up
 
     def __post_init__(self):
         _positive("tensor_parallel_size", self.tensor_parallel_size)

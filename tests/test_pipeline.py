@@ -137,7 +137,7 @@ def test_two_stages_through_jaxllm_serve_with_concurrent_requests(llm):
         (dict(pipeline_parallel_size=31), "more stages than the model's 30 layers"),
         (dict(tensor_parallel_size=2), "tensor_parallel_size=2 does not divide the model's 3 KV heads"),
         (dict(pipeline_parallel_size=2, async_scheduling=True), "not supported with async_scheduling"),
-        (dict(pipeline_parallel_size=2, nnodes=2), "not supported with nnodes > 1"),
+        (dict(pipeline_parallel_size=3, nnodes=2), "pipeline_parallel_size=3 must be a multiple of nnodes=2"),
         (dict(pipeline_parallel_size=2, kv_offloading_size=1.0), "not supported with kv_transfer_config"),
         (dict(pipeline_parallel_size=2, scan_layers=False), "not supported with scan_layers=False"),
         (dict(pipeline_parallel_size=0), "pipeline_parallel_size must be a positive integer"),

@@ -3,7 +3,7 @@
 Every node runs the same command with its own `--node-rank`; node 0 hosts JAX's coordinator
 at `--master-addr:--master-port`. Afterwards `jax.devices()` lists every node's devices, so the
 ordinary mesh (`parallel/mesh.py`) spans all of them. On CPU the cross-process collectives are
-gloo and each node contributes `tensor_parallel_size // nnodes` host devices.
+gloo and each node contributes `pipeline_parallel_size * tensor_parallel_size // nnodes` host devices.
 """
 
 from __future__ import annotations
@@ -25,7 +25,12 @@ logger = logging.getLogger(__name__)
 
 
 def check_node_args(
-    nnodes: int, node_rank: int, master_port: int, tensor_parallel_size: int, data_parallel_size: int
+    nnodes: int,
+    node_rank: int,
+    master_port: int,
+    tensor_parallel_size: int,
+    data_parallel_size: int,
+    pipeline_parallel_size: int = 1,
 ) -> None:
     if not isinstance(nnodes, int) or nnodes < 1:
         raise ValueError(f"nnodes must be a positive integer, got {nnodes!r}")
@@ -33,7 +38,13 @@ def check_node_args(
         raise ValueError(f"node_rank must be in [0, nnodes={nnodes}), got {node_rank!r}")
     if not 0 < master_port < 65536:
         raise ValueError(f"master_port must be in 1..65535, got {master_port!r}")
-    if nnodes > 1 and tensor_parallel_size % nnodes:
+    if nnodes > 1 and pipeline_parallel_size > 1:
+        if pipeline_parallel_size % nnodes:
+            raise ValueError(
+                f"pipeline_parallel_size={pipeline_parallel_size} must be a multiple of nnodes={nnodes}: "
+                "each node holds the same number of whole stages"
+            )
+    elif nnodes > 1 and tensor_parallel_size % nnodes:
         raise ValueError(
             f"tensor_parallel_size={tensor_parallel_size} must be a multiple of nnodes={nnodes}: "
             "each node holds the same number of the model's shards"
@@ -46,13 +57,21 @@ def check_node_args(
 
 
 def initialize(
-    nnodes: int, node_rank: int, master_addr: str, master_port: int, *, tensor_parallel_size: int, timeout: float
+    nnodes: int,
+    node_rank: int,
+    master_addr: str,
+    master_port: int,
+    *,
+    tensor_parallel_size: int,
+    timeout: float,
+    pipeline_parallel_size: int = 1,
 ) -> None:
     """Join the run (no-op for one node). A node that cannot reach the others within `timeout` exits with one line."""
     if nnodes == 1 or jax.distributed.is_initialized():
         return
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.config.update("jax_num_cpu_devices", tensor_parallel_size // nnodes)  # the CPU backend only
+    # the CPU backend only: each node's share of the devices (whole pipeline stages, or tensor-parallel shards)
+    jax.config.update("jax_num_cpu_devices", pipeline_parallel_size * tensor_parallel_size // nnodes)
     address = f"{master_addr}:{master_port}"
     who = "the leader" if node_rank else f"{nnodes - 1} follower(s)"
     watchdog = Watchdog(timeout + 5)  # JAX's own timeout first; this catches a hang inside it
@@ -158,7 +177,14 @@ def _global_min():
 
 def initialize_from_args(args) -> None:
     """`initialize` from `EngineArgs` (validated first)."""
-    check_node_args(args.nnodes, args.node_rank, args.master_port, args.tensor_parallel_size, args.data_parallel_size)
+    check_node_args(
+        args.nnodes,
+        args.node_rank,
+        args.master_port,
+        args.tensor_parallel_size,
+        args.data_parallel_size,
+        args.pipeline_parallel_size,
+    )
     initialize(
         args.nnodes,
         args.node_rank,
@@ -166,4 +192,5 @@ def initialize_from_args(args) -> None:
         args.master_port,
         tensor_parallel_size=args.tensor_parallel_size,
         timeout=args.distributed_timeout,
+        pipeline_parallel_size=args.pipeline_parallel_size,
     )

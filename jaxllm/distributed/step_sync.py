@@ -27,6 +27,8 @@ from jax.experimental.multihost_utils import broadcast_one_to_all
 from jaxllm.distributed.watchdog import Watchdog, die
 from jaxllm.engine.scheduler import SchedulerOutput
 from jaxllm.runner.model_runner import ModelRunner, RunnerOutput
+from jaxllm.runner.pipeline_hosts import HostsPipelineRunner
+from jaxllm.runner.sampler import SamplerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -108,14 +110,19 @@ class StepLeader:
         atexit.register(self.close)
         logger.info("node 0: driving %d follower node(s)", jax.process_count() - 1)
 
-    def execute(self, out: SchedulerOutput, grammar=None) -> RunnerOutput:
+    def execute(self, out: SchedulerOutput, grammar=None) -> RunnerOutput | SamplerOutput:
+        """Tensor parallelism: the step's results on the host. Pipeline stages on several nodes: node 0's stages run
+        first (while the followers may still run the step before: a follower takes the broadcast only once that is
+        done), and the sampled ids come back on the device, for the engine to `collect` when it applies the step."""
         bucket, inputs, sampling = self.runner.prepare(out, grammar)
+        staged = isinstance(self.runner, HostsPipelineRunner)
         with self._lock:
             self._watchdog.arm(
                 f"node 0: step {out.step} got no answer from the followers within "
                 f"{self.timeout:.0f}s (a follower died or hangs)"
             )
             try:
+                result = self.runner.run(bucket, inputs, sampling) if staged else None
                 started = time.perf_counter()
                 full, payload = self.payloads.pack(inputs, sampling)
                 self._send(STEP, self.index[bucket], out.step, full)
@@ -123,6 +130,8 @@ class StepLeader:
                 self.broadcast_seconds += time.perf_counter() - started
                 self.broadcast_bytes += payload.nbytes + HEADER_SIZE * 4
                 self.num_steps += 1
+                if result is not None:
+                    return result
                 return self.runner.to_host(self.runner.run(bucket, inputs, sampling), out.num_rows)
             except Exception as e:  # a collective failed: the global mesh is gone for good
                 die(

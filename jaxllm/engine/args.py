@@ -111,7 +111,12 @@ class EngineArgs:
                 self.async_scheduling,
                 max_concurrent_batches=self.pipeline_parallel_size,
             ),
-            parallel=ParallelConfig(self.tensor_parallel_size, self.data_parallel_size, self.pipeline_parallel_size),
+            parallel=ParallelConfig(
+                self.tensor_parallel_size,
+                self.data_parallel_size,
+                self.pipeline_parallel_size,
+                self.distributed_timeout,
+            ),
             compilation_cache_dir=self.compilation_cache_dir,
             speculative=self.speculative(),
             kv_transfer=self.kv_transfer(),

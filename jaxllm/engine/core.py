@@ -76,7 +76,6 @@ def check_pipeline(args: EngineArgs, speculative) -> None:
     if pp == 1:
         return
     refused = {
-        "nnodes > 1": args.nnodes > 1,
         "async_scheduling (pipeline stages keep batches in flight already)": args.async_scheduling,
         "kv_transfer_config": args.kv_transfer_config is not None or args.kv_offloading_size is not None,
         "a draft model (speculative_config method draft_model)": speculative is not None

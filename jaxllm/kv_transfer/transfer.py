@@ -153,12 +153,9 @@ class TransferWorker(KVConnectorWorker):
 
     def __init__(self, mover, stats, host: str = "127.0.0.1"):
         super().__init__(mover, stats)
-        import jax
-        from jax.experimental import transfer
+        from jaxllm.distributed.stage_link import start_transfer_server
 
-        self._transfer = transfer
-        client = jax.devices()[0].client
-        self.server = transfer.start_transfer_server(client, f"{host}:0", [f"{host}:0"])
+        self.server = start_transfer_server(host)
         self._connections: dict[str, Any] = {}
         self._pending: dict[str, tuple[RemoteLoad, list, float]] = {}  # request id → (load, arrays, started)
         self._finished = FinishedTransfers()

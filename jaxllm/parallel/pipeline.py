@@ -58,6 +58,34 @@ def stage_meshes(pipeline_parallel_size: int, tensor_parallel_size: int) -> list
             f"{needed} devices, but only {len(devices)} {jax.default_backend()} device(s) are visible{hint}"
         )
     tp = tensor_parallel_size
-    return [
+    meshes = [
         Mesh(np.array(devices[s * tp : (s + 1) * tp]).reshape(1, tp), MESH_AXES) for s in range(pipeline_parallel_size)
     ]
+    if jax.process_count() > 1:
+        _check_whole_stages(meshes, needed, len(devices))
+    return meshes
+
+
+def _check_whole_stages(meshes: list[Mesh], needed: int, visible: int) -> None:
+    """Over several processes each holds whole stages, and every process holds one: a stage's layers run on one
+    host (its tensor parallelism never crosses the network) and every host has work."""
+    layout = f"pipeline_parallel_size={len(meshes)} x tensor_parallel_size={meshes[0].size}"
+    nodes = jax.process_count()
+    for s, mesh in enumerate(meshes):
+        owners = sorted({d.process_index for d in mesh.devices.flat})
+        if len(owners) > 1:
+            raise ValueError(
+                f"{layout} over {nodes} nodes: stage {s} spans nodes {owners}; each node must hold whole stages "
+                f"(tensor_parallel_size dividing each node's {jax.local_device_count()} devices)"
+            )
+    if needed != visible:
+        raise ValueError(
+            f"{layout} over {nodes} nodes uses {needed} of their {visible} devices: with pipeline stages on several "
+            "nodes every device holds a stage (pipeline_parallel_size x tensor_parallel_size = all nodes' devices)"
+        )
+
+
+def local_stages(meshes: list[Mesh]) -> list[int]:
+    """The stages whose devices are this process's (all of them in a single process)."""
+    here = jax.process_index()
+    return [s for s, mesh in enumerate(meshes) if all(d.process_index == here for d in mesh.devices.flat)]

@@ -8,6 +8,9 @@ devices, an asynchronous copy — and the last applies the norm and LM head; the
 stage's devices. Each stage's cache holds only its layers and is donated to its executable. JAX dispatches
 asynchronously, so once the host has queued a batch's stages it can queue the next batch's: while stage s+1
 runs batch i, stage s runs batch i+1 (the engine keeps up to PP batches in flight, engine/batch_queue.py).
+
+Over several processes (`--nnodes`) a runner holds only its own stages (`local`: those on this process's
+devices): their weights, caches and executables; runner/pipeline_hosts.py moves the hidden states between them.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding
 from jaxllm.config import EngineConfig
 from jaxllm.model import KVCache, StepInputs
 from jaxllm.parallel.mesh import replicated
-from jaxllm.parallel.pipeline import layer_ranges
+from jaxllm.parallel.pipeline import layer_ranges, local_stages
 from jaxllm.runner.buckets import Bucket
 from jaxllm.runner.kv_cache import allocate_kv_cache, num_kv_blocks
 from jaxllm.runner.model_runner import ModelRunner, step_model
@@ -52,6 +55,7 @@ class PipelineRunner(ModelRunner):
     def __init__(self, loaded: LoadedModel, config: EngineConfig, meshes: list[Mesh]):
         arch = loaded.arch
         self.meshes = meshes
+        self.local = local_stages(meshes)  # the stages this process holds (all of them in one process)
         self.ranges = layer_ranges(arch.num_layers, len(meshes))
         self.stage_archs = [dataclasses.replace(arch, num_layers=b - a) for a, b in self.ranges]
         last = len(meshes) - 1
@@ -62,7 +66,7 @@ class PipelineRunner(ModelRunner):
             for s, (stage_arch, mesh) in enumerate(zip(self.stage_archs, meshes, strict=True))
         ]
         # the executable cache stores executables for fixed devices: the stages compile (JAX's own cache serves)
-        super().__init__(loaded, config, meshes[-1], executable_dir=None)
+        super().__init__(loaded, config, meshes[self.local[-1]], executable_dir=None)
         self._stage_fns = [
             jax.jit(self._named(self._stage_forward(s), f"stage{s}_forward"), donate_argnums=(1,))
             for s in range(len(meshes))
@@ -73,26 +77,35 @@ class PipelineRunner(ModelRunner):
     def num_stages(self) -> int:
         return len(self.meshes)
 
+    @property
+    def holds_last_stage(self) -> bool:
+        """Whether the LM head and the sampler run here."""
+        return self.local[-1] == self.num_stages - 1
+
     def _allocate_cache(self, kv_dtype) -> tuple[int, KVCache]:
-        """A cache per stage with its layers only, all with the block count the tightest stage's budget holds
-        (block ids are the scheduler's, the same in every stage)."""
+        """A cache per stage with its layers only (None for another process's stage), all with the block count the
+        tightest stage's budget holds (block ids are the scheduler's, the same in every stage and process)."""
         cache_cfg = self.config.cache
         num_blocks = min(
             num_kv_blocks(a, cache_cfg, kv_dtype, m) for a, m in zip(self.stage_archs, self.meshes, strict=True)
         )
         caches = tuple(
-            allocate_kv_cache(a, num_blocks, self.block_size, kv_dtype, m)
-            for a, m in zip(self.stage_archs, self.meshes, strict=True)
+            allocate_kv_cache(a, num_blocks, self.block_size, kv_dtype, m) if s in self.local else None
+            for s, (a, m) in enumerate(zip(self.stage_archs, self.meshes, strict=True))
         )
         return num_blocks, cast(KVCache, caches)
 
     def set_params(self, params, *, laid_out: bool = False) -> None:
-        """The whole model's weights (stacked, as loaded; real or abstract) split into each stage's, on its devices."""
+        """The whole model's weights (stacked, as loaded; real or abstract) split into each stage's, on its devices
+        (None for another process's stage)."""
         super().set_params(params, laid_out=laid_out)
         whole, last = self.params, self.num_stages - 1
         tied = self.loaded.arch.tie_word_embeddings
-        stages = []
+        stages: list[dict | None] = []
         for s, ((start, end), mesh) in enumerate(zip(self.ranges, self.meshes, strict=True)):
+            if s not in self.local:
+                stages.append(None)
+                continue
             layers = functools.partial(_slice_onto, start=start, end=end, mesh=mesh)
             tree = {"layers": jax.tree.map(layers, whole["layers"])}
             names = (["embed_tokens"] if s == 0 or (s == last and tied) else []) + (
@@ -115,13 +128,15 @@ class PipelineRunner(ModelRunner):
         return forward
 
     def _executable_jobs(self) -> dict[tuple, tuple]:
-        """The base's samplers, and per bucket each stage's forward instead of one forward."""
-        jobs = {job: spec for job, spec in super()._executable_jobs().items() if job[0] != "forward"}
+        """The base's samplers (where the last stage is), and per bucket each local stage's forward instead of one
+        forward."""
+        dropped = ("forward",) if self.holds_last_stage else ("forward", "sample")
+        jobs = {job: spec for job, spec in super()._executable_jobs().items() if job[0] not in dropped}
         hidden_size = self.loaded.arch.hidden_size
         dtype = self.stage_models[0].dtype
         for bucket in self.buckets:
             for s, mesh in enumerate(self.meshes):
-                if (s, bucket) in self._stages:
+                if (s, bucket) in self._stages or s not in self.local:
                     continue
                 inputs, _ = self._abstract_inputs(bucket, mesh)
                 cache = jax.tree.map(
@@ -138,6 +153,8 @@ class PipelineRunner(ModelRunner):
 
     def warm_up(self, progress: bool = True) -> float:
         seconds = super().warm_up(progress)
+        if len(self.local) < self.num_stages:  # the other stages are other processes' (runner/pipeline_hosts.py)
+            return seconds
         shardings = [replicated(m) for m in self.meshes]
         for bucket in self.buckets:
             self._compiled[bucket] = cast(

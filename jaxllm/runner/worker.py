@@ -14,9 +14,10 @@ import jax
 from jax.sharding import Mesh
 
 from jaxllm.config import EngineConfig
-from jaxllm.parallel.pipeline import stage_meshes
+from jaxllm.parallel.pipeline import local_stages, stage_meshes
 from jaxllm.runner.model_runner import ModelRunner, weight_layout
 from jaxllm.runner.pipeline import PipelineRunner
+from jaxllm.runner.pipeline_hosts import HostsPipelineRunner
 from jaxllm.weights import LoadedModel, ModelSource
 
 
@@ -42,7 +43,8 @@ class Worker:
         overlap = config.model.scan_layers and jax.process_count() == 1
         pp = config.parallel.pipeline_parallel_size
         meshes = stage_meshes(pp, config.parallel.tensor_parallel_size) if pp > 1 else [mesh]
-        mesh = meshes[0]  # pipeline stages: the weights load onto the first stage's devices, then spread
+        # pipeline stages: the weights load onto this process's first stage's devices, then spread
+        mesh = meshes[local_stages(meshes)[0]]
         with ThreadPoolExecutor(1, thread_name_prefix="jaxllm-load") as pool:
             layout = weight_layout(arch, config, source.dtype, mesh, source.quant)
             reading = pool.submit(source.load, mesh, tokenizer, seed, layout)
@@ -52,11 +54,12 @@ class Worker:
                 else reading.result()
             )
             model.quant = source.quant
-            self.runner = (
-                PipelineRunner(model, config, meshes)
-                if pp > 1
-                else ModelRunner(model, config, mesh, executable_dir=executable_dir)
-            )
+            if pp == 1:
+                self.runner = ModelRunner(model, config, mesh, executable_dir=executable_dir)
+            elif jax.process_count() == 1:
+                self.runner = PipelineRunner(model, config, meshes)
+            else:  # stages on several nodes
+                self.runner = HostsPipelineRunner(model, config, meshes, config.parallel.distributed_timeout)
             capacity = (self.runner.num_blocks - 1) * config.cache.block_size  # block 0 is scratch
             if capacity < config.scheduler.max_model_len:
                 raise ValueError(
