@@ -24,6 +24,28 @@ def goodput_fraction(summary: dict, num_requests: int) -> float:
     return round(summary["request_goodput"] * summary["duration"]) / num_requests
 
 
+def replay(url: str, trace: list[TraceRequest], slos: dict[str, float], *, seed: int = 0, warm_up: bool = True) -> dict:
+    """Replay the trace against a running server at its own arrival times (`jaxllm bench serve`'s client), after
+    `WARMUP_REQUESTS` warm-up requests one at a time with other made-up tokens (no prefix-cache hits later); the
+    measured bench-serve keys and the goodput fraction."""
+    from jaxllm.bench.results import summarize
+    from jaxllm.bench.serve import ENDPOINT, first_model, run
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
+    model = first_model(url, {})
+    if warm_up:
+        warm = [dataclasses.replace(r, arrival_time=0.0) for r in trace[:WARMUP_REQUESTS]]
+        for i, request in enumerate(warm):
+            asyncio.run(run([request], url=url + ENDPOINT, model=model, headers={}, seed=seed + 1 + i))
+    records, duration = asyncio.run(run(trace, url=url + ENDPOINT, model=model, headers={}, seed=seed))
+    failed = [r.error for r in records if not r.success]
+    if failed:
+        logger.warning("replay on %s: %d requests failed (first: %s)", url, len(failed), failed[0])
+    summary = summarize(records, duration, goodput=slos)
+    summary["goodput_fraction"] = goodput_fraction(summary, len(trace))
+    return summary
+
+
 def measure(
     candidate: Candidate,
     trace: list[TraceRequest],
@@ -34,26 +56,13 @@ def measure(
     env: dict[str, str] | None = None,
 ) -> dict:
     """Serve the candidate's engine arguments and replay the trace; the measured bench-serve keys."""
-    from jaxllm.bench.results import summarize
-    from jaxllm.bench.serve import ENDPOINT, first_model, run
     from jaxllm.bench.server_process import ServerProcess
 
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     flags = candidate.args.to_cli_args()
     started = time.perf_counter()
     with ServerProcess(flags, startup_timeout=startup_timeout, env=env) as server:
         startup = time.perf_counter() - started
-        model = first_model(server.url, {})
-        # warm-up: the first few requests, one at a time, with other made-up tokens (no prefix-cache hits later)
-        warm = [dataclasses.replace(r, arrival_time=0.0) for r in trace[:WARMUP_REQUESTS]]
-        for i, request in enumerate(warm):
-            asyncio.run(run([request], url=server.url + ENDPOINT, model=model, headers={}, seed=seed + 1 + i))
-        records, duration = asyncio.run(run(trace, url=server.url + ENDPOINT, model=model, headers={}, seed=seed))
-    failed = [r.error for r in records if not r.success]
-    if failed:
-        logger.warning("validation of %s: %d requests failed (first: %s)", candidate.setting, len(failed), failed[0])
-    summary = summarize(records, duration, goodput=slos)
-    summary["goodput_fraction"] = goodput_fraction(summary, len(trace))
+        summary = replay(server.url, trace, slos, seed=seed)
     summary["server_startup_s"] = startup
     return summary
 

@@ -232,8 +232,15 @@ def max_rate(args, trace, cost, slos: dict[str, float], base: EngineArgs, differ
     objective = Objective(
         arrivals, cost, slos, args.goodput_fraction, seed=args.seed, rate=start, acceptance_rate=args.acceptance_rate
     )
-    setting = {name: getattr(base, name) for name in SEARCHABLE if hasattr(base, name)}
-    setting[SPECULATION] = speculation_depth(base)
+    # the setting: the default space's arguments, and the other searchable ones where not at their defaults
+    setting = {name: getattr(base, name) for name in ("max_num_seqs", "max_num_batched_tokens", "scheduling_policy")}
+    defaults = EngineArgs()
+    for name in SEARCHABLE:
+        if name not in setting and name != "kv_cache_memory_bytes" and hasattr(base, name):
+            if getattr(base, name) != getattr(defaults, name):
+                setting[name] = getattr(base, name)
+    if speculation_depth(base):
+        setting[SPECULATION] = speculation_depth(base)
     print(
         f"Highest Poisson rate for {report.short(setting)}: {len(trace)} requests ({args.trace}), SLOs "
         f"{' '.join(f'{k}:{v:g}' for k, v in slos.items())} ms for {args.goodput_fraction:.0%} of requests; "
