@@ -364,13 +364,14 @@ constexpr int64_t kQuantStreamRows = 4;
 using jaxllm_simd::kVecBytes;
 typedef int32_t VecI __attribute__((vector_size(kVecBytes)));
 
-// kLanes float16 values (scales, mins) as float32: F16C's vcvtph2ps, NEON's fcvtl, else by their bits.
+// kLanes float16 values (scales, mins) as float32: one vcvtph2ps (F16C, AVX-512), NEON's fcvtl, else by their
+// bits. By intrinsics: GCC lowers __builtin_convertvector of a _Float16 vector lane by lane (a vpinsrw and a
+// vcvtph2ps each), which made the scales a third of a 4-bit decode matmul's instructions (benchmarks/NOTES.md).
 inline VecF LoadHalf(const uint16_t* p) {
-#if defined(__F16C__)
-  typedef _Float16 VecF16 __attribute__((vector_size(kVecBytes / 2)));
-  VecF16 h;
-  std::memcpy(&h, p, sizeof h);
-  return __builtin_convertvector(h, VecF);
+#if defined(__AVX512F__)
+  return (VecF)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__) && defined(__AVX__)
+  return (VecF)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 #elif defined(__aarch64__)
   static_assert(kLanes == 4, "NEON vectors hold 4 float32");
   return (VecF)vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
