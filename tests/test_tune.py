@@ -120,6 +120,8 @@ def test_the_default_space_stays_within_what_the_cost_model_covers(trace, tmp_pa
         (None, ["--search", "scheduling_policy=fcfs,nope"], "'nope'"),
         (None, ["--search", "max_num_seqs"], "NAME=V1,V2"),
         (None, ["--goodput-fraction", "1.5"], "(0, 1]"),
+        (None, ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}'], "acceptance rate"),
+        (None, ["--data-parallel-size", "2"], "data-parallel replicas"),
     ],
 )
 def test_bad_input_is_a_clear_error_and_no_output_file(trace, tmp_path, capsys, content, extra, message):

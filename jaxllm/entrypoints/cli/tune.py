@@ -113,7 +113,7 @@ def run(args) -> dict:
     fixed = {name: getattr(given, name, None) for name in SEARCHABLE}
     fixed[SPECULATION] = speculation_depth(given) if given.speculative_config is not None else None
     space = build_space(explicit, cost, trace, fixed, acceptance_known=acceptance_known)
-    if any(space.values.get(SPECULATION, [])) and not acceptance_known:
+    if (any(space.values.get(SPECULATION, [])) or base.speculative_config is not None) and not acceptance_known:
         raise ValueError(NO_ACCEPTANCE)
     objective = Objective(
         trace, cost, slos, args.goodput_fraction, seed=args.seed, acceptance_rate=args.acceptance_rate
