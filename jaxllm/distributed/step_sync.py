@@ -9,6 +9,10 @@ Followers only receive and run. When idle, the leader sends heartbeats so that a
 tell a quiet leader from a dead one; each side exits with a one-line error when the other goes
 silent past the timeout, instead of hanging in a collective.
 
+With pipeline stages on several nodes (runner/pipeline_hosts.py) the same broadcast drives each node's own
+stages; their arrays cross by jax.experimental.transfer, and node 0 collects the sampled ids when the engine
+applies the step.
+
 This module sits below the engine core (as the runner does): it is handed a `ModelRunner` and
 never imports the core; a follower's engine is built above it (`entrypoints/cli/common.run_headless`).
 """
