@@ -1,7 +1,8 @@
 """Pipeline stages on two local processes (`--nnodes 2 --pipeline-parallel-size 2`, one device and one stage each,
 hidden states and sampled ids between them with jax.experimental.transfer).
 
-Greedy tokens through `jaxllm generate` equal one device's, and only node 0 prints; when the leader is killed
+Greedy tokens through `jaxllm generate` equal one device's, with a stage of one device or of three (TP=3) on each
+node, and only node 0 prints (the generated text, nothing of gloo's); when the leader is killed
 mid-run the follower exits non-zero with one line of ours. (The refusal of a layout that does not give each node
 whole stages is in tests/test_pipeline.py, with the other bad layouts.)
 """
@@ -9,6 +10,8 @@ whole stages is in tests/test_pipeline.py, with the other bad layouts.)
 import signal
 import subprocess
 import time
+
+import pytest
 
 from jaxllm.bench.server_process import free_port
 from tests.test_multihost import PROMPTS, TIMEOUT_S, assert_one_line_of_ours, generate_cmd, node_env, wait_for
@@ -20,22 +23,43 @@ def pp_cmd(rank: int, port: int, *extra: str) -> list[str]:
     return generate_cmd(rank, port, *STAGES, *extra, nnodes=2)
 
 
-def test_two_processes_one_stage_each_match_one_device(llm):
-    from jaxllm import SamplingParams
-
+def run_two_nodes(*stages: str) -> str:
+    """Node 0's stdout of `jaxllm generate` over two local processes with these layout flags (both must exit 0,
+    the follower printing nothing)."""
     port = free_port()
     procs = [
-        subprocess.Popen(pp_cmd(rank, port), env=node_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(
+            generate_cmd(rank, port, *stages, nnodes=2),
+            env=node_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for rank in range(2)
     ]
     results = [p.communicate(timeout=900) for p in procs]
     for rank, (p, (_, err)) in enumerate(zip(procs, results, strict=True)):
         assert p.returncode == 0, f"rank {rank} failed:\n{err[-3000:]}"
-    expected = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
-    assert results[0][0] == "".join(
-        f"### {p}\n{p + o.outputs[0].text}\n\n" for p, o in zip(PROMPTS, expected, strict=True)
-    )
     assert results[1][0] == ""  # the follower prints nothing
+    return results[0][0]
+
+
+@pytest.fixture(scope="module")
+def expected(llm) -> str:
+    from jaxllm import SamplingParams
+
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    return "".join(f"### {p}\n{p + o.outputs[0].text}\n\n" for p, o in zip(PROMPTS, outputs, strict=True))
+
+
+def test_two_processes_one_stage_each_match_one_device(expected):
+    assert run_two_nodes(*STAGES) == expected
+
+
+def test_two_processes_a_tensor_parallel_stage_each_match_one_device(expected):
+    # PP=2 x TP=3: each node's stage runs its own TP collectives over its 3 devices, whose first use makes gloo
+    # print "[Gloo] Rank r is connected ..." mid-run: stdout must still be the generated text alone
+    assert run_two_nodes("--tensor-parallel-size", "3", "--pipeline-parallel-size", "2") == expected
 
 
 def test_a_killed_leader_ends_the_follower_with_one_line(tmp_path):

@@ -8,7 +8,6 @@ gloo and each node contributes `pipeline_parallel_size * tensor_parallel_size //
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import logging
@@ -77,9 +76,9 @@ def initialize(
     watchdog = Watchdog(timeout + 5)  # JAX's own timeout first; this catches a hang inside it
     watchdog.arm(f"node {node_rank}: could not reach {who} at {address} within {timeout:.0f}s")
     started = time.perf_counter()
+    native_stdout_to_stderr()
     try:
-        with stdout_to_stderr():  # gloo says "[Gloo] Rank r is connected to ..." on stdout as it connects
-            _join(nnodes, node_rank, address, timeout, started)
+        _join(nnodes, node_rank, address, timeout, started)
     except Exception as e:  # JAX's message is pages long; keep its first line
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ConnectionError(
@@ -115,28 +114,31 @@ def _join(nnodes: int, node_rank: int, address: str, timeout: float, started: fl
     logger.info("node %d: joined %d nodes in %.1fs", node_rank, nnodes, time.perf_counter() - started)
 
 
-@contextlib.contextmanager
-def stdout_to_stderr():
-    """Meanwhile, what is written to file descriptor 1 (C/C++ libraries included) goes to stderr.
+_native_stdout_switched = False
 
-    gloo prints "[Gloo] Rank r is connected to n peer ranks. ..." to stdout at the first collective over
-    each new set of devices; stdout is for generated text only. Wrap any code that may run a collective
-    over a device set not used before (a sub-mesh) in this too.
+
+def native_stdout_to_stderr() -> None:
+    """From now on, what C/C++ libraries write to file descriptor 1 goes to stderr; Python's `sys.stdout` keeps the
+    real stdout, for the generated text only.
+
+    gloo prints "[Gloo] Rank r is connected to n peer ranks. ..." to stdout at the first collective over each new
+    set of devices: when the nodes join, and again at the first step that runs a collective over a sub-mesh (a
+    pipeline stage's tensor-parallel group on its node), long after start-up. Once per process.
     """
+    global _native_stdout_switched
+    if _native_stdout_switched:
+        return
+    _native_stdout_switched = True
     sys.stdout.flush()
-    saved = os.dup(1)
-    try:
-        os.dup2(2, 1)
-        yield
-    finally:
-        sys.stdout.flush()
-        _libc_fflush()
-        os.dup2(saved, 1)
-        os.close(saved)
+    _libc_fflush()  # C stdio's buffered output, written before the switch, still goes to stdout
+    real = os.dup(1)
+    os.dup2(2, 1)
+    out = sys.stdout
+    sys.stdout = open(real, "w", encoding=out.encoding, errors=out.errors, buffering=1)  # noqa: SIM115 - for good
 
 
 def _libc_fflush() -> None:
-    """Flush C stdio's buffers (std::cout's too, synced with stdio) while they still go to stderr."""
+    """Flush C stdio's buffers (std::cout's too, synced with stdio)."""
     try:
         ctypes.CDLL(None).fflush(None)
     except (OSError, AttributeError):  # no libc to load here: nothing buffered in it either
