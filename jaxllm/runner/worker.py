@@ -42,9 +42,9 @@ class Worker:
         arch = source.arch
         overlap = config.model.scan_layers and jax.process_count() == 1
         pp = config.parallel.pipeline_parallel_size
-        meshes = stage_meshes(pp, config.parallel.tensor_parallel_size) if pp > 1 else [mesh]
-        # pipeline stages: the weights load onto this process's first stage's devices, then spread
-        mesh = meshes[local_stages(meshes)[0]]
+        if pp > 1:  # the weights load onto this process's first stage's devices, then spread
+            meshes = stage_meshes(pp, config.parallel.tensor_parallel_size)
+            mesh = meshes[local_stages(meshes)[0]]
         with ThreadPoolExecutor(1, thread_name_prefix="jaxllm-load") as pool:
             layout = weight_layout(arch, config, source.dtype, mesh, source.quant)
             reading = pool.submit(source.load, mesh, tokenizer, seed, layout)
