@@ -64,13 +64,38 @@ def generate_cmd(rank: int, port: int, *extra: str, nnodes: int = 3) -> list[str
     ]
 
 
-def start_nodes(port: int, *extra: str) -> list[subprocess.Popen]:
-    return [
+def run_nodes(*extra: str, nnodes: int = 3) -> list[tuple[str, str]]:
+    """Every node's (stdout, stderr) of `jaxllm generate` over `nnodes` local processes; each must exit 0. A node
+    still running when the waiting ends (a timeout, a failed assertion) is killed."""
+    port = free_port()
+    procs = [
         subprocess.Popen(
-            generate_cmd(rank, port, *extra), env=node_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            generate_cmd(rank, port, *extra, nnodes=nnodes),
+            env=node_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
-        for rank in range(3)
+        for rank in range(nnodes)
     ]
+    try:
+        results = [p.communicate(timeout=900) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for rank, (p, (_, err)) in enumerate(zip(procs, results, strict=True)):
+        assert p.returncode == 0, f"rank {rank} failed:\n{err[-3000:]}"
+    return results
+
+
+def one_device_text(llm) -> str:
+    """What `jaxllm generate PROMPTS --max-tokens 12` prints when run on one device."""
+    from jaxllm import SamplingParams
+
+    expected = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    return "".join(f"### {p}\n{p + o.outputs[0].text}\n\n" for p, o in zip(PROMPTS, expected, strict=True))
 
 
 def error_lines(stderr: str) -> list[str]:
@@ -92,14 +117,8 @@ def wait_for(text: str, log, proc: subprocess.Popen) -> None:
 
 
 def test_three_processes_match_one(llm):
-    from jaxllm import SamplingParams
-
-    procs = start_nodes(free_port())
-    results = [p.communicate(timeout=900) for p in procs]
-    for rank, (p, (_, err)) in enumerate(zip(procs, results, strict=True)):
-        assert p.returncode == 0, f"rank {rank} failed:\n{err[-3000:]}"
-    expected = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
-    text = "".join(f"### {p}\n{p + o.outputs[0].text}\n\n" for p, o in zip(PROMPTS, expected, strict=True))
+    results = run_nodes()
+    text = one_device_text(llm)
     # stdout read whole: the generated text and nothing else (gloo's "[Gloo] Rank r is connected ..." goes to stderr)
     assert results[0][0] == text
     assert results[1][0] == results[2][0] == ""  # followers print nothing

@@ -14,7 +14,15 @@ import time
 import pytest
 
 from jaxllm.bench.server_process import free_port
-from tests.test_multihost import PROMPTS, TIMEOUT_S, assert_one_line_of_ours, generate_cmd, node_env, wait_for
+from tests.test_multihost import (
+    TIMEOUT_S,
+    assert_one_line_of_ours,
+    generate_cmd,
+    node_env,
+    one_device_text,
+    run_nodes,
+    wait_for,
+)
 
 STAGES = ("--tensor-parallel-size", "1", "--pipeline-parallel-size", "2")
 
@@ -24,32 +32,16 @@ def pp_cmd(rank: int, port: int, *extra: str) -> list[str]:
 
 
 def run_two_nodes(*stages: str) -> str:
-    """Node 0's stdout of `jaxllm generate` over two local processes with these layout flags (both must exit 0,
-    the follower printing nothing)."""
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            generate_cmd(rank, port, *stages, nnodes=2),
-            env=node_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    results = [p.communicate(timeout=900) for p in procs]
-    for rank, (p, (_, err)) in enumerate(zip(procs, results, strict=True)):
-        assert p.returncode == 0, f"rank {rank} failed:\n{err[-3000:]}"
-    assert results[1][0] == ""  # the follower prints nothing
+    """Node 0's stdout of `jaxllm generate` over two local processes with these layout flags (the follower prints
+    nothing)."""
+    results = run_nodes(*stages, nnodes=2)
+    assert results[1][0] == ""
     return results[0][0]
 
 
 @pytest.fixture(scope="module")
 def expected(llm) -> str:
-    from jaxllm import SamplingParams
-
-    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
-    return "".join(f"### {p}\n{p + o.outputs[0].text}\n\n" for p, o in zip(PROMPTS, outputs, strict=True))
+    return one_device_text(llm)
 
 
 def test_two_processes_one_stage_each_match_one_device(expected):
