@@ -25,7 +25,7 @@ import jax
 
 logger = logging.getLogger(__name__)
 
-FLAGS = ["-O3", "-ffast-math", "-std=c++17", "-shared", "-fPIC", "-fopenmp"]
+FLAGS = ["-O3", "-ffast-math", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd"]
 HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # shared by the kernels (cpu_simd.h: vector width per target)
 
 
@@ -113,9 +113,6 @@ def build(source: Path) -> Path:
 @functools.cache
 def register(source: Path, symbol: str, target: str) -> bool:
     """Build `source` (once per machine) and register its handler `symbol` as FFI `target`; False if that fails."""
-    # OpenMP workers sleep between calls instead of spinning: the CPU is shared with XLA's
-    # own threads (and, on a busy host, with other processes). Read when libgomp loads.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     try:
         lib = ctypes.cdll.LoadLibrary(str(build(source)))
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")

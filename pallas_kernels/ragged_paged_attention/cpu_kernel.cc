@@ -5,7 +5,7 @@
 // float32 or bfloat16, sequence i owns query rows cu_q_lens[i]:cu_q_lens[i+1], its last row
 // sits at position kv_lens[i]-1, its keys live in block_tables[i]. Rows of padding get zeros.
 //
-// Work units, spread over the cores with OpenMP, longest first:
+// Work units, spread over the cores (cpu_team.h: XLA's own thread pool), longest first:
 // - one query row (head_dim a multiple of 16, at most 256; G <= 8): all heads, over its keys
 //   or, for a row long enough to unbalance the cores, over one slice of them (flash-decoding:
 //   the slices' softmax states are merged afterwards). Keys are scored a vector's width at a time with vector
@@ -24,9 +24,9 @@
 #include <utility>
 #include <vector>
 
-#include <omp.h>
 
 #include "../cpu_simd.h"
+#include "../cpu_team.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -166,6 +166,7 @@ void attend_tile(const float* q, const T* k_layer, const T* v_layer, const int32
 using jaxllm_simd::kLanes;
 using jaxllm_simd::Load;
 using jaxllm_simd::VecF;
+using jaxllm_team::Team;
 constexpr int kGroup = kLanes;        // keys scored at a time: one vector of scores
 constexpr int64_t kMaxHeadDim = 256;  // the decode path's limit (bfloat16 keys widened on the stack)
 
@@ -359,12 +360,12 @@ struct Unit {
 constexpr int64_t kMinSliceKeys = 512;
 constexpr int64_t kSlicesPerThread = 4;
 // Less work than this (keys x query rows, summed over the units): the calling thread alone. Waking
-// an OpenMP team costs ~50-100 us a call on a VM, more than such a step's attention takes on one
-// core (a decode batch of one at short context: 108 -> 8 us a call; benchmarks/NOTES.md lever 15).
+// a team cost more than such a step's attention takes on one core (with OpenMP: a decode batch of one
+// at short context, 108 -> 8 us a call; benchmarks/NOTES.md lever 15).
 constexpr int64_t kMinTeamCost = 4096;
 
 template <typename T>
-void run(const float* q, const T* k, const T* v, const int32_t* kv_lens, const int32_t* tables,
+void run(const Team& team, const float* q, const T* k, const T* v, const int32_t* kv_lens, const int32_t* tables,
          const int32_t* cu, int64_t num_seqs, int64_t layer, const Shape& sh, int64_t num_tokens,
          float sm_scale, int32_t window, float soft_cap, float* out) {
   const int64_t Hq = sh.q_heads, D = sh.head_dim, B = sh.block_size;
@@ -390,7 +391,7 @@ void run(const float* q, const T* k, const T* v, const int32_t* kv_lens, const i
     }
   }
   for (const Unit& w : units) total_keys += w.cost;
-  const int64_t threads = total_keys >= kMinTeamCost ? omp_get_max_threads() : 1;
+  const int threads = total_keys >= kMinTeamCost ? team.max_threads() : 1;
   const int64_t slice_keys = (std::max(kMinSliceKeys, total_keys / (kSlicesPerThread * threads)) + B - 1) / B * B;
   int64_t slots = 0;
   for (size_t u = 0, n = units.size(); u < n; ++u) {
@@ -417,33 +418,29 @@ void run(const float* q, const T* k, const T* v, const int32_t* kv_lens, const i
   const T* v_layer = v + layer * layer_elems;
   std::vector<float> states(slots * state_size);
   const int64_t n_units = static_cast<int64_t>(units.size()), n_split = static_cast<int64_t>(split_rows.size());
-#pragma omp parallel if (threads > 1 && n_units > 1)
-  {
-    std::vector<float> scratch, state;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t u = 0; u < n_units; ++u) {
-      const Unit& w = units[u];
-      const int32_t* table = tables + w.seq * sh.max_blocks;
-      if (!w.decode()) {
-        attend_tile(q, k_layer, v_layer, table, sh, w.row, w.nrows, w.pos, sm_scale, window, soft_cap, out, scratch);
-      } else if (w.slice >= 0) {
-        attend_decode(q + w.row * Hq * D, k_layer, v_layer, table, sh, w.key_lo, w.key_hi, sm_scale, soft_cap,
-                      states.data() + w.slice * state_size, scratch);
-      } else {
-        state.resize(state_size);
-        attend_decode(q + w.row * Hq * D, k_layer, v_layer, table, sh, w.key_lo, w.key_hi, sm_scale, soft_cap,
-                      state.data(), scratch);
-        merge_states(state.data(), 1, Hq, D, out + w.row * Hq * D);
-      }
+  team.ForEach(threads, n_units, 1, [&](int64_t u) {
+    static thread_local std::vector<float> scratch, state;  // reused across calls
+    const Unit& w = units[u];
+    const int32_t* table = tables + w.seq * sh.max_blocks;
+    if (!w.decode()) {
+      attend_tile(q, k_layer, v_layer, table, sh, w.row, w.nrows, w.pos, sm_scale, window, soft_cap, out, scratch);
+    } else if (w.slice >= 0) {
+      attend_decode(q + w.row * Hq * D, k_layer, v_layer, table, sh, w.key_lo, w.key_hi, sm_scale, soft_cap,
+                    states.data() + w.slice * state_size, scratch);
+    } else {
+      state.resize(state_size);
+      attend_decode(q + w.row * Hq * D, k_layer, v_layer, table, sh, w.key_lo, w.key_hi, sm_scale, soft_cap,
+                    state.data(), scratch);
+      merge_states(state.data(), 1, Hq, D, out + w.row * Hq * D);
     }
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < n_split; ++i)
-      merge_states(states.data() + split_first[i] * state_size, split_first[i + 1] - split_first[i], Hq, D,
-                   out + split_rows[i] * Hq * D);
-  }
+  });
+  team.ForEach(threads, n_split, 1, [&](int64_t i) {
+    merge_states(states.data() + split_first[i] * state_size, split_first[i + 1] - split_first[i], Hq, D,
+                 out + split_rows[i] * Hq * D);
+  });
 }
 
-ffi::Error Impl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
+ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
                 ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> block_tables,
                 ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
                 ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, float sm_scale,
@@ -463,14 +460,15 @@ ffi::Error Impl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache, ffi::AnyBuffer 
   const int64_t n = std::min<int64_t>(std::max<int32_t>(num_seqs.typed_data()[0], 0), max_seqs);
   const auto* qp = q.typed_data();
   float* op = out->typed_data();
+  const Team team(pool);
   switch (k_cache.element_type()) {
     case ffi::DataType::F32:
-      run(qp, static_cast<const float*>(k_cache.untyped_data()), static_cast<const float*>(v_cache.untyped_data()),
+      run(team, qp, static_cast<const float*>(k_cache.untyped_data()), static_cast<const float*>(v_cache.untyped_data()),
           kv_lens.typed_data(), block_tables.typed_data(), cu_q_lens.typed_data(), n, lay, sh, qd[0], sm_scale,
           sliding_window, soft_cap, op);
       break;
     case ffi::DataType::BF16:
-      run(qp, static_cast<const uint16_t*>(k_cache.untyped_data()),
+      run(team, qp, static_cast<const uint16_t*>(k_cache.untyped_data()),
           static_cast<const uint16_t*>(v_cache.untyped_data()), kv_lens.typed_data(), block_tables.typed_data(),
           cu_q_lens.typed_data(), n, lay, sh, qd[0], sm_scale, sliding_window, soft_cap, op);
       break;
@@ -544,6 +542,7 @@ ffi::Error WriteKv(ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache, ffi::Buffer<f
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(RaggedPagedAttentionCpu, Impl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()

@@ -30,12 +30,12 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
-#include <omp.h>
 #if defined(__aarch64__)
 #include <arm_neon.h>
 #endif
 
 #include "../cpu_simd.h"
+#include "../cpu_team.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -49,11 +49,11 @@ using jaxllm_simd::LoadU;
 using jaxllm_simd::Store;
 using jaxllm_simd::VecF;
 using jaxllm_simd::VecU;
+using jaxllm_team::Team;
 
-// Fewer rows of x than this: one thread. Such a matmul is bound by reading the weights, which one
-// core streams at about the machine's memory bandwidth, and waking an OpenMP team costs more than
-// a second core saves: ~50-100 us a call on a VM, ~6 ms of a 22 ms T=1 decode step (measured,
-// benchmarks/NOTES.md lever 15). From 16 rows up the arithmetic pays for the team.
+// Fewer rows of x than this, and a small matrix (kMinTeamBytes): one thread. Such a matmul is bound by
+// reading the weights, and a helper task (cpu_team.h) costs more than it saves on it. From 16 rows up
+// the arithmetic pays for the team.
 constexpr int64_t kMinTeamRows = 16;
 constexpr int64_t kStreamRows = 4;  // up to this many rows of x: the streaming regime (measured crossover)
 constexpr int64_t kPanel = 32;      // columns of w per packed panel, on every target (PANEL in __init__.py)
@@ -82,18 +82,18 @@ constexpr int kTileRows = RowsFor<X, W>(kTileVecs);
 template <typename X, typename W>
 constexpr int kWideRows = kPanelVecs > kTileVecs ? std::min(2, RowsFor<X, W>(kPanelVecs)) : 0;
 
-// How many threads to split `items` ways (panels) for a matmul of `rows` rows of x reading `bytes` of
-// weights: few rows and a small matrix, one (see kMinTeamRows); a larger matrix (qkv, the MLP, the LM
-// head) is streamed by the team even for one row: one core reads memory at about half what two do on
-// some machines (16.8 against 30 GB/s on a 2-core Zen 2), and the team's wake-up (~50-100 us on a VM)
-// is then the smaller cost. Measured there, the default model's T=1 matmul chain: 47.9 ms with one
-// thread, 28.2 ms from 2 MB up, 26.4 ms from 1 MB up; 2 MB keeps o_proj (1.3 MB) on one thread, where
-// a core that streams fast (34-36 GB/s on the Zen 4 of lever 15) would lose more to the wake-up.
+// How many threads for a matmul of `rows` rows of x reading `bytes` of weights: few rows and a small
+// matrix, one (see kMinTeamRows); a larger matrix (qkv, the MLP, the LM head) is streamed by the team
+// even for one row: one core reads memory at about half what two do on some machines (16.8 against
+// 30 GB/s on a 2-core Zen 2). Measured there with OpenMP teams, the default model's T=1 float32 matmul
+// chain: 47.9 ms with one thread, 28.2 ms from 2 MB up, 26.4 ms from 1 MB up; with helper tasks, every
+// matrix shared (no threshold) made the Q4_1 model's batch 1 slower, 97-101 against 104-114 tok/s.
 constexpr int64_t kMinTeamBytes = int64_t{2} << 20;
-int TeamSize(int64_t rows, int64_t items, int64_t bytes) {
-  if (rows < kMinTeamRows && bytes < kMinTeamBytes) return 1;
-  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(omp_get_max_threads(), items)));
+int TeamSize(const Team& team, int64_t rows, int64_t bytes) {
+  return rows < kMinTeamRows && bytes < kMinTeamBytes ? 1 : team.max_threads();
 }
+// Items (panels) per claim: a few claims per thread, so that one that starts late still takes a share.
+int64_t ChunkFor(int64_t items, int threads) { return std::max<int64_t>(1, items / (4 * threads)); }
 
 // One step of k of a register tile: x's ROWS rows at this k (`x`, rows `ldx` apart) times the panel's
 // row b (the tile's kTileCols columns), added to each row's accumulators. Float32 weights: x float32.
@@ -231,34 +231,30 @@ void Stream(const float* xp, int64_t rows, int64_t k_dim, const float* wl, int64
   }
 }
 
-void Panels(const float* xp, int64_t rows, int64_t k_dim, const float* wl, int64_t n, float* y) {
+void Panels(const Team& team, const float* xp, int64_t rows, int64_t k_dim, const float* wl, int64_t n, float* y) {
   const int64_t panels = (n + kPanel - 1) / kPanel;
-  const int threads = TeamSize(rows, panels, k_dim * n * static_cast<int64_t>(sizeof(float)));
-#pragma omp parallel num_threads(threads)
-  {
-    const int id = omp_get_thread_num(), team = omp_get_num_threads();
+  const int threads = TeamSize(team, rows, k_dim * n * static_cast<int64_t>(sizeof(float)));
+  team.ForEach(threads, panels, ChunkFor(panels, threads), [&](int64_t p) {
     // reused across calls: allocated per call, a down_proj panel (196 KB) is above malloc's mmap
     // threshold and every call would map it and page-fault on it afresh
     static thread_local std::vector<float> panel;
     if (panel.size() < static_cast<size_t>(k_dim) * kPanel) panel.resize(static_cast<size_t>(k_dim) * kPanel);
     float edge[kTileRows<float, float> * kPanel];  // a last panel narrower than kPanel is computed here, then copied out
-    for (int64_t p = panels * id / team; p < panels * (id + 1) / team; ++p) {
-      const int64_t c0 = p * kPanel, cols = std::min(kPanel, n - c0);
-      for (int64_t k = 0; k < k_dim; ++k) std::memcpy(panel.data() + k * kPanel, wl + k * n + c0, sizeof(float) * cols);
-      for (int64_t r0 = 0; r0 < rows; r0 += kTileRows<float, float>) {
-        const int tile = static_cast<int>(std::min<int64_t>(kTileRows<float, float>, rows - r0));
-        const float* x = xp + r0 * k_dim;
-        // the next panel's rows, straight from w, while the first tile runs
-        const Ahead<float> ahead = r0 == 0 && c0 + kPanel < n ? Ahead<float>{wl + c0 + kPanel, k_dim, n} : Ahead<float>{};
-        if (cols == kPanel) {
-          PanelRows(tile, x, k_dim, panel.data(), y + r0 * n + c0, n, ahead);
-        } else {
-          PanelRows(tile, x, k_dim, panel.data(), edge, kPanel, ahead);
-          for (int r = 0; r < tile; ++r) std::memcpy(y + (r0 + r) * n + c0, edge + r * kPanel, sizeof(float) * cols);
-        }
+    const int64_t c0 = p * kPanel, cols = std::min(kPanel, n - c0);
+    for (int64_t k = 0; k < k_dim; ++k) std::memcpy(panel.data() + k * kPanel, wl + k * n + c0, sizeof(float) * cols);
+    for (int64_t r0 = 0; r0 < rows; r0 += kTileRows<float, float>) {
+      const int tile = static_cast<int>(std::min<int64_t>(kTileRows<float, float>, rows - r0));
+      const float* x = xp + r0 * k_dim;
+      // the next panel's rows, straight from w, while the first tile runs
+      const Ahead<float> ahead = r0 == 0 && c0 + kPanel < n ? Ahead<float>{wl + c0 + kPanel, k_dim, n} : Ahead<float>{};
+      if (cols == kPanel) {
+        PanelRows(tile, x, k_dim, panel.data(), y + r0 * n + c0, n, ahead);
+      } else {
+        PanelRows(tile, x, k_dim, panel.data(), edge, kPanel, ahead);
+        for (int r = 0; r < tile; ++r) std::memcpy(y + (r0 + r) * n + c0, edge + r * kPanel, sizeof(float) * cols);
       }
     }
-  }
+  });
 }
 
 // Weights packed ahead of time (`pack` in __init__.py): each layer is [N / kPanel, K, kPanel], the
@@ -266,27 +262,23 @@ void Panels(const float* xp, int64_t rows, int64_t k_dim, const float* wl, int64
 // row count multiplies them in place: no copy, and the next panel is the next bytes (measured 1.33x
 // more GFLOP per CPU-second than `Panels` at 64 rows, 1.06x at 512). `k_steps`: K, or K / 2 pairs.
 template <typename X, typename W>
-void PackedPanels(const X* xp, int64_t rows, int64_t k_steps, const W* wp, int64_t n, float* y) {
+void PackedPanels(const Team& team, const X* xp, int64_t rows, int64_t k_steps, const W* wp, int64_t n, float* y) {
   const int64_t panels = n / kPanel, panel_size = k_steps * kRowElems<X, W>;
   const int64_t tiles = (rows + kTileRows<X, W> - 1) / kTileRows<X, W>;
-  const int threads = TeamSize(rows, panels, panels * panel_size * static_cast<int64_t>(sizeof(W)));
-#pragma omp parallel num_threads(threads)
-  {
-    const int id = omp_get_thread_num(), team = omp_get_num_threads();
-    const int64_t end = panels * (id + 1) / team;
-    for (int64_t p = panels * id / team; p < end; ++p) {
-      const W* panel = wp + p * panel_size;
-      const W* next = p + 1 < end ? panel + panel_size : nullptr;
-      for (int64_t r0 = 0, tile = 0; r0 < rows; r0 += kTileRows<X, W>, ++tile) {
-        const int n_rows = static_cast<int>(std::min<int64_t>(kTileRows<X, W>, rows - r0));
-        // each row tile prefetches its share of the next panel (the first tile's reads come from memory, the
-        // others' from cache: spread over all of them, the next panel is in cache when its first tile starts)
-        const int64_t lo = k_steps * tile / tiles, hi = k_steps * (tile + 1) / tiles;
-        const Ahead<W> ahead = next ? Ahead<W>{next + lo * kRowElems<X, W>, hi - lo, kRowElems<X, W>} : Ahead<W>{};
-        PanelRows(n_rows, xp + r0 * k_steps * kXElems<X, W>, k_steps, panel, y + r0 * n + p * kPanel, n, ahead);
-      }
+  const int threads = TeamSize(team, rows, panels * panel_size * static_cast<int64_t>(sizeof(W)));
+  const int64_t chunk = ChunkFor(panels, threads);
+  team.ForEach(threads, panels, chunk, [&](int64_t p) {
+    const W* panel = wp + p * panel_size;
+    const W* next = (p + 1) % chunk && p + 1 < panels ? panel + panel_size : nullptr;  // the same claim's next panel
+    for (int64_t r0 = 0, tile = 0; r0 < rows; r0 += kTileRows<X, W>, ++tile) {
+      const int n_rows = static_cast<int>(std::min<int64_t>(kTileRows<X, W>, rows - r0));
+      // each row tile prefetches its share of the next panel (the first tile's reads come from memory, the
+      // others' from cache: spread over all of them, the next panel is in cache when its first tile starts)
+      const int64_t lo = k_steps * tile / tiles, hi = k_steps * (tile + 1) / tiles;
+      const Ahead<W> ahead = next ? Ahead<W>{next + lo * kRowElems<X, W>, hi - lo, kRowElems<X, W>} : Ahead<W>{};
+      PanelRows(n_rows, xp + r0 * k_steps * kXElems<X, W>, k_steps, panel, y + r0 * n + p * kPanel, n, ahead);
     }
-  }
+  });
 }
 
 // x's bfloat16 values as float32, in a buffer reused across calls (see Step: the tile without a
@@ -303,7 +295,7 @@ void PackedPanels(const X* xp, int64_t rows, int64_t k_steps, const W* wp, int64
 
 // `packed`: w as `pack` (__init__.py) lays it out, read by PackedPanels whatever the row count.
 // x and w both float32, or (packed only) both bfloat16; the output is float32.
-ffi::Error Impl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out,
+ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out,
                 bool packed) {
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() < 3 || wd[1] != xd[1])
@@ -319,23 +311,24 @@ ffi::Error Impl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> layer,
     return ffi::Error::InvalidArgument("stacked_matmul_cpu: x and w float32, or bfloat16 packed with K even");
   if (packed && n % kPanel != 0) return ffi::Error::InvalidArgument("stacked_matmul_cpu: packed N must divide by 32");
   float* y = out->typed_data();
+  const Team team(pool);
   if (bf16) {
     const auto* w16 = static_cast<const uint16_t*>(w.untyped_data()) + l * k_dim * n;
 #if defined(__AVX512BF16__)
-    PackedPanels(static_cast<const Bf16X*>(x.untyped_data()), rows, k_dim / 2, w16, n, y);
+    PackedPanels(team, static_cast<const Bf16X*>(x.untyped_data()), rows, k_dim / 2, w16, n, y);
 #else
-    PackedPanels(WidenRows(static_cast<const uint16_t*>(x.untyped_data()), rows * k_dim), rows, k_dim / 2, w16, n, y);
+    PackedPanels(team, WidenRows(static_cast<const uint16_t*>(x.untyped_data()), rows * k_dim), rows, k_dim / 2, w16, n, y);
 #endif
     return ffi::Error::Success();
   }
   const float* xp = x.typed_data<float>();
   const float* wl = w.typed_data<float>() + l * k_dim * n;
   if (packed)
-    PackedPanels(xp, rows, k_dim, wl, n, y);
+    PackedPanels(team, xp, rows, k_dim, wl, n, y);
   else if (rows <= kStreamRows)
     Stream(xp, rows, k_dim, wl, n, y);
   else
-    Panels(xp, rows, k_dim, wl, n, y);
+    Panels(team, xp, rows, k_dim, wl, n, y);
   return ffi::Error::Success();
 }
 
@@ -520,6 +513,9 @@ void QuantStripRemainder(int rows, const float* x, int64_t ldx, int64_t group, c
   }
 }
 
+// Groups ahead a one-row quantized matmul prefetches its weights: the hardware prefetcher alone left a
+// core stalled on memory (q4_1 gate-up, one row, two threads: 83 -> 70-77 us a call; 2, 4 and 8 alike).
+constexpr int64_t kQuantAhead = 4;
 // y[0:rows, panel p's columns] = x @ panel p, dequantizing in registers (rows <= kQuantStreamRows).
 template <int BITS, bool MIN>
 void QuantPanelStream(const float* xp, int64_t rows, const QuantLayer& w, int64_t p, const float* xsum, float* y) {
@@ -534,6 +530,11 @@ void QuantPanelStream(const float* xp, int64_t rows, const QuantLayer& w, int64_
     const void* qg = q + g * q_group * kPanel;
     const uint16_t* dg = d16 + g * kPanel;
     const uint16_t* mg = MIN ? m16 + g * kPanel : nullptr;
+    // group g + kQuantAhead's weights (past the panel's end, the next panel's: the same claim's next panel)
+    const char* ahead = static_cast<const char*>(qg) + kQuantAhead * q_group * kPanel;
+    for (int64_t b = 0; b < q_group * kPanel; b += 64) __builtin_prefetch(ahead + b);
+    __builtin_prefetch(dg + kQuantAhead * kPanel);
+    if (MIN) __builtin_prefetch(mg + kQuantAhead * kPanel);
     if (rows <= kQuantWideRows<BITS>) {
       QuantStripRemainder<kQuantWideRows<BITS>, kPanelVecs, BITS, MIN>(static_cast<int>(rows), xp + g * group, k_dim,
                                                                        group, qg, 0, dg, mg, xsum + g, groups, yp, w.n);
@@ -585,7 +586,7 @@ void DequantPanel(const QuantLayer& w, int64_t p, float* out) {
 constexpr int64_t kQuantTeamBytesPerWeight = 4;
 
 template <int BITS, bool MIN>
-void QuantPanels(const float* xp, int64_t rows, const QuantLayer& w, float* y) {
+void QuantPanels(const Team& team, const float* xp, int64_t rows, const QuantLayer& w, float* y) {
   const int64_t panels = w.n / kPanel, k_dim = w.k_dim, groups = k_dim / w.group;
   const bool stream = rows <= kQuantStreamRows;
   // sum of each row of x over each group (the min term), once per call
@@ -596,36 +597,28 @@ void QuantPanels(const float* xp, int64_t rows, const QuantLayer& w, float* y) {
     for (int64_t k = 0; k < w.group; ++k) s += xg[k];
     xsum[i] = s;
   }
-  const int threads = TeamSize(rows, panels, k_dim * w.n * kQuantTeamBytesPerWeight);
-#pragma omp parallel num_threads(threads)
-  {
-    const int id = omp_get_thread_num(), team = omp_get_num_threads();
-    const int64_t begin = panels * id / team, end = panels * (id + 1) / team;
-    if (stream) {
-      for (int64_t p = begin; p < end; ++p) QuantPanelStream<BITS, MIN>(xp, rows, w, p, xsum.data(), y);
-    } else {
-      static thread_local std::vector<float> panel;  // reused across calls (see Panels)
-      if (panel.size() < static_cast<size_t>(k_dim) * kPanel) panel.resize(static_cast<size_t>(k_dim) * kPanel);
-      for (int64_t p = begin; p < end; ++p) {
-        DequantPanel<BITS, MIN>(w, p, panel.data());
-        for (int64_t r0 = 0; r0 < rows; r0 += kTileRows<float, float>) {
-          const int n_rows = static_cast<int>(std::min<int64_t>(kTileRows<float, float>, rows - r0));
-          PanelRows(n_rows, xp + r0 * k_dim, k_dim, panel.data(), y + r0 * w.n + p * kPanel, w.n, Ahead<float>{});
-        }
-      }
+  const int threads = TeamSize(team, rows, k_dim * w.n * kQuantTeamBytesPerWeight);
+  team.ForEach(threads, panels, ChunkFor(panels, threads), [&](int64_t p) {
+    if (stream) return QuantPanelStream<BITS, MIN>(xp, rows, w, p, xsum.data(), y);
+    static thread_local std::vector<float> panel;  // reused across calls (see Panels)
+    if (panel.size() < static_cast<size_t>(k_dim) * kPanel) panel.resize(static_cast<size_t>(k_dim) * kPanel);
+    DequantPanel<BITS, MIN>(w, p, panel.data());
+    for (int64_t r0 = 0; r0 < rows; r0 += kTileRows<float, float>) {
+      const int n_rows = static_cast<int>(std::min<int64_t>(kTileRows<float, float>, rows - r0));
+      PanelRows(n_rows, xp + r0 * k_dim, k_dim, panel.data(), y + r0 * w.n + p * kPanel, w.n, Ahead<float>{});
     }
-  }
+  });
 }
 
-void QuantMatmul(const float* xp, int64_t rows, const QuantLayer& w, int bits, float* y) {
-  if (bits == 8) return QuantPanels<8, false>(xp, rows, w, y);
-  if (w.mins) return QuantPanels<4, true>(xp, rows, w, y);
-  QuantPanels<4, false>(xp, rows, w, y);
+void QuantMatmul(const Team& team, const float* xp, int64_t rows, const QuantLayer& w, int bits, float* y) {
+  if (bits == 8) return QuantPanels<8, false>(team, xp, rows, w, y);
+  if (w.mins) return QuantPanels<4, true>(team, xp, rows, w, y);
+  QuantPanels<4, false>(team, xp, rows, w, y);
 }
 
 // x float32 [T, K]; qs int8 [L, K, N...] or uint8 [L, K / 2, N...]; scales float16 [L, K / G, N...]; mins
 // float16 like scales, or size 0 (none); layer [1]; out [T, N]. Every weight array packed (quantized.py).
-ffi::Error QuantImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qs, ffi::AnyBuffer scales, ffi::AnyBuffer mins,
+ffi::Error QuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qs, ffi::AnyBuffer scales, ffi::AnyBuffer mins,
                      ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
   auto xd = x.dimensions(), qd = qs.dimensions(), sd = scales.dimensions();
   const int bits = qs.element_type() == ffi::S8 ? 8 : qs.element_type() == ffi::U8 ? 4 : 0;
@@ -653,7 +646,7 @@ ffi::Error QuantImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qs, ffi::AnyBuffer 
                k_dim,
                group,
                n};
-  QuantMatmul(x.typed_data(), rows, w, bits, out->typed_data());
+  QuantMatmul(Team(pool), x.typed_data(), rows, w, bits, out->typed_data());
   return ffi::Error::Success();
 }
 
@@ -661,6 +654,7 @@ ffi::Error QuantImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qs, ffi::AnyBuffer 
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(StackedMatmulCpu, Impl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
@@ -669,6 +663,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(StackedMatmulCpu, Impl,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizedMatmulCpu, QuantImpl,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()

@@ -36,7 +36,7 @@ needs_cross = pytest.mark.skipif(not HAVE_CROSS and os.environ.get("CI") != "tru
 
 def executable_flags(march: str) -> list[str]:
     """The kernels' compiler flags (cpu_ffi.py), for an executable rather than a shared object."""
-    return [f for f in cpu_ffi.FLAGS if f not in ("-shared", "-fPIC")] + [f"-march={march}"]
+    return [f for f in cpu_ffi.FLAGS if f not in ("-shared", "-fPIC")] + ["-pthread", f"-march={march}"]
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,7 @@
 // functions (anonymous namespace) are callable here. Prints one line per case, then
 // "N passed, M failed"; exits 1 on any failure.
 //
-// Build: g++ -O3 -ffast-math -std=c++17 -fopenmp -march=... -I$(jax.ffi.include_dir()) harness.cc
-
-#include <omp.h>
+// Build: g++ -O3 -ffast-math -std=c++17 -fopenmp-simd -pthread -march=... -I$(jax.ffi.include_dir()) harness.cc
 
 #include <algorithm>
 #include <cmath>
@@ -17,7 +15,9 @@
 #include <cstdio>
 #include <cstring>
 #include <limits>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -28,6 +28,7 @@
 #endif
 
 #include "../../../pallas_kernels/cpu_simd.h"
+#include "../../../pallas_kernels/cpu_team.h"
 #include "xla/ffi/api/ffi.h"
 
 // Every header the kernels include is already included above (include guards make theirs no-ops),
@@ -42,6 +43,21 @@ namespace attention {
 namespace {
 
 const float kNaN = std::numeric_limits<float>::quiet_NaN();
+
+// The kernels' helper tasks each on a thread of its own (in the engine: XLA's intra-op pool), joined at exit
+struct Helpers {
+  std::mutex mu;
+  std::vector<std::thread> threads;
+  void Start(std::function<void()> task) {
+    std::lock_guard<std::mutex> lock(mu);
+    threads.emplace_back(std::move(task));
+  }
+  void Join() {
+    for (std::thread& t : threads) t.join();
+  }
+} helpers;
+// four threads whatever the machine: shared panels and the long row's slices are exercised
+const jaxllm_team::Team kTeam(4, [](std::function<void()> task) { helpers.Start(std::move(task)); });
 
 struct Rng {  // splitmix64: the same numbers on every target
   uint64_t s;
@@ -163,20 +179,20 @@ void MatmulCases(Rng& rng) {
     matmul::Stream(x.data(), rows, kK, w.data() + layer, kN, y.data());
     CheckMatmul("matmul Stream float32" + r, x, rows, w, kN, y);
     std::fill(y.begin(), y.end(), kNaN);
-    matmul::Panels(x.data(), rows, kK, w.data() + layer, kN, y.data());
+    matmul::Panels(kTeam, x.data(), rows, kK, w.data() + layer, kN, y.data());
     CheckMatmul("matmul Panels float32" + r, x, rows, w, kN, y);
 
     std::vector<float> yp(rows * kNPacked, kNaN);
-    matmul::PackedPanels(x.data(), rows, kK, packed32.data() + layer_packed, kNPacked, yp.data());
+    matmul::PackedPanels(kTeam, x.data(), rows, kK, packed32.data() + layer_packed, kNPacked, yp.data());
     CheckMatmul("matmul PackedPanels float32" + r, x, rows, w32, kNPacked, yp);
 
     const std::vector<uint16_t> x16 = Stored<uint16_t>(x);  // as Impl passes bfloat16 x
     std::fill(yp.begin(), yp.end(), kNaN);
 #if defined(__AVX512BF16__)
-    matmul::PackedPanels(reinterpret_cast<const matmul::Bf16X*>(x16.data()), rows, kK / 2,
+    matmul::PackedPanels(kTeam, reinterpret_cast<const matmul::Bf16X*>(x16.data()), rows, kK / 2,
                          packed16.data() + layer_packed, kNPacked, yp.data());
 #else
-    matmul::PackedPanels(matmul::WidenRows(x16.data(), rows * kK), rows, kK / 2, packed16.data() + layer_packed,
+    matmul::PackedPanels(kTeam, matmul::WidenRows(x16.data(), rows * kK), rows, kK / 2, packed16.data() + layer_packed,
                          kNPacked, yp.data());
 #endif
     CheckMatmul("matmul PackedPanels bfloat16" + r, Widened(x16), rows, Widened(w16), kNPacked, yp);
@@ -258,7 +274,7 @@ void QuantCases(Rng& rng) {
       std::vector<float> x(rows * kQK);
       for (float& v : x) v = rng.Uniform();
       std::vector<float> y(rows * kQN, kNaN);
-      matmul::QuantMatmul(x.data(), rows, layer, c.bits, y.data());
+      matmul::QuantMatmul(kTeam, x.data(), rows, layer, c.bits, y.data());
       CheckMatmul(std::string("quantized ") + c.name + " rows=" + std::to_string(rows), x, rows, w, kQN, y, kQK);
     }
   }
@@ -341,7 +357,7 @@ void CheckAttention(Rng& rng, const AttentionCase& c) {
   sh.max_blocks = max_blocks;
   const float sm_scale = 1.f / std::sqrt(float(D));
   std::vector<float> out(num_tokens * Hq * D, kNaN);
-  attention::run<T>(q.data(), k.data(), v.data(), kv_lens.data(), tables.data(), cu.data(), kNumSeqs, kCacheLayer,
+  attention::run<T>(kTeam, q.data(), k.data(), v.data(), kv_lens.data(), tables.data(), cu.data(), kNumSeqs, kCacheLayer,
                     sh, num_tokens, sm_scale, c.window, c.soft_cap, out.data());
 
   // The oracle, per real row and head: softmax over the row's keys read through the table, in float64.
@@ -399,9 +415,7 @@ void CheckAttention(Rng& rng, const AttentionCase& c) {
 }  // namespace
 
 int main() {
-  omp_set_num_threads(4);  // whatever the machine: thread teams and the long row's slices are exercised
-  std::printf("isa %s, %d float32 lanes, %d OpenMP threads\n", jaxllm_simd::kIsa, jaxllm_simd::kLanes,
-              omp_get_max_threads());
+  std::printf("isa %s, %d float32 lanes, %d threads\n", jaxllm_simd::kIsa, jaxllm_simd::kLanes, kTeam.max_threads());
   Rng rng{20240601};
   MatmulCases(rng);
   QuantCases(rng);
@@ -410,5 +424,6 @@ int main() {
     CheckAttention<uint16_t>(rng, c);
   }
   std::printf("%d passed, %d failed\n", passed, failed);
+  helpers.Join();
   return failed ? 1 : 0;
 }
