@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <thread>
 #include <utility>
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -33,6 +34,8 @@ inline void Pause() {
 
 class Team {
  public:
+  static constexpr int kSpinsBeforeYield = 2000;  // pause instructions: tens of microseconds
+
   using Schedule = std::function<void(std::function<void()>)>;
 
   Team() = default;  // the calling thread alone
@@ -68,7 +71,14 @@ class Team {
     };
     for (int h = 1; h < threads; ++h) schedule_(work);
     work();
-    while (counters->done.load(std::memory_order_acquire) < items) Pause();  // items a helper is still on
+    // items a helper is still on: spin briefly, then yield the core (an oversubscribed machine may have
+    // descheduled the helper, perhaps to run it on this very core)
+    for (int spins = 0; counters->done.load(std::memory_order_acquire) < items; ++spins) {
+      if (spins < kSpinsBeforeYield)
+        Pause();
+      else
+        std::this_thread::yield();
+    }
   }
 
  private:
