@@ -359,10 +359,12 @@ struct Unit {
 // one, a skewed batch) then still use every core. Merging costs one [Hq, D] pass per slice.
 constexpr int64_t kMinSliceKeys = 512;
 constexpr int64_t kSlicesPerThread = 4;
-// Less work than this (keys x query rows, summed over the units): the calling thread alone. Waking
-// a team cost more than such a step's attention takes on one core (with OpenMP: a decode batch of one
-// at short context, 108 -> 8 us a call; benchmarks/NOTES.md lever 15).
-constexpr int64_t kMinTeamCost = 4096;
+// Less work than this (keys x query rows, summed over the units): the calling thread alone. With an
+// OpenMP team this was 4096, its wake-up costing more than a small step's attention; a helper task that
+// starts late costs nothing (cpu_team.h), and a decode batch of 16 at 128-256 keys went 196-199 -> 216-222
+// tok/s with it at 128. A batch of one stays one unit below kMinSliceKeys: slices of 64 keys made it 8 %
+// slower in the engine.
+constexpr int64_t kMinTeamCost = 128;
 
 template <typename T>
 void run(const Team& team, const float* q, const T* k, const T* v, const int32_t* kv_lens, const int32_t* tables,
