@@ -419,6 +419,19 @@ inline void WidenQ4(const uint8_t* p, VecF& lo, VecF& hi) {
   hi = __builtin_convertvector(u >> 4, VecF);
 }
 
+// The same without a conversion instruction, for DequantPanel: the float whose bits are 2^23's plus i is
+// exactly 2^23 + i (0 <= i < 2^23), so an integer or / add and a float subtract give i exactly. The
+// conversion (vcvtdq2ps) issues on one port of Zen 2's four, once a cycle.
+constexpr int32_t kTwo23Bits = 0x4B000000;  // 2^23 as float32 bits
+inline VecF WidenQ8Exact(const int8_t* p) {  // 2^23 + 128 + q, q in [-128, 128)
+  return (VecF)(WidenBytes<true>(p) + (kTwo23Bits + 128)) - 8388736.f;
+}
+inline void WidenQ4Exact(const uint8_t* p, VecF& lo, VecF& hi) {
+  const VecI u = WidenBytes<false>(p);
+  lo = (VecF)((u & 15) | kTwo23Bits) - 8388608.f;
+  hi = (VecF)((u >> 4) | kTwo23Bits) - 8388608.f;
+}
+
 // Registers a strip of VECS vectors of quants takes widened (4-bit: the low and the high nibbles), and the
 // rows of x that fit beside it: accumulators, a broadcast or two of x and a temporary.
 template <int BITS>
@@ -572,13 +585,13 @@ void DequantPanel(const QuantLayer& w, int64_t p, float* out) {
     if constexpr (BITS == 8) {
       for (int64_t k = 0; k < group; ++k)
         for (int v = 0; v < kPanelVecs; ++v)
-          Store(o + k * kPanel + v * kLanes, d[v] * WidenQ8(reinterpret_cast<const int8_t*>(qg) + k * kPanel + v * kLanes));
+          Store(o + k * kPanel + v * kLanes, d[v] * WidenQ8Exact(reinterpret_cast<const int8_t*>(qg) + k * kPanel + v * kLanes));
     } else {
       for (int64_t b = 0; b < group; b += 32)
         for (int j = 0; j < 16; ++j)
           for (int v = 0; v < kPanelVecs; ++v) {
             VecF lo, hi;
-            WidenQ4(qg + ((b >> 1) + j) * kPanel + v * kLanes, lo, hi);
+            WidenQ4Exact(qg + ((b >> 1) + j) * kPanel + v * kLanes, lo, hi);
             Store(o + (b + j) * kPanel + v * kLanes, d[v] * lo + m[v]);
             Store(o + (b + 16 + j) * kPanel + v * kLanes, d[v] * hi + m[v]);
           }
