@@ -85,10 +85,11 @@ constexpr int kWideRows = kPanelVecs > kTileVecs ? std::min(2, RowsFor<X, W>(kPa
 // How many threads for a matmul of `rows` rows of x reading `bytes` of weights: few rows and a small
 // matrix, one (see kMinTeamRows); a larger matrix (qkv, the MLP, the LM head) is streamed by the team
 // even for one row: one core reads memory at about half what two do on some machines (16.8 against
-// 30 GB/s on a 2-core Zen 2). Measured there with OpenMP teams, the default model's T=1 float32 matmul
-// chain: 47.9 ms with one thread, 28.2 ms from 2 MB up, 26.4 ms from 1 MB up; with helper tasks, every
-// matrix shared (no threshold) made the Q4_1 model's batch 1 slower, 97-101 against 104-114 tok/s.
-constexpr int64_t kMinTeamBytes = int64_t{2} << 20;
+// 30 GB/s on a 2-core Zen 2). Measured there, the default model's T=1 float32 matmul chain: 47.9 ms with
+// one thread, 28.2 ms from 2 MB up, 26.4 ms from 1 MB up (o_proj's 1.3 MB shared: 107 -> 63 us a call, the
+// float32 model's batch 1 38-38.5 -> 39-40 tok/s); every matrix shared (no threshold) made the Q4_1 model's
+// batch 1 slower, 97-101 against 104-114 tok/s (a helper for a 0.2 MB matrix costs more than it saves).
+constexpr int64_t kMinTeamBytes = int64_t{1} << 20;
 int TeamSize(const Team& team, int64_t rows, int64_t bytes) {
   return rows < kMinTeamRows && bytes < kMinTeamBytes ? 1 : team.max_threads();
 }
@@ -600,8 +601,9 @@ void DequantPanel(const QuantLayer& w, int64_t p, float* out) {
 }
 
 // The weights' size TeamSize weighs a quantized matmul by, per weight: the dequantization is arithmetic a
-// second core shares even for one row, so a matrix counts as large from fewer bytes of quants.
-constexpr int64_t kQuantTeamBytesPerWeight = 4;
+// second core shares even for one row, so a matrix counts as large from fewer bytes of quants (the default
+// model's qkv, gate-up, down and head take the team, its o_proj (0.2 MB of quants) one thread: measured the faster).
+constexpr int64_t kQuantTeamBytesPerWeight = 2;
 
 template <int BITS, bool MIN>
 void QuantPanels(const Team& team, const float* xp, int64_t rows, const QuantLayer& w, float* y) {
