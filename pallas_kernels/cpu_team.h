@@ -73,11 +73,13 @@ class Team {
     work();
     // items a helper is still on: spin briefly, then yield the core (an oversubscribed machine may have
     // descheduled the helper, perhaps to run it on this very core)
-    for (int spins = 0; counters->done.load(std::memory_order_acquire) < items; ++spins) {
-      if (spins < kSpinsBeforeYield)
+    for (int spins = 0; counters->done.load(std::memory_order_acquire) < items;) {
+      if (spins < kSpinsBeforeYield) {
+        ++spins;  // counted only up to the threshold: a long wait must not overflow it
         Pause();
-      else
+      } else {
         std::this_thread::yield();
+      }
     }
   }
 

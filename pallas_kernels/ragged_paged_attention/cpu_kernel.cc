@@ -24,7 +24,6 @@
 #include <utility>
 #include <vector>
 
-
 #include "../cpu_simd.h"
 #include "../cpu_team.h"
 #include "xla/ffi/api/ffi.h"
