@@ -20,6 +20,9 @@ def die(message: str) -> NoReturn:
     """One line on stderr, then exit at once: a thread blocked in a collective cannot be unwound."""
     sys.stderr.write(f"jaxllm: error: {message}\n")
     sys.stderr.flush()
+    # nothing after it: JAX's coordination agent logs from its own thread when a peer is gone, and could
+    # write between this line and the exit
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
     os._exit(EXIT_STATUS)
 
 
