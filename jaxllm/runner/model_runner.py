@@ -397,7 +397,8 @@ class ModelRunner:
         return sampler(logits, sampling)
 
     def to_host(self, result: SamplerOutput, n: int) -> RunnerOutput:
-        host: SamplerOutput = jax.device_get(result)
+        # leaf by leaf: `jax.device_get` first starts an asynchronous copy of each leaf, ~15 us apiece on CPU
+        host = SamplerOutput(*(np.asarray(leaf) for leaf in result))
         return RunnerOutput(
             np.asarray(host.token_ids[:n]),
             np.asarray(host.logprobs[:n]),
