@@ -398,13 +398,4 @@ class ModelRunner:
 
     def to_host(self, result: SamplerOutput, n: int) -> RunnerOutput:
         # leaf by leaf: `jax.device_get` first starts an asynchronous copy of each leaf, ~15 us apiece on CPU
-        host = SamplerOutput(*(np.asarray(leaf) for leaf in result))
-        return RunnerOutput(
-            np.asarray(host.token_ids[:n]),
-            np.asarray(host.logprobs[:n]),
-            np.asarray(host.ranks[:n]),
-            np.asarray(host.top_token_ids[:n]),
-            np.asarray(host.top_logprobs[:n]),
-            np.asarray(host.target_logprobs[:n]),
-            np.asarray(host.target_ranks[:n]),
-        )
+        return RunnerOutput(*(np.asarray(leaf)[:n] for leaf in result))
