@@ -18,21 +18,23 @@ e. otherwise: / temperature → min_p (drop p < min_p * max p) → top_k (keep v
    renormalised after the previous filters, reaches top_p; ties with the last kept token
    kept too) → one categorical draw, keyed by fold_in(key(seed), step): the same
    (seed, step, logits) gives the same token whatever the batch around the row.
-f. logprob of the sampled token, its rank, and the top MAX_LOGPROBS raw logprobs; on rows that score a
-   given token (`target_ids`: prompt_logprobs), that token's raw logprob and rank.
+f. when some row asks for logprobs: logprob of the sampled token, its rank, and the top MAX_LOGPROBS raw
+   logprobs (else zeros, as vLLM computes logprobs only on request); on rows that score a given token
+   (`target_ids`: prompt_logprobs), that token's raw logprob and rank.
 
-Every optional stage is behind a `lax.cond` on a device-side `any(...)` of its inputs, so a
-step where no row uses it skips its cost (the scatter of the penalties, the mask unpacking,
-the top_k / top_p search, the whole draw when every row is greedy, the top logprobs); filters
-of greedy rows are ignored. min_p, top_k and top_p become one threshold per row, applied once,
-inside the draw. Nothing here sorts the vocabulary: XLA's CPU sort of [64, 49152] takes close
-to a second. The top_k / top_p thresholds come from the top TOPK_CANDIDATES logits when those
-decide every row (always for top_k <= 128; for top_p when they hold the nucleus, the usual
-case with a peaked distribution), else from an exact bitwise bisection over the float order
-(up to 64 passes over the logits). argmax and the top logprobs go by blocks of the vocabulary
-(XLA CPU's argmax and top_k over a whole row are several times slower). The draw inverts the
-CDF with one uniform per row, by blocks, instead of adding Gumbel noise to every logit (a
-random number per vocabulary entry: ~70 ms at [64, 49152] on CPU).
+Every optional stage is behind a `lax.cond` on a device-side `any(...)` of its inputs, so a step
+where no row uses it skips its cost (the scatter of the penalties, the mask unpacking, the top_k
+/ top_p search, the whole draw when every row is greedy, the log-softmax and top logprobs); a
+batch of greedy rows that no stage touches takes the argmax alone (a skipped stage's cond still
+copies the logits); filters of greedy rows are ignored. min_p, top_k and top_p become one
+threshold per row, applied once, inside the draw. Nothing here sorts the vocabulary: XLA's CPU
+sort of [64, 49152] takes close to a second. The top_k / top_p thresholds come from the top
+TOPK_CANDIDATES logits when those decide every row (always for top_k <= 128; for top_p when they
+hold the nucleus, the usual case with a peaked distribution), else from an exact bitwise
+bisection over the float order (up to 64 passes over the logits). argmax and the top logprobs go
+by blocks of the vocabulary (XLA CPU's argmax and top_k over a whole row are several times
+slower). The draw inverts the CDF with one uniform per row, by blocks, instead of adding Gumbel
+noise to every logit (a random number per vocabulary entry: ~70 ms at [64, 49152] on CPU).
 """
 
 from __future__ import annotations
