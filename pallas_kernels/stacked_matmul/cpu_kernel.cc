@@ -469,8 +469,6 @@ struct QuantLayer {  // one packed layer
 template <int ROWS, int VECS, int BITS, bool MIN>
 inline void QuantStrip(const float* x, int64_t ldx, int64_t group, const void* q, int c, const uint16_t* d16,
                        const uint16_t* m16, const float* xsum, int64_t groups, float* y, int64_t ldy) {
-  // One accumulator set: a second (k even / odd, low / high nibbles) to halve the FMA chains measured no faster,
-  // with or without a barrier against GCC reassociating it back into one chain (benchmarks/NOTES.md)
   VecF acc[ROWS][VECS];
 #pragma GCC unroll 8
   for (int r = 0; r < ROWS; ++r)
@@ -500,6 +498,15 @@ inline void QuantStrip(const float* x, int64_t ldx, int64_t group, const void* q
         for (int v = 0; v < VECS; ++v) acc[r][v] += x[r * ldx + k] * w[v];
     }
   } else {
+    // One or two rows, where registers allow (AVX-512's 32): the low nibbles and the whole bytes accumulate apart,
+    // two FMAs a vector on chains of their own instead of a multiply, an FMA and an add on one chain (q4_1 gate-up,
+    // one thread, Zen 4: 74 -> 67.5 us one row, 117 -> 105 us two). Not for more rows (4 rows: 190 -> 231 us), nor
+    // on AVX2's 16 registers for one row (Zen 2: spills, 93 -> 105 us; benchmarks/NOTES.md)
+    constexpr bool kSplit = ROWS <= 2 && 2 * ROWS * VECS + 2 * VECS + 3 <= kVecRegs;
+    VecF acc_whole[kSplit ? ROWS : 1][VECS];
+#pragma GCC unroll 8
+    for (int r = 0; r < (kSplit ? ROWS : 1); ++r)
+      for (int v = 0; v < VECS; ++v) acc_whole[r][v] = VecF{};
     const uint8_t* qp = static_cast<const uint8_t*>(q) + c;
     for (int64_t b = 0; b < group; b += 32) {
       for (int j = 0; j < 16; ++j) {
@@ -511,10 +518,20 @@ inline void QuantStrip(const float* x, int64_t ldx, int64_t group, const void* q
         for (int r = 0; r < ROWS; ++r) {  // x folded: x[k] - x[k + 16] / 16 and x[k + 16] / 16
           const float a_lo = x[r * ldx + b + j], a_whole = x[r * ldx + b + 16 + j];
 #pragma GCC unroll 8
-          for (int v = 0; v < VECS; ++v) acc[r][v] += a_lo * lo[v] + a_whole * whole[v];
+          for (int v = 0; v < VECS; ++v) {
+            if constexpr (kSplit) {
+              acc[r][v] += a_lo * lo[v];
+              acc_whole[r][v] += a_whole * whole[v];
+            } else {
+              acc[r][v] += a_lo * lo[v] + a_whole * whole[v];
+            }
+          }
         }
       }
     }
+    if constexpr (kSplit)
+      for (int r = 0; r < ROWS; ++r)
+        for (int v = 0; v < VECS; ++v) acc[r][v] += acc_whole[r][v];
   }
 #pragma GCC unroll 8
   for (int v = 0; v < VECS; ++v) {
