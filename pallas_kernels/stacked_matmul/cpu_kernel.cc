@@ -502,7 +502,7 @@ inline void QuantStrip(const float* x, int64_t ldx, int64_t group, const void* q
     // two FMAs a vector on chains of their own instead of a multiply, an FMA and an add on one chain (q4_1 gate-up,
     // one thread, Zen 4: 74 -> 67.5 us one row, 117 -> 105 us two). Not for more rows (4 rows: 190 -> 231 us), nor
     // on AVX2's 16 registers for one row (Zen 2: spills, 93 -> 105 us; benchmarks/NOTES.md)
-    constexpr bool kSplit = ROWS <= 2 && 2 * ROWS * VECS + 2 * VECS + 3 <= kVecRegs;
+    constexpr bool kSplit = ROWS <= 2 && 2 * ROWS <= QuantRowsFor<4>(VECS);  // twice the accumulators fit
     VecF acc_whole[kSplit ? ROWS : 1][VECS];
 #pragma GCC unroll 8
     for (int r = 0; r < (kSplit ? ROWS : 1); ++r)
