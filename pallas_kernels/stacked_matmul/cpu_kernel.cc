@@ -654,14 +654,28 @@ void QuantPanels(const Team& team, const float* xp, int64_t rows, const QuantLay
   }
   const std::vector<float> folded = BITS == 4 && stream ? FoldNibblePairs(xp, rows, k_dim) : std::vector<float>();
   const int threads = TeamSize(team, rows, k_dim * w.n * kQuantTeamBytesPerWeight);
-  team.ForEach(threads, panels, ChunkFor(panels, threads), [&](int64_t p) {
+  const int64_t chunk = ChunkFor(panels, threads), tiles = (rows + kTileRows<float, float> - 1) / kTileRows<float, float>;
+  const int64_t q_panel_bytes = (BITS == 4 ? k_dim / 2 : k_dim) * kPanel;
+  team.ForEach(threads, panels, chunk, [&](int64_t p) {
     if (stream) return QuantPanelStream<BITS, MIN>(BITS == 4 ? folded.data() : xp, rows, w, p, xsum.data(), y);
     static thread_local std::vector<float> panel;  // reused across calls (see Panels)
     if (panel.size() < static_cast<size_t>(k_dim) * kPanel) panel.resize(static_cast<size_t>(k_dim) * kPanel);
     DequantPanel<BITS, MIN>(w, p, panel.data());
-    for (int64_t r0 = 0; r0 < rows; r0 += kTileRows<float, float>) {
+    // the same claim's next panel fetched into cache while this one's row tiles run, as PackedPanels does:
+    // its scales and mins at once (a few lines), its quants spread over the tiles in units of a float
+    // panel row (kPanel floats, the unit Tile prefetches)
+    const bool has_next = (p + 1) % chunk && p + 1 < panels;
+    const int64_t units = q_panel_bytes / (kPanel * sizeof(float));
+    const auto* next = reinterpret_cast<const float*>(static_cast<const uint8_t*>(w.qs) + (p + 1) * q_panel_bytes);
+    for (int64_t i = 0; has_next && i < groups * kPanel; i += kPanel) {
+      __builtin_prefetch(w.scales + (p + 1) * groups * kPanel + i);
+      if (MIN) __builtin_prefetch(w.mins + (p + 1) * groups * kPanel + i);
+    }
+    for (int64_t r0 = 0, tile = 0; r0 < rows; r0 += kTileRows<float, float>, ++tile) {
       const int n_rows = static_cast<int>(std::min<int64_t>(kTileRows<float, float>, rows - r0));
-      PanelRows(n_rows, xp + r0 * k_dim, k_dim, panel.data(), y + r0 * w.n + p * kPanel, w.n, Ahead<float>{});
+      const int64_t lo = units * tile / tiles, hi = units * (tile + 1) / tiles;
+      const Ahead<float> ahead = has_next ? Ahead<float>{next + lo * kPanel, hi - lo, kPanel} : Ahead<float>{};
+      PanelRows(n_rows, xp + r0 * k_dim, k_dim, panel.data(), y + r0 * w.n + p * kPanel, w.n, ahead);
     }
   });
 }
