@@ -350,8 +350,9 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::B
 //   -> 93 us). A panel's whole width is one tile where registers allow (kPanelVecs, one or two rows), else
 //   half-panel strips of more rows.
 // - more rows: each panel is dequantized into a thread-local float32 [K, kPanel] buffer (in L2) and
-//   multiplied by the float32 register tiles above (PanelRows): the dequantization is amortized over the
-//   rows, so from a few dozen rows on it runs at the float32 packed kernel's rate.
+//   multiplied by the float32 register tiles above (PanelRows), which prefetch the next panel's quants as
+//   PackedPanels' tiles prefetch its next panel: the dequantization is amortized over the rows, so from a few
+//   dozen rows on it runs at the float32 packed kernel's rate.
 // Panels are shared out by TeamSize as in PackedPanels, the weights counted at their float32 size: the
 // dequantization is arithmetic a second core shares even for one row.
 
