@@ -171,6 +171,19 @@ struct Ahead {
   int64_t count = 0, stride = 0;
 };
 
+// Whether panel p + 1 is the same claim's next (ChunkFor's claims: `chunk` panels in a row), the one to prefetch.
+inline bool NextInClaim(int64_t p, int64_t chunk, int64_t panels) { return (p + 1) % chunk && p + 1 < panels; }
+
+// Row tile `tile` of `tiles`'s share of the next panel (`units` rows `stride` elements apart from `next`; null:
+// none): each tile prefetches its share (the first tile's reads come from memory, the others' from cache: spread
+// over all of them, the next panel is in cache when its first tile starts).
+template <typename W>
+Ahead<W> TileShare(const W* next, int64_t units, int64_t stride, int64_t tile, int64_t tiles) {
+  if (!next) return {};
+  const int64_t lo = units * tile / tiles, hi = units * (tile + 1) / tiles;
+  return {next + lo * stride, hi - lo, stride};
+}
+
 // y[r, 0:kTileCols] = x[r, :] @ tile for r < ROWS; `tile` is a panel's columns [c, c + kTileCols), its
 // `k_steps` rows kRowElems apart; x's rows are `ldx` elements apart; `ahead` is prefetched on the way.
 template <int ROWS, int VECS, typename X, typename W>
@@ -270,13 +283,10 @@ void PackedPanels(const Team& team, const X* xp, int64_t rows, int64_t k_steps, 
   const int64_t chunk = ChunkFor(panels, threads);
   team.ForEach(threads, panels, chunk, [&](int64_t p) {
     const W* panel = wp + p * panel_size;
-    const W* next = (p + 1) % chunk && p + 1 < panels ? panel + panel_size : nullptr;  // the same claim's next panel
+    const W* next = NextInClaim(p, chunk, panels) ? panel + panel_size : nullptr;
     for (int64_t r0 = 0, tile = 0; r0 < rows; r0 += kTileRows<X, W>, ++tile) {
       const int n_rows = static_cast<int>(std::min<int64_t>(kTileRows<X, W>, rows - r0));
-      // each row tile prefetches its share of the next panel (the first tile's reads come from memory, the
-      // others' from cache: spread over all of them, the next panel is in cache when its first tile starts)
-      const int64_t lo = k_steps * tile / tiles, hi = k_steps * (tile + 1) / tiles;
-      const Ahead<W> ahead = next ? Ahead<W>{next + lo * kRowElems<X, W>, hi - lo, kRowElems<X, W>} : Ahead<W>{};
+      const Ahead<W> ahead = TileShare(next, k_steps, kRowElems<X, W>, tile, tiles);
       PanelRows(n_rows, xp + r0 * k_steps * kXElems<X, W>, k_steps, panel, y + r0 * n + p * kPanel, n, ahead);
     }
   });
@@ -662,20 +672,20 @@ void QuantPanels(const Team& team, const float* xp, int64_t rows, const QuantLay
     static thread_local std::vector<float> panel;  // reused across calls (see Panels)
     if (panel.size() < static_cast<size_t>(k_dim) * kPanel) panel.resize(static_cast<size_t>(k_dim) * kPanel);
     DequantPanel<BITS, MIN>(w, p, panel.data());
-    // the same claim's next panel fetched into cache while this one's row tiles run, as PackedPanels does:
-    // its scales and mins at once (a few lines), its quants spread over the tiles in units of a float
-    // panel row (kPanel floats, the unit Tile prefetches)
-    const bool has_next = (p + 1) % chunk && p + 1 < panels;
+    // the next panel fetched into cache while this one's row tiles run, as PackedPanels does: its quants
+    // spread over the tiles in units of a float panel row (kPanel floats, the unit Tile prefetches), its
+    // scales and mins (a few lines) at once, before the tiles
+    const bool has_next = NextInClaim(p, chunk, panels);
+    const auto* next =
+        has_next ? reinterpret_cast<const float*>(static_cast<const uint8_t*>(w.qs) + (p + 1) * q_panel_bytes) : nullptr;
     const int64_t units = q_panel_bytes / (kPanel * sizeof(float));
-    const auto* next = reinterpret_cast<const float*>(static_cast<const uint8_t*>(w.qs) + (p + 1) * q_panel_bytes);
     for (int64_t i = 0; has_next && i < groups * kPanel; i += kPanel) {
       __builtin_prefetch(w.scales + (p + 1) * groups * kPanel + i);
       if (MIN) __builtin_prefetch(w.mins + (p + 1) * groups * kPanel + i);
     }
     for (int64_t r0 = 0, tile = 0; r0 < rows; r0 += kTileRows<float, float>, ++tile) {
       const int n_rows = static_cast<int>(std::min<int64_t>(kTileRows<float, float>, rows - r0));
-      const int64_t lo = units * tile / tiles, hi = units * (tile + 1) / tiles;
-      const Ahead<float> ahead = has_next ? Ahead<float>{next + lo * kPanel, hi - lo, kPanel} : Ahead<float>{};
+      const Ahead<float> ahead = TileShare(next, units, kPanel, tile, tiles);
       PanelRows(n_rows, xp + r0 * k_dim, k_dim, panel.data(), y + r0 * w.n + p * kPanel, w.n, ahead);
     }
   });
