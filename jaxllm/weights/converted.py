@@ -12,16 +12,23 @@ The key is the source file (path, size, mtime), the architecture, the dtype, the
 asked for (the CPU kernel's packing: kept packed, a warm start does not pack again) and FORMAT:
 raise FORMAT whenever the conversion (`params.py`, `gguf.py`) or a layout changes what it produces. Anything
 missing or unreadable means convert again, and overwrite.
+
+Each variant (quantization, layout, dtype) is a folder of its own, 90-540 MB for the default model, so
+the folders are bounded: once a new one is kept, the least recently used others are deleted until all
+fit in `$JAXLLM_WEIGHTS_CACHE_GB` (default 8; a load marks its folder used). The folders this process
+loaded or wrote are never deleted by it. `jaxllm cache info` lists them (each has a `source.json`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,7 +43,12 @@ logger = logging.getLogger(__name__)
 
 FORMAT = 2
 PAGE = 4096
+WEIGHTS_CACHE_GB_ENV = "JAXLLM_WEIGHTS_CACHE_GB"
+DEFAULT_WEIGHTS_CACHE_GB = 8.0
+ABANDONED_S = 3600.0  # a `.partial` folder untouched this long was left by a process that died writing it
+DESCRIPTION = "source.json"  # what a folder holds, for `jaxllm cache info`
 _saving: dict[Path, threading.Thread] = {}  # folder → the thread writing it
+_in_use: set[Path] = set()  # folders this process loaded or wrote: never evicted by it
 
 
 def wait_for_saves() -> None:
@@ -59,7 +71,99 @@ def _folder(source: Path, arch, dtype, layout: str) -> Path:
             FORMAT,
         )
     )
-    return cache_dir() / "weights" / hashlib.sha256(key.encode()).hexdigest()[:32]
+    return weights_dir() / hashlib.sha256(key.encode()).hexdigest()[:32]
+
+
+def weights_dir() -> Path:
+    return cache_dir() / "weights"
+
+
+def bound_bytes() -> int:
+    """The converted weights' size bound: `$JAXLLM_WEIGHTS_CACHE_GB` GB (default 8)."""
+    value = os.environ.get(WEIGHTS_CACHE_GB_ENV, "")
+    try:
+        gb = float(value) if value else DEFAULT_WEIGHTS_CACHE_GB
+    except ValueError:
+        raise ValueError(f"${WEIGHTS_CACHE_GB_ENV} must be a number of GB, got {value!r}") from None
+    if gb < 0:
+        raise ValueError(f"${WEIGHTS_CACHE_GB_ENV} must be 0 or more GB, got {value!r}")
+    return int(gb * 1e9)
+
+
+def folder_size(folder: Path) -> int:
+    """Bytes of the files under `folder` (0 when it is gone)."""
+    total = 0
+    for root, _, files in os.walk(folder):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass  # deleted meanwhile
+    return total
+
+
+def entries() -> list[tuple[Path, int, float, dict]]:
+    """The kept conversions, least recently used first: (folder, bytes, last use as a timestamp, what it
+    holds: the source.json written with it, {} for older folders)."""
+    found = []
+    try:
+        folders = [f for f in weights_dir().iterdir() if f.is_dir() and not f.name.endswith(".partial")]
+    except OSError:
+        return []
+    for folder in folders:
+        try:
+            used = folder.stat().st_mtime
+        except OSError:
+            continue
+        try:
+            description = json.loads((folder / DESCRIPTION).read_text())
+        except (OSError, ValueError):
+            description = {}
+        found.append((folder, folder_size(folder), used, description))
+    return sorted(found, key=lambda entry: entry[2])
+
+
+def evict(bound: int | None = None) -> list[Path]:
+    """Delete the least recently used conversions until the rest fit in `bound` bytes (default `bound_bytes()`),
+    never one this process uses, and `.partial` folders abandoned by a process that died writing them.
+    Returns the folders deleted."""
+    bound = bound_bytes() if bound is None else bound
+    deleted = []
+    now = time.time()
+    for partial in weights_dir().glob("*.partial"):
+        try:
+            if now - partial.stat().st_mtime > ABANDONED_S:
+                shutil.rmtree(partial, ignore_errors=True)
+                deleted.append(partial)
+        except OSError:
+            pass
+    kept = entries()
+    total = sum(size for _, size, _, _ in kept)
+    for folder, size, _, _ in kept:
+        if total <= bound:
+            break
+        if folder in _in_use or folder in _saving:
+            continue
+        shutil.rmtree(folder, ignore_errors=True)
+        total -= size
+        deleted.append(folder)
+        logger.info(
+            "deleted the converted weights in %s (%.0f MB, least recently used): over $%s=%.1f GB",
+            folder,
+            size / 1e6,
+            WEIGHTS_CACHE_GB_ENV,
+            bound / 1e9,
+        )
+    return deleted
+
+
+def _mark_used(folder: Path) -> None:
+    """A load: this folder is the most recently used (its mtime orders eviction)."""
+    _in_use.add(folder)
+    try:
+        os.utime(folder)
+    except OSError:
+        pass  # a read-only cache: the order is only less exact
 
 
 def _leaf_name(path: tuple[str, ...]) -> str:
@@ -94,13 +198,14 @@ class _Writer:
     memory when the cache cannot take it: the next start converts again, nothing else is lost); `keep` flushes
     them and renames the folder into place, so that it appears whole or not at all."""
 
-    def __init__(self, folder: Path):
+    def __init__(self, folder: Path, description: dict):
         self.folder = folder
         self.files: list[np.memmap] = []  # the mapped .npy files, flushed by `keep`
         self.partial: Path | None = None  # the folder being written, renamed into place by `keep`
         try:
             folder.parent.mkdir(parents=True, exist_ok=True)
             self.partial = Path(tempfile.mkdtemp(dir=folder.parent, suffix=".partial"))
+            (self.partial / DESCRIPTION).write_text(json.dumps(description))
         except OSError as e:
             self._give_up(e)
 
@@ -142,6 +247,12 @@ class _Writer:
                 os.replace(partial, self.folder)
             except OSError as e:
                 self._give_up(e)
+                return
+            _in_use.add(self.folder)
+            try:
+                evict()
+            except (OSError, ValueError) as e:
+                logger.warning("could not bound the converted weights in %s: %s", self.folder.parent, e)
 
         # beside the start, not before it. Not a daemon: a process that ends first still finishes the folder
         _saving[self.folder] = threading.Thread(target=flush, name="jaxllm-save-weights")
@@ -160,7 +271,9 @@ def load_or_convert(
     host = _load(folder, shapes)
     if host is None:
         # multi-host: each process holds a part, and a shared cache would see several writers
-        writer = _Writer(folder) if all(s.is_fully_addressable for s in jax.tree.leaves(shardings)) else None
+        description = {"source": str(source), "dtype": str(np.dtype(dtype)), "layout": layout, "format": FORMAT}
+        fully_addressable = all(s.is_fully_addressable for s in jax.tree.leaves(shardings))
+        writer = _Writer(folder, description) if fully_addressable else None
         try:
             host = convert(writer.allocate if writer else aligned_empty)
         except BaseException:
@@ -170,6 +283,7 @@ def load_or_convert(
         if writer:
             writer.keep()
     else:
+        _mark_used(folder)
         for array in jax.tree.leaves(host):  # fault the pages in now, in the loading thread, not in the first step
             array.reshape(-1).view(np.uint8)[::PAGE].max(initial=0)
     return place(host, shardings)

@@ -37,10 +37,18 @@ def register(sub) -> None:
 def run(args) -> None:
     import uvicorn
 
+    from jaxllm.entrypoints.openai.launcher import create_server_socket
     from jaxllm.entrypoints.router.app import build_app
 
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
-    app = build_app(args.prefill, args.decode, timeout=args.timeout)
-    # a short graceful shutdown: open streams end when the instances' do, which may take minutes
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(), timeout_graceful_shutdown=2)
+    app = build_app(args.prefill, args.decode, timeout=args.timeout)  # checks the flags, loads nothing
+    sock = create_server_socket(args.host, args.port)  # a port in use: one line, as `jaxllm serve`
+    try:
+        # a short graceful shutdown: open streams end when the instances' do, which may take minutes
+        config = uvicorn.Config(app, log_level=args.log_level.lower(), timeout_graceful_shutdown=2)
+        uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:  # Ctrl-C ends the router: exit 0, as uvicorn.run did
+        pass
+    finally:
+        sock.close()

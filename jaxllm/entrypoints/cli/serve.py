@@ -1,5 +1,7 @@
 """`jaxllm serve [MODEL]`: the OpenAI-compatible HTTP server (FastAPI + uvicorn) over `AsyncLLM`.
 
+The port is bound before the engine is built, as vLLM does: one taken is an error before any loading.
+
 SIGINT/SIGTERM: stop accepting connections, abort what is in flight (streams end with
 finish_reason "abort"), let the responses finish, stop the engine, exit 0.
 """
@@ -32,7 +34,17 @@ def register(sub) -> None:
     serve.add_argument(
         "--served-model-name", nargs="+", default=None, help="the model name(s) clients use (default: the model's path)"
     )
-    serve.add_argument("--max-log-len", type=int, default=None, help="log at most this many characters of each prompt")
+    serve.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="log each request's prompt and sampling parameters (INFO; off by default: prompts are users' data)",
+    )
+    serve.add_argument(
+        "--max-log-len",
+        type=int,
+        default=None,
+        help="with --enable-log-requests: log at most this many characters (and token ids) of each prompt",
+    )
     serve.add_argument("--disable-log-stats", action="store_true", help="no periodic stats line")
     serve.add_argument(
         "--timeout-graceful-shutdown",
@@ -74,9 +86,7 @@ def register(sub) -> None:
 
 
 def run(args) -> None:
-    from jaxllm.engine.async_llm import AsyncLLM
-    from jaxllm.entrypoints.openai.api_server import build_app
-    from jaxllm.entrypoints.openai.launcher import serve_http
+    from jaxllm.entrypoints.openai.launcher import create_server_socket, serve_http
 
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
@@ -84,6 +94,8 @@ def run(args) -> None:
         args.model = args.model_tag
     if not 0 <= args.port < 65536:
         raise ValueError(f"--port must be in [0, 65535], got {args.port}")
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise ValueError(f"--max-log-len must be 0 or more, got {args.max_log_len}")
     if args.max_request_body_bytes < 0:
         raise ValueError(f"--max-request-body-bytes must be 0 (no limit) or more, got {args.max_request_body_bytes}")
     if args.headless != (args.node_rank > 0):
@@ -93,26 +105,36 @@ def run(args) -> None:
 
         run_headless(EngineArgs.from_cli_args(args))
         return
-    engine = AsyncLLM.from_engine_args(
-        EngineArgs.from_cli_args(args),
-        log_stats=not args.disable_log_stats,
-        served_model_name=(args.served_model_name or [None])[0],
-    )
-    app = build_app(
-        engine,
-        served_model_names=args.served_model_name,
-        api_key=args.api_key,
-        max_log_len=args.max_log_len,
-        chat_template=args.chat_template,
-        enable_auto_tool_choice=args.enable_auto_tool_choice,
-        tool_call_parser=args.tool_call_parser,
-        max_request_body_bytes=args.max_request_body_bytes or None,
-    )
-    serve_http(
-        app,
-        engine,
-        host=args.host,
-        port=args.port,
-        log_level=args.log_level.lower(),
-        timeout_graceful_shutdown=args.timeout_graceful_shutdown,
-    )
+    engine_args = EngineArgs.from_cli_args(args)
+    sock = create_server_socket(args.host, args.port)  # before loading anything: a port in use fails now
+    try:
+        from jaxllm.engine.async_llm import AsyncLLM  # imports JAX: seconds
+        from jaxllm.entrypoints.openai.api_server import build_app
+
+        engine = AsyncLLM.from_engine_args(
+            engine_args,
+            log_stats=not args.disable_log_stats,
+            served_model_name=(args.served_model_name or [None])[0],
+        )
+        app = build_app(
+            engine,
+            served_model_names=args.served_model_name,
+            api_key=args.api_key,
+            enable_log_requests=args.enable_log_requests,
+            max_log_len=args.max_log_len,
+            chat_template=args.chat_template,
+            enable_auto_tool_choice=args.enable_auto_tool_choice,
+            tool_call_parser=args.tool_call_parser,
+            max_request_body_bytes=args.max_request_body_bytes or None,
+        )
+        serve_http(
+            app,
+            engine,
+            host=args.host,
+            port=args.port,
+            log_level=args.log_level.lower(),
+            timeout_graceful_shutdown=args.timeout_graceful_shutdown,
+            sock=sock,
+        )
+    finally:
+        sock.close()

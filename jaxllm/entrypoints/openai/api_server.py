@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jaxllm
 from jaxllm.engine.async_llm import AsyncLLM
+from jaxllm.entrypoints.logger import RequestLogger
 from jaxllm.entrypoints.openai.async_tokenizer import AsyncTokenizer
 from jaxllm.entrypoints.openai.chat_templates import CHATML_TOOLS, load_chat_template
 from jaxllm.entrypoints.openai.errors import OpenAIError, parse_request, status_error
@@ -71,6 +72,7 @@ def build_app(
     *,
     served_model_names: list[str] | None = None,
     api_key: str | None = None,
+    enable_log_requests: bool = False,
     max_log_len: int | None = None,
     chat_template: str | None = None,
     enable_auto_tool_choice: bool = False,
@@ -80,8 +82,9 @@ def build_app(
     names = served_model_names or [engine.model_name]
     options = serving_options(engine, chat_template, enable_auto_tool_choice, tool_call_parser)
     tokenizer = AsyncTokenizer(engine.tokenizer, engine.info.max_model_len)
-    completion = OpenAIServingCompletion(engine, names, max_log_len, options=options, tokenizer=tokenizer)
-    chat = OpenAIServingChat(engine, names, max_log_len, options=options, tokenizer=tokenizer)
+    request_logger = RequestLogger(max_log_len=max_log_len) if enable_log_requests else None
+    completion = OpenAIServingCompletion(engine, names, request_logger, options=options, tokenizer=tokenizer)
+    chat = OpenAIServingChat(engine, names, request_logger, options=options, tokenizer=tokenizer)
     tokenization = OpenAIServingTokenization(chat)
     responses = OpenAIServingResponses(chat)
     app = FastAPI(title="jaxllm OpenAI-compatible server", version=jaxllm.__version__)

@@ -1,10 +1,34 @@
-"""Run the app under uvicorn with a shutdown that suits an inference engine."""
+"""Run the app under uvicorn with a shutdown that suits an inference engine, on a socket bound before
+the engine is built (`create_server_socket`): a port in use is an error before minutes of loading."""
 
 from __future__ import annotations
 
+import errno
+import socket
+from typing import TYPE_CHECKING
+
 import uvicorn
 
-from jaxllm.engine.async_llm import AsyncLLM
+if TYPE_CHECKING:  # not imported at run time: the router uses this module without an engine
+    from jaxllm.engine.async_llm import AsyncLLM
+
+
+def create_server_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), not listening yet, as vLLM creates it before the engine: clients
+    are refused until the server starts. A ValueError (one line from the CLI) when the address is taken."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart may bind while old connections close
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ValueError(
+                f"cannot listen on {host}:{port}: the address is already in use (--host, --port)"
+            ) from None
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e} (--host, --port)") from None
+    return sock
 
 
 class GracefulServer(uvicorn.Server):
@@ -30,9 +54,17 @@ class GracefulServer(uvicorn.Server):
 
 
 def serve_http(
-    app, engine: AsyncLLM, *, host: str, port: int, log_level: str = "info", timeout_graceful_shutdown: float = 5.0
+    app,
+    engine: AsyncLLM,
+    *,
+    host: str,
+    port: int,
+    log_level: str = "info",
+    timeout_graceful_shutdown: float = 5.0,
+    sock: socket.socket | None = None,
 ) -> None:
-    """Serve until SIGINT/SIGTERM (blocks); the engine is shut down on the way out."""
+    """Serve until SIGINT/SIGTERM (blocks); the engine is shut down on the way out. `sock`: bound by
+    `create_server_socket` (else uvicorn binds host:port itself)."""
     config = uvicorn.Config(
         app,
         host=host,
@@ -43,6 +75,6 @@ def serve_http(
         timeout_graceful_shutdown=timeout_graceful_shutdown,  # type: ignore[arg-type]
     )
     try:
-        GracefulServer(config, engine).run()
+        GracefulServer(config, engine).run(sockets=[sock] if sock is not None else None)
     finally:
         engine.shutdown()

@@ -1,18 +1,22 @@
 """Request and response bodies of the OpenAI API (and vLLM's extra fields), as pydantic models.
 
 Requests are parsed strictly from JSON (`parse_request`): a wrong type is a 400 naming the
-field, never a silent coercion. Unknown fields are ignored, as OpenAI and vLLM do; a field
+field, never a silent coercion. Unknown fields are ignored, as OpenAI and vLLM do, with a WARNING
+line naming them (a typo such as `temprature` would otherwise change nothing unseen); a field
 OpenAI or vLLM defines is honoured, or refused with a 400 naming it (unsupported.py), never
 accepted and ignored. Ranges are checked where the request becomes `SamplingParams` (serving_*.py).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+logger = logging.getLogger("jaxllm.server")
 
 
 def random_id(prefix: str) -> str:
@@ -26,12 +30,34 @@ class OpenAIModel(BaseModel):
 # ---- requests ---------------------------------------------------------------------------------
 
 
-class StreamOptions(OpenAIModel):
+class RequestModel(OpenAIModel):
+    """A request body or a part of one: fields it does not define are ignored, and logged (vLLM's warning)."""
+
+    _known: ClassVar[dict[type, frozenset[str]]] = {}
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _log_ignored_fields(cls, data, handler):
+        if isinstance(data, dict):
+            known = cls._known.get(cls)
+            if known is None:
+                names = {name for field, info in cls.model_fields.items() for name in (field, info.alias) if name}
+                known = cls._known[cls] = frozenset(names)
+            if ignored := [key for key in data if key not in known]:
+                logger.warning(
+                    "The following fields were present in the request but ignored: %s (%s)",
+                    sorted(ignored),
+                    cls.__name__,
+                )
+        return handler(data)
+
+
+class StreamOptions(RequestModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage in every chunk
 
 
-class SamplingRequest(OpenAIModel):
+class SamplingRequest(RequestModel):
     """Fields both generation endpoints share: OpenAI's, then vLLM's extras."""
 
     model: str | None = None
@@ -99,12 +125,12 @@ class CompletionRequest(SamplingRequest):
     prompt_embeds: Any = None  # refused (unsupported.py)
 
 
-class TextPart(OpenAIModel):
+class TextPart(RequestModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(OpenAIModel):
+class ChatMessage(RequestModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -144,7 +170,7 @@ class ChatCompletionRequest(SamplingRequest):
     mm_processor_kwargs: Any = None
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(RequestModel):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -157,7 +183,7 @@ class TokenizeRequest(OpenAIModel):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[int]
 

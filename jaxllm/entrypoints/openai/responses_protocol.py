@@ -10,13 +10,13 @@ from __future__ import annotations
 from typing import Any
 
 from jaxllm.entrypoints.openai.errors import bad_request
-from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, OpenAIModel
+from jaxllm.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage, RequestModel
 from jaxllm.entrypoints.openai.unsupported import unsupported
 
 TEXT_PARTS = ("input_text", "output_text", "text")
 
 
-class ResponsesRequest(OpenAIModel):
+class ResponsesRequest(RequestModel):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None

@@ -14,6 +14,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from jaxllm.engine.async_llm import AsyncLLM, EngineDeadError
+from jaxllm.entrypoints.logger import RequestLogger
 from jaxllm.entrypoints.openai.async_tokenizer import AsyncTokenizer
 from jaxllm.entrypoints.openai.errors import OpenAIError, bad_request, from_value_error
 from jaxllm.entrypoints.openai.protocol import PromptLogprob, SamplingRequest, UsageInfo
@@ -41,14 +42,14 @@ class OpenAIServing:
         self,
         engine: AsyncLLM,
         served_model_names: list[str],
-        max_log_len: int | None = None,
+        request_logger: RequestLogger | None = None,
         *,
         options: ServingOptions | None = None,
         tokenizer: AsyncTokenizer | None = None,
     ):
         self.engine = engine
         self.served_model_names = served_model_names
-        self.max_log_len = max_log_len
+        self.request_logger = request_logger  # None: requests are not logged (no --enable-log-requests)
         self.max_model_len = engine.info.max_model_len
         self.options = options or ServingOptions()
         self.tokenizing = tokenizer or AsyncTokenizer(engine.tokenizer, self.max_model_len)
@@ -184,20 +185,13 @@ class OpenAIServing:
 
     # ---- running -------------------------------------------------------------------------------
 
-    def log_request(self, request_id: str, prompt: Any, params: SamplingParams) -> None:
-        if not logger.isEnabledFor(logging.INFO):
-            return
-        text = str(prompt)
-        if self.max_log_len is not None:
-            text = text[: self.max_log_len]
-        logger.info("request %s: prompt %r, params %s", request_id, text, params)
-
     def generate_all(
         self, request_id: str, prompts: list[dict], params: list[SamplingParams], priority: int, user: str | None = None
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
         """One engine request per prompt, merged: yields (prompt index, output) as they come."""
-        for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            self.log_request(f"{request_id}-{i}", prompt.get("prompt") or prompt["prompt_token_ids"], p)
+        if self.request_logger is not None:
+            for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+                self.request_logger.log_inputs(f"{request_id}-{i}", prompt.get("prompt"), prompt["prompt_token_ids"], p)
         streams = [
             self.engine.generate(prompt, p, f"{request_id}-{i}", priority=priority, user=user)
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
