@@ -53,7 +53,7 @@ class LoadedModel:
     tokenizer: Any  # a transformers tokenizer, or None when the source has none
     dtype: Any
     load_seconds: dict[str, float] = field(default_factory=dict)  # "weights", "tokenizer" (start-up report)
-    laid_out: bool = False  # params already in the step's layout (`load(layout=...)`)
+    laid_out: bool = False  # params already in the step's layout (`load(layout=...)`, where the loader applies it)
     quant: QuantPlan = field(default_factory=QuantPlan)  # the projections kept quantized
 
 
@@ -134,10 +134,12 @@ class ModelSource:
         started = time.perf_counter()
         arch, jdtype, path, quant = self.arch, self.dtype, self.path, self.quant
         shapes, specs = abstract_params(arch, jdtype, quant)
+        laid_out = layout is not None  # the file loaders lay each layer out as they read it; the others below
         if self.dummy:
             from jaxllm.weights.dummy import dummy_params
 
             params = dummy_params(arch, jdtype, mesh, seed, quant)
+            laid_out = False
         elif self.format == "gguf":  # converting takes seconds: later starts map what the first converted
             gguf = self.gguf_file
             params = converted.load_or_convert(
@@ -156,6 +158,7 @@ class ModelSource:
             params = orbax.restore_params(path, float_shapes, param_shardings(float_specs, mesh))
             if quant:
                 params = place(quantize_params(params, quant), param_shardings(specs, mesh))
+            laid_out = False
         else:
             reader = hf.SafetensorsReader(path)
             params = params_from_hf_tensors(arch, jdtype, reader, mesh, str(path), layout, quant)
@@ -171,7 +174,7 @@ class ModelSource:
             tokenizer=tok,
             dtype=jdtype,
             load_seconds=seconds,
-            laid_out=layout is not None,
+            laid_out=laid_out,
             quant=quant,
         )
 
