@@ -258,7 +258,9 @@ def test_max_rate_validate_serves_the_setting_at_the_poisson_arrivals_found(trac
     assert row["compared"]["goodput_fraction"] == {
         "predicted": result["predicted"]["goodput_fraction"],
         "measured": 0.5,
-        "relative_error": pytest.approx((result["predicted"]["goodput_fraction"] - 0.5) / 0.5),
+        "relative_error": pytest.approx(
+            (0.5 - result["predicted"]["goodput_fraction"]) / result["predicted"]["goodput_fraction"]
+        ),
     }
     assert row["slos_hold"] is False and row["compared"]["mean_ttft_ms"]["relative_error"] == 0
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import logging
 import platform
 import time
+from contextlib import ExitStack
 from dataclasses import replace
 from datetime import UTC, datetime
 
@@ -49,6 +50,7 @@ from jaxllm.engine.scheduler import ScheduledRequest, SchedulerOutput
 from jaxllm.runner.kv_cache import bytes_per_block
 from jaxllm.sim.costmodel import CostModel, StepShape, fit_cost_model
 from jaxllm.sim.engine_run import forced_params, run_trace_on_engine
+from jaxllm.sim.progress import Progress, last_line
 from jaxllm.sim.simulator import SimConfig, cost_model_step_time, simulate
 from jaxllm.sim.synth import LengthDist, synthesize
 
@@ -165,9 +167,15 @@ def verification_fit(model: CostModel, samples: list[tuple[StepShape, float]], m
     }
 
 
+# the engine pass's mean prompt at most: it fits per-step and per-row host work, which prompt length does not
+# change; at `jaxllm serve`'s CPU shapes (64 sequences, 512-token steps) uncapped prompts took minutes of prefill
+ENGINE_PASS_MAX_PROMPT = 128
+
+
 def engine_pass_trace(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, seed: int = 0):
     """A short overload trace (everything at t=0) mixing short and chunked prompts, decodes dominating."""
-    prompt = LengthDist(min(max_num_batched_tokens, max_model_len // 4), "uniform", range_ratio=0.9)
+    mean_prompt = min(max_num_batched_tokens, max_model_len // 4, ENGINE_PASS_MAX_PROMPT)
+    prompt = LengthDist(mean_prompt, "uniform", range_ratio=0.9)
     output = LengthDist(max(2, min(24, max_model_len // 8)), "uniform", range_ratio=0.8)
     return synthesize(3 * max_num_seqs, request_rate=float("inf"), input_len=prompt, output_len=output, seed=seed)
 
@@ -190,20 +198,27 @@ def fit_host_overhead(num_seqs: np.ndarray, residual: np.ndarray, iterations: in
     return max(per_step, 0.0), per_seq
 
 
-def calibrate(core, *, repeats: int = 5, progress: bool = True) -> CostModel:
-    """Fit a cost model for `core`'s model, shapes and machine (see the module docstring)."""
+def calibrate(core, *, repeats: int = 5, progress: bool | Progress = True) -> CostModel:
+    """Fit a cost model for `core`'s model, shapes and machine (see the module docstring); `progress`: a line
+    per part and bars on stderr."""
+    say = progress if isinstance(progress, Progress) else Progress(progress)
     sched = core.config.scheduler
     capacity = core.kv.num_free_blocks * core.kv.block_size
     points = sweep_points(sched.max_num_seqs, sched.max_num_batched_tokens, sched.max_model_len, capacity)
-    samples = time_sweep(core, points, repeats, progress)
+    say.say(f"device sweep: {len(points)} step shapes x {repeats} rounds (each point's median), after a warm run")
+    samples = time_sweep(core, points, repeats, say.enabled)
     model = fit_cost_model(samples, sched.max_num_batched_tokens)
     model.fit.update(verification_fit(model, samples, sched.max_num_batched_tokens))
+    say.say(f"device fit: mean |error| {model.fit['mean_abs_rel_error']:.1%} over {len(samples)} steps")
 
     trace = engine_pass_trace(sched.max_num_seqs, sched.max_num_batched_tokens, sched.max_model_len)
+    say.say(f"engine pass: {len(trace)} requests at once through the whole engine, a warm run and a timed one")
     run_trace_on_engine(
-        core, engine_pass_trace(sched.max_num_seqs, sched.max_num_batched_tokens, sched.max_model_len, seed=1)
+        core,
+        engine_pass_trace(sched.max_num_seqs, sched.max_num_batched_tokens, sched.max_model_len, seed=1),
+        progress="Engine pass (warm)" if say.enabled else None,
     )  # warm: first-use costs off the fit
-    run = run_trace_on_engine(core, trace)
+    run = run_trace_on_engine(core, trace, progress="Engine pass" if say.enabled else None)
     measured = np.array(run.durations())
     seqs = np.array([s.shape.num_rows for s in run.steps], dtype=float)  # the per-row term (c) takes it
     residual = measured - np.array([model.step_time(s.shape, sched.max_num_batched_tokens) for s in run.steps])
@@ -223,20 +238,26 @@ def calibrate(core, *, repeats: int = 5, progress: bool = True) -> CostModel:
             "host_overhead_per_seq_s": float(per_seq),
         }
     )
-    model.engine = _engine_description(core)
+    model.engine = engine_description(core)
     light, busy = light_trace(sched.max_model_len), busy_trace(sched.max_model_len)
+    say.say(
+        f"engine host overhead: +{per_step * 1e3:.1f} ms per step, +{per_seq * 1e3:.2f} ms per row; now a light trace "
+        f"({len(light)} requests over {light[-1].arrival_time:.0f} s) and a busy one ({len(busy)} over "
+        f"{busy[-1].arrival_time:.0f} s) in real time: the idle wake-up and the prefill-step cost"
+    )
+    bar = say.enabled
     model, fit = fit_event_costs(
         model,
         light,
-        run_trace_on_engine(core, light).records,
+        run_trace_on_engine(core, light, progress="Light trace" if bar else None).records,
         busy,
-        run_trace_on_engine(core, busy, seed=BUSY_SEED).records,
+        run_trace_on_engine(core, busy, seed=BUSY_SEED, progress="Busy trace" if bar else None).records,
     )
     model.fit.update({f"engine_{k}": v for k, v in fit.items()})
     return model
 
 
-def _engine_description(core) -> dict:
+def engine_description(core) -> dict:
     """What `CostModel.engine` records: the shapes, pool and machine the model was measured on."""
     sched = core.config.scheduler
     return {
@@ -295,7 +316,7 @@ def busy_trace(max_model_len: int, seed: int = 4):
     return synthesize(24, request_rate=3.0, input_len=prompt, output_len=output, seed=seed)
 
 
-def calibrate_server(model: CostModel, server_flags: list[str]) -> CostModel:
+def calibrate_server(model: CostModel, server_flags: list[str], *, progress: bool | Progress = True) -> CostModel:
     """Add the serving front-end's costs, the idle wake-up and the prefill-step cost to `model` as a server
     meets them (the module docstring, pass 3)."""
     import asyncio
@@ -303,15 +324,24 @@ def calibrate_server(model: CostModel, server_flags: list[str]) -> CostModel:
     from jaxllm.bench.serve import first_model, run
     from jaxllm.bench.server_process import ServerProcess
 
+    say = progress if isinstance(progress, Progress) else Progress(progress)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     trace, busy = light_trace(model.engine["max_model_len"]), busy_trace(model.engine["max_model_len"])
-    with ServerProcess(server_flags) as server:
-        name = first_model(server.url, {})
-        records, _ = asyncio.run(run(trace, url=server.url + "/v1/completions", model=name, headers={}))
-        metrics = server.metrics()
-        busy_records, _ = asyncio.run(
-            run(busy, url=server.url + "/v1/completions", model=name, headers={}, seed=BUSY_SEED)
+    server = ServerProcess(server_flags)
+    say.say(f"server pass: a child `jaxllm serve` with the same engine flags (its log: {server.log_path})")
+    started = time.monotonic()
+    with ExitStack() as stack:
+        with say.waiting("Starting jaxllm serve", last_line(server.log_path)):
+            stack.enter_context(server)  # returns once it answers /health
+        say.say(
+            f"server up in {time.monotonic() - started:.0f} s; replaying the light trace ({len(trace)} requests "
+            f"over {trace[-1].arrival_time:.0f} s), then the busy one ({len(busy)} over {busy[-1].arrival_time:.0f} s)"
         )
+        name = first_model(server.url, {})
+        url = server.url + "/v1/completions"
+        records, _ = asyncio.run(run(trace, url=url, model=name, headers={}, progress=say.enabled))
+        metrics = server.metrics()
+        busy_records, _ = asyncio.run(run(busy, url=url, model=name, headers={}, seed=BUSY_SEED, progress=say.enabled))
     failed = [r.error for r in records + busy_records if not r.success]
     if failed:
         raise RuntimeError(f"server pass: {len(failed)} requests failed, e.g. {failed[0]}")

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass, replace
 from itertools import pairwise
 
+from tqdm.auto import tqdm
+
 from jaxllm.bench.results import RequestRecord
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sim.costmodel import StepShape
@@ -61,8 +63,9 @@ def forced_params(output_len: int) -> SamplingParams:
     return SamplingParams(max_tokens=output_len, min_tokens=output_len, ignore_eos=True, temperature=0.0)
 
 
-def run_trace_on_engine(core, trace: list[TraceRequest], *, seed: int = 0) -> EngineRun:
-    """Replay `trace` (sorted by arrival) through `core` in real time; request ids are trace indices.
+def run_trace_on_engine(core, trace: list[TraceRequest], *, seed: int = 0, progress: str | None = None) -> EngineRun:
+    """Replay `trace` (sorted by arrival) through `core` in real time; request ids are trace indices. `progress`:
+    a bar of that name over the finished requests, on stderr.
 
     The run starts with an empty prefix cache, as a simulation does: traces made with one seed give
     request i the same first tokens, so a cache left by an earlier run would serve hits that the
@@ -84,6 +87,7 @@ def run_trace_on_engine(core, trace: list[TraceRequest], *, seed: int = 0) -> En
     first_step: dict[str, int] = {}
     steps: list[EngineStep] = []
     core.scheduler.schedule = recording_schedule
+    bar = tqdm(total=len(trace), desc=progress, disable=progress is None, unit="req")
     t0 = time.monotonic()
     try:
         next_arrival = 0
@@ -125,7 +129,9 @@ def run_trace_on_engine(core, trace: list[TraceRequest], *, seed: int = 0) -> En
                     record.latency = end - record.start
                     record.success = output.error is None
                     record.error = output.error
+                    bar.update()
     finally:
         core.scheduler.schedule = schedule
+        bar.close()
     duration = (steps[-1].end - trace[0].arrival_time) if steps else 0.0
     return EngineRun(steps, records, duration, first_step)

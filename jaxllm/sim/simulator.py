@@ -310,8 +310,15 @@ def simulate(
             accepts[i] = draws.random(r.output_len) < rate
         tokens = prompt_token_ids(r, i, seed)
         records[i].prompt_len = len(tokens)
-        if len(tokens) > sched_cfg.max_model_len:  # the engine refuses it at the door
-            records[i].error = f"the prompt has {len(tokens)} tokens, more than max_model_len={sched_cfg.max_model_len}"
+        limit = sched_cfg.max_model_len
+        # refused at the door, each as a server refuses it (a reason, then a colon: `coverage.failure_line` groups them)
+        if len(tokens) > limit:
+            records[i].error = f"prompt longer than max_model_len={limit}: {len(tokens)} tokens"
+            return
+        if len(tokens) + r.output_len > limit:  # vLLM's rule for max_tokens: prompt + completion must fit
+            records[
+                i
+            ].error = f"prompt + output longer than max_model_len={limit}: {len(tokens)} + {r.output_len} tokens"
             return
         params = SamplingParams(max_tokens=r.output_len, min_tokens=r.output_len, ignore_eos=True, detokenize=False)
         request = Request(

@@ -131,6 +131,20 @@ def powers_of_two(upto: int, start: int = 1) -> list[int]:
     return values
 
 
+def serve_defaults(cost: CostModel) -> dict[str, int]:
+    """`jaxllm serve`'s max_num_seqs and max_num_batched_tokens on the platform the cost model was calibrated on."""
+    from jaxllm.engine.args import ACCELERATOR_DEFAULTS, CPU_DEFAULTS
+
+    return dict(CPU_DEFAULTS if cost.engine.get("platform", "cpu") == "cpu" else ACCELERATOR_DEFAULTS)
+
+
+def with_default(values: list[int], default: int, cap: int | None) -> list[int]:
+    """`values` with serve's default among them where the cost model covers it (a user compares against it)."""
+    if cap is not None and default > cap:
+        return values
+    return sorted({*values, default})
+
+
 def default_policies(trace: list[TraceRequest]) -> list[str]:
     """fcfs and sjf always; priority, fair and lpm where the trace gives them something to act on."""
     policies = ["fcfs", "sjf"]
@@ -163,10 +177,12 @@ def build_space(
     if explicit:
         values = {name: list(v) for name, v in explicit.items()}
     else:
+        serve = serve_defaults(cost)
         if fixed.get("max_num_seqs") is None:
-            values["max_num_seqs"] = powers_of_two(seqs_cap or 8)
+            values["max_num_seqs"] = with_default(powers_of_two(seqs_cap or 8), serve["max_num_seqs"], seqs_cap)
         if fixed.get("max_num_batched_tokens") is None:
-            values["max_num_batched_tokens"] = powers_of_two(tokens_cap, start=8)
+            tokens = powers_of_two(tokens_cap, start=8)
+            values["max_num_batched_tokens"] = with_default(tokens, serve["max_num_batched_tokens"], tokens_cap)
         if fixed.get("scheduling_policy") in (None, "fcfs"):
             values["scheduling_policy"] = default_policies(trace)
         if acceptance_known and fixed.get(SPECULATION) is None:
@@ -310,7 +326,7 @@ def machine_differences(cost: CostModel, given: EngineArgs) -> list[str]:
         checks.append(("model", Path(given.model.rstrip("/")).name))
     if given.dtype != "auto":
         checks.append(("dtype", given.dtype))
-    if given.quantization is not None:
+    if given.quantization not in (None, "auto"):
         checks.append(("quantization", given.quantization))
     if given.kv_cache_dtype != "auto":
         checks.append(("kv_cache_dtype", given.kv_cache_dtype))

@@ -68,11 +68,12 @@ def measure(
 
 
 def side_by_side(predicted: dict, measured: dict) -> dict:
-    """Per compared key: predicted, measured, and (measured - predicted) / measured."""
+    """Per compared key: predicted, measured, and the prediction's error as a reader expects it, (measured -
+    predicted) / predicted: +4000 % when the server took 41x the predicted time."""
     rows = {}
     for key in COMPARED:
         p, m = predicted[key], measured[key]
-        rows[key] = {"predicted": p, "measured": m, "relative_error": (p - m) / m if m else None}
+        rows[key] = {"predicted": p, "measured": m, "relative_error": (m - p) / p if p else None}
     return rows
 
 

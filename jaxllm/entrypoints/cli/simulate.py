@@ -171,6 +171,7 @@ def run(args) -> dict:
     from jaxllm.bench.results import format_result, per_request
     from jaxllm.bench.serve import parse_goodput, parse_percentiles
     from jaxllm.sim.costmodel import CostModel
+    from jaxllm.sim.coverage import FROM_COST_MODEL, check_trace_fits, failure_line
     from jaxllm.sim.simulator import cost_model_step_time, simulate
     from jaxllm.sim.trace import load_trace
 
@@ -192,6 +193,8 @@ def run(args) -> dict:
     trace = load_trace(args.trace)
     if not trace:
         raise ValueError(f"{args.trace}: the trace is empty")
+    source = "--max-model-len" if args.max_model_len is not None else FROM_COST_MODEL
+    check_trace_fits(trace, config.scheduler.max_model_len, cost.engine, source=source, cost_path=args.cost)
     started = time.perf_counter()
     sim = simulate(
         trace,
@@ -230,6 +233,10 @@ def run(args) -> dict:
         ),
     }
     print(format_result(result, title="Simulated Serving Result"))
+    print(engine_summary(args, result, cost.engine))
+    failed = failure_line([r.error for r in sim.records])
+    if failed:
+        print(failed)
     print(
         f"{sim.num_steps} steps, {sim.num_preemptions} preemptions, prefix-cache hit rate "
         f"{sim.prefix_cache_hit_rate:.1%}, mean KV usage {result['mean_kv_cache_usage']:.1%}; simulated in {wall:.2f} s"
@@ -253,6 +260,22 @@ def run(args) -> dict:
         paths.append(plot_kv_usage(sim, Path(args.plot) / "kv_cache_usage.png", title=f"{sched.policy} (simulated)"))
         print("plots:", ", ".join(str(p) for p in paths))
     return result
+
+
+def engine_summary(args, result: dict, engine: dict) -> str:
+    """The engine settings simulated, which flags gave, and those beyond the calibrated shapes."""
+    from jaxllm.sim.coverage import engine_line
+
+    names = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching")
+    settings: dict[str, object] = {name: result[name] for name in names}
+    settings["num_blocks"] = result["num_blocks"]
+    settings["scheduling_policy"] = result["scheduling_policy"]
+    given = {name for name in (*ENGINE_FLAGS, "enable_prefix_caching") if getattr(args, name) is not None}
+    if "num_gpu_blocks_override" in given:
+        given = (given - {"num_gpu_blocks_override"}) | {"num_blocks"}
+    if args.scheduling_policy != "fcfs":
+        given.add("scheduling_policy")
+    return engine_line(settings, given, engine)
 
 
 def speculation_line(result: dict) -> str:

@@ -70,6 +70,7 @@ def register(sub) -> None:
 def run(args) -> dict:
     from jaxllm.bench.serve import parse_goodput
     from jaxllm.sim.costmodel import CostModel
+    from jaxllm.sim.coverage import FROM_COST_MODEL, check_trace_fits
     from jaxllm.sim.trace import load_trace
     from jaxllm.tune import report
     from jaxllm.tune.capacity import MAX_DOUBLINGS, Objective
@@ -107,6 +108,9 @@ def run(args) -> dict:
     for line in differences:
         logger.warning("the cost model was calibrated elsewhere: %s (predictions may not hold here)", line)
     base = base_engine_args(given, cost)
+    assert base.max_model_len is not None  # base_engine_args fills it
+    source = "--max-model-len" if given.max_model_len is not None else FROM_COST_MODEL
+    check_trace_fits(trace, base.max_model_len, cost.engine, source=source, cost_path=args.cost)
     acceptance_known = args.acceptance_rate is not None or all(r.acceptance_rate is not None for r in trace)
     if args.max_rate:
         return max_rate(args, trace, cost, slos, base, differences, acceptance_known)
@@ -130,7 +134,8 @@ def run(args) -> dict:
     print(
         f"Tuning {len(trace)} requests at {objective.rate:.2f} req/s ({args.trace}), SLOs "
         f"{' '.join(f'{k}:{v:g}' for k, v in slos.items())} ms for {args.goodput_fraction:.0%} of requests; "
-        f"space {space.size} settings: " + ", ".join(f"{k}={v}" for k, v in space.values.items()),
+        f"max_model_len {base.max_model_len}; space {space.size} settings: "
+        + ", ".join(f"{k}={v}" for k, v in space.values.items()),
         flush=True,
     )
     started = time.perf_counter()
@@ -325,5 +330,5 @@ def unmeetable(candidates, lowest_rate: float, fraction: float) -> str:
         f"no setting meets the SLOs for {fraction:.0%} of the requests at any rate tried (down to "
         f"{lowest_rate:.4g} req/s, each request nearly alone); the closest, {short(closest.setting)}, serves "
         f"{lowest.fraction:.1%} of them within every SLO: {misses or 'within the SLOs at the quantile'}"
-        + (f"; {failed:g} requests failed (too long for max_model_len?)" if failed else "")
+        + (f"; {failed:g} requests failed" if failed else "")
     )
