@@ -89,6 +89,7 @@ def build_app(
     responses = OpenAIServingResponses(chat)
     app = FastAPI(title="jaxllm OpenAI-compatible server", version=jaxllm.__version__)
     app.state.engine = engine
+    app.state.openai_serving_completion, app.state.openai_serving_chat = completion, chat  # vLLM's names
 
     async def parse(model: type[M], raw: Request) -> M:
         body = await read_body(raw, max_request_body_bytes)
