@@ -112,7 +112,9 @@ class _InFlight:
 class Scheduler:
     """With `speculative`, a running request's `draft_token_ids` (proposed after its last step) are verified as
     extra query rows, within a per-step cap (spec_decode/budget.py), the token budget, and `max_num_rows`
-    rows of logits a step: max(max_num_seqs, k + 1), so that one request can always verify k drafts.
+    rows of logits a step (`max_logits_rows`: k + 1 per sequence, as vLLM sizes them, so a full batch can
+    verify drafts too). Requests and prompt scoring keep to `max_request_rows` of them (max(max_num_seqs,
+    k + 1)): drafts get only the rows they leave.
 
     With `config.async_scheduling`, `schedule()` may run again before the previous step's `update()`: the
     engine launches step N+1 while step N is on the device. A request in step N follows it into step N+1
@@ -137,7 +139,8 @@ class Scheduler:
         self._holding: dict[str, Request] = {}  # finished, blocks held for a transfer (KV connector)
         self._failed: list[Request] = []  # finished here with an error (a KV load): the engine reports them
         self.draft_budget, self.spec_stats = None, None
-        self.max_num_rows = max_logits_rows(config, speculative)
+        self.max_num_rows = max_logits_rows(config, speculative)  # drafts included
+        self.max_request_rows = request_rows(config, speculative)  # a row per request, prompt scoring's rows
         if speculative is not None:
             k = speculative.num_speculative_tokens
             self.draft_budget = DraftBudget(k, speculative.disable_by_batch_size)
@@ -151,6 +154,7 @@ class Scheduler:
         self.async_scheduling = config.async_scheduling or config.max_concurrent_batches > 1
         if config.max_concurrent_batches > 1:  # each batch takes its share of the requests: the stages stay busy
             self.max_num_rows = -(-self.max_num_rows // config.max_concurrent_batches)
+            self.max_request_rows = -(-self.max_request_rows // config.max_concurrent_batches)
         self._in_flight: dict[str, _InFlight] = {}  # request id → its unapplied steps (async scheduling)
         self.num_unapplied_steps = 0
 
@@ -265,7 +269,7 @@ class Scheduler:
         overlapping = self.num_unapplied_steps > 0  # async: the previous step is still on the device
         starved = False  # overlapping, a running request did not fit: it waits, and so do new requests
         for i, request in enumerate(order):
-            if budget == 0 or out.num_rows >= self.max_num_rows:
+            if budget == 0 or out.num_rows >= self.max_request_rows:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
@@ -277,7 +281,7 @@ class Scheduler:
                 done += pending.tokens
                 placeholders = pending.placeholders
             # the rows left after one for each running request not yet scheduled
-            rows = max(self.max_num_rows - out.num_rows - (len(order) - i), 0)
+            rows = max(self.max_request_rows - out.num_rows - (len(order) - i), 0)
             num_new = min(request.num_tokens + placeholders - done, budget)
             if _scores_prompt(request, done):
                 num_new = min(num_new, rows + 1)
@@ -311,7 +315,7 @@ class Scheduler:
             and budget > 0
             and len(self.waiting)
             and len(self.running) < self.config.max_num_seqs
-            and out.num_rows < self.max_num_rows
+            and out.num_rows < self.max_request_rows
         ):
             request = self.waiting.peek()
             if not self.waiting.can_admit(request, self.running, self.kv):
@@ -331,7 +335,7 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens - num_computed - num_external, budget)
             if _scores_prompt(request, num_computed):
-                num_new = min(num_new, self.max_num_rows - out.num_rows)
+                num_new = min(num_new, self.max_request_rows - out.num_rows)
             if not self.kv.allocate_slots(request, num_external + num_new, computed):
                 break
             self.waiting.pop()
@@ -570,11 +574,23 @@ class Scheduler:
             self.waiting.prepend(sibling)
 
 
-def max_logits_rows(config: SchedulerConfig, speculative: SpeculativeConfig | None) -> int:
-    """Rows of logits a step has at most (the largest bucket's rows): a row per running request, and drafts
-    (speculation) and prompt positions (prompt_logprobs) share what is left."""
+def request_rows(config: SchedulerConfig, speculative: SpeculativeConfig | None) -> int:
+    """Rows of logits a step gives requests and prompt scoring at most: a row per running request (max(max_num_seqs,
+    k + 1), so that one lone request can always verify k drafts)."""
     k = speculative.num_speculative_tokens if speculative is not None else 0
     return max(config.max_num_seqs, 1 + k)
+
+
+def max_logits_rows(config: SchedulerConfig, speculative: SpeculativeConfig | None) -> int:
+    """Rows of logits a step has at most (the largest bucket's rows). With speculation, k + 1 per sequence (vLLM
+    sizes its rows so), within max_num_batched_tokens (a row is a token): a full batch has rows for drafts, and the
+    load-aware rule decides how many to use. The runner compiles them as buckets of their own (runner/buckets.py),
+    so steps without drafts never pay for them."""
+    rows = request_rows(config, speculative)
+    if speculative is None:
+        return rows
+    drafts = config.max_num_seqs * (1 + speculative.num_speculative_tokens)
+    return max(rows, min(drafts, config.max_num_batched_tokens))
 
 
 def _scores_prompt(request: Request, start: int) -> bool:

@@ -33,7 +33,7 @@ from jax import Array
 from jax.sharding import Mesh
 
 from jaxllm.config import EngineConfig
-from jaxllm.engine.scheduler import SchedulerOutput, max_logits_rows
+from jaxllm.engine.scheduler import SchedulerOutput, max_logits_rows, request_rows
 from jaxllm.model import CausalLM, KVCache, StepInputs
 from jaxllm.model.quant import NO_QUANT, QuantPlan
 from jaxllm.parallel.mesh import replicated
@@ -150,7 +150,12 @@ class ModelRunner:
         started = time.perf_counter()
         self.num_blocks, self.cache = self._allocate_cache(cache_cfg.kv_dtype(loaded.dtype))
         self.startup_seconds = {"kv_cache": time.perf_counter() - started}  # phases, for the start-up report
-        self.buckets = make_buckets(sched_cfg.max_num_batched_tokens, max_logits_rows(sched_cfg, config.speculative))
+        speculative = config.speculative
+        self.buckets = make_buckets(
+            sched_cfg.max_num_batched_tokens,
+            request_rows(sched_cfg, speculative),
+            max_logits_rows(sched_cfg, speculative),  # wider buckets for steps verifying drafts (speculation)
+        )
         largest = self.buckets[-1]
         self.async_scheduling = sched_cfg.async_scheduling
         self._batches = [

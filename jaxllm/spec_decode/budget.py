@@ -9,8 +9,12 @@ So each step takes the cap k' in [0, k] that maximises expected tokens per secon
 with E from the measured acceptance at each draft position (1 + sum_j prod_{i<=j} alpha_i), cost from the
 measured time of earlier steps of the same size (token counts rounded up to a power of two, as the buckets
 are), and `draft` the measured time proposing takes per draft position (a draft model's step; ~0 for
-n-gram). The sizes with no speculation and with full speculation are each tried once before the rule
-decides, so it never rests on a guess about either end; sizes between them are interpolated.
+n-gram). Every size a cap could run is measured `EXPLORE` times before the rule decides (full speculation
+first, then none, then the rest), so it never rests on a guess: the buckets' costs are not smooth (on a CPU,
+5 rows of quantized weights cost twice 4). An estimate starts at the least of those measurements and then
+follows a running mean whose samples are clipped at `OUTLIER` times it, so one step slowed by a busy machine
+neither hides a size nor sticks to it; a size that might be the best (within `REFRESH_MARGIN` of it) is
+measured again once its last measurement is `STALE_STEPS` steps old.
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ import math
 
 PRIOR_ACCEPTANCE = 0.6  # per-position acceptance assumed before any draft is verified
 EMA = 0.2  # weight of the newest measurement in the running estimates
+EXPLORE = 2  # measurements of each step size before its estimate is trusted (the least of them)
+OUTLIER = 1.5  # a step's time counts at most this many times its size's estimate
+STALE_STEPS = 256  # steps after which a size that might be the best is measured again
+REFRESH_MARGIN = 0.85  # ... "might": its predicted rate is at least this share of the best's
 
 
 def _pow2_at_least(n: int) -> int:
@@ -29,7 +37,10 @@ class DraftBudget:
     def __init__(self, k: int, disable_by_batch_size: int | None = None):
         self.k = k
         self.disable_by_batch_size = disable_by_batch_size
-        self.step_seconds: dict[int, float] = {}  # step size (power of two tokens) → running mean seconds
+        self.step_seconds: dict[int, float] = {}  # step size (power of two tokens) → estimated seconds
+        self.samples: dict[int, int] = {}  # step size → steps measured
+        self.measured_at: dict[int, int] = {}  # step size → `steps` at its last measurement
+        self.steps = 0  # steps measured
         self.draft_seconds = 0.0  # running mean of proposing time per draft position (a draft model's step)
         self.reached = [0] * k  # verifications that had a draft at position j
         self.accepted = [0] * k  # ... and accepted it
@@ -38,8 +49,15 @@ class DraftBudget:
 
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         size = _pow2_at_least(num_tokens)
+        self.steps += 1
+        count = self.samples.get(size, 0)
         old = self.step_seconds.get(size)
-        self.step_seconds[size] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        if old is None or count < EXPLORE:
+            self.step_seconds[size] = seconds if old is None else min(old, seconds)
+        else:
+            self.step_seconds[size] = (1 - EMA) * old + EMA * min(seconds, OUTLIER * old)
+        self.samples[size] = count + 1
+        self.measured_at[size] = self.steps
 
     def observe_drafting(self, seconds_per_position: float) -> None:
         self.draft_seconds = (1 - EMA) * self.draft_seconds + EMA * seconds_per_position
@@ -76,24 +94,31 @@ class DraftBudget:
 
     def cap(self, drafts: list[int], other_tokens: int, limit: int | None = None) -> int:
         """The drafts per request to verify this step; `drafts`: how many each decode has, `other_tokens`:
-        the step's prefill tokens, `limit`: the most tokens a step takes. Sizes never measured are tried
-        first: no speculation, then full speculation (one step each), so the choice rests on measured costs."""
+        the step's prefill tokens, `limit`: the most tokens a step takes. A size not yet measured `EXPLORE`
+        times is tried first (full speculation, then none, then the others), then a stale one that
+        might be the best; otherwise the best by measured costs."""
         if not drafts or not any(drafts):
             return 0
         if self.disable_by_batch_size is not None and len(drafts) >= self.disable_by_batch_size:
             return 0
-        if not self.step_seconds:
-            return self.k
         tokens = [other_tokens + sum(1 + min(d, k) for d in drafts) for k in range(self.k + 1)]
         if limit is not None:
             tokens = [min(t, limit) for t in tokens]
-        for k in (0, self.k):
-            if _pow2_at_least(tokens[k]) not in self.step_seconds:
+        sizes = [_pow2_at_least(t) for t in tokens]
+        for k in (self.k, 0, *range(1, self.k)):
+            if self.samples.get(sizes[k], 0) < EXPLORE:
                 return k
-        best, best_rate = 0, 0.0
-        for k in range(self.k + 1):
-            cost = self.cost(tokens[k]) + k * self.draft_seconds
-            rate = sum(self.expected_tokens(min(d, k)) for d in drafts) / cost
-            if rate > best_rate * 1.0001:
-                best, best_rate = k, rate
-        return best
+        rates = [
+            sum(self.expected_tokens(min(d, k)) for d in drafts) / (self.cost(tokens[k]) + k * self.draft_seconds)
+            for k in range(self.k + 1)
+        ]
+        best = 0
+        for k in range(1, self.k + 1):
+            if rates[k] > rates[best] * 1.0001:
+                best = k
+        stale = [
+            k
+            for k in range(self.k + 1)
+            if self.steps - self.measured_at[sizes[k]] >= STALE_STEPS and rates[k] >= REFRESH_MARGIN * rates[best]
+        ]
+        return min(stale, key=lambda k: self.measured_at[sizes[k]]) if stale else best
