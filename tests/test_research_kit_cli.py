@@ -187,8 +187,9 @@ def test_calibrate_says_each_part_and_shows_bars(llm, monkeypatch, capsys):
 
     monkeypatch.setattr(calibrate, "light_trace", quick(4, 20.0))
     monkeypatch.setattr(calibrate, "busy_trace", quick(4, 40.0))
+    monkeypatch.setattr(calibrate, "engine_pass_trace", lambda *shapes, seed=0: quick(8, float("inf"))(0, seed))
     points = calibrate.sweep_points
-    monkeypatch.setattr(calibrate, "sweep_points", lambda *a: points(*a)[::4])
+    monkeypatch.setattr(calibrate, "sweep_points", lambda *a: points(*a)[::6])
     model = calibrate.calibrate(llm.engine, repeats=1, progress=Progress())
     err = capsys.readouterr().err
     for said in ("device sweep:", "device fit:", "engine pass:", "engine host overhead:", "a light trace"):

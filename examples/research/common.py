@@ -2,7 +2,9 @@
 
 Every script runs the engine's own scheduler in the simulator (`jaxllm.sim`) on a cost model
 calibrated on a real engine (`cost_cpu.json` here: `jaxllm calibrate` on a 2-core x86 CPU with the
-default model and the test shapes; pass `--cost` for your own, e.g. calibrated on a GPU).
+default model at the test suite's shapes, max_model_len 512, 8 sequences, 64-token steps, not `jaxllm serve`'s
+defaults, which `jaxllm calibrate` now takes; the scripts' larger shapes are extrapolated from it; pass `--cost`
+for your own, e.g. calibrated on a GPU).
 """
 
 from __future__ import annotations
