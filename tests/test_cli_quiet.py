@@ -3,11 +3,13 @@ notices only at DEBUG, `--log-level` before or after the subcommand, a port in u
 
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 
 from jaxllm.entrypoints.cli import build_parser
@@ -87,3 +89,27 @@ def test_a_port_in_use_fails_in_one_line_before_loading(command):
     error = f"jaxllm {command[0]}: error: cannot listen on 127.0.0.1:{port}: the address is already in use"
     assert result.stderr.startswith(error) and len(result.stderr.splitlines()) == 1, result.stderr
     assert elapsed < 8  # the model loads in ~10 s (the issue's 9.7 s); importing and binding takes ~1 s
+
+
+def test_the_router_serves_on_the_socket_it_bound_first():
+    """The bound socket is the one served: the address line users wait for, an answer, Ctrl-C exits 0."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    command = ["router", "--prefill", "http://127.0.0.1:1", "--decode", "http://127.0.0.1:2", "--port", str(port)]
+    process = subprocess.Popen(
+        [sys.executable, "-c", WITHOUT_TORCH, *command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    try:
+        lines = []
+        while not any(f"Uvicorn running on http://127.0.0.1:{port}" in line for line in lines):
+            line = process.stdout.readline()
+            assert line, "".join(lines)
+            lines.append(line)
+        assert httpx.get(f"http://127.0.0.1:{port}/health", timeout=10).status_code == 503  # no instance answers
+        process.send_signal(signal.SIGINT)
+        assert process.wait(timeout=20) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()

@@ -37,7 +37,7 @@ def register(sub) -> None:
 def run(args) -> None:
     import uvicorn
 
-    from jaxllm.entrypoints.openai.launcher import create_server_socket
+    from jaxllm.entrypoints.openai.launcher import BoundServer, create_server_socket
     from jaxllm.entrypoints.router.app import build_app
 
     if not 0 <= args.port < 65536:
@@ -47,7 +47,7 @@ def run(args) -> None:
     try:
         # a short graceful shutdown: open streams end when the instances' do, which may take minutes
         config = uvicorn.Config(app, log_level=args.log_level.lower(), timeout_graceful_shutdown=2)
-        uvicorn.Server(config).run(sockets=[sock])
+        BoundServer(config).run(sockets=[sock])
     except KeyboardInterrupt:  # Ctrl-C ends the router: exit 0, as uvicorn.run did
         pass
     finally:

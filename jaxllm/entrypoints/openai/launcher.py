@@ -4,6 +4,7 @@ the engine is built (`create_server_socket`): a port in use is an error before m
 from __future__ import annotations
 
 import errno
+import logging
 import socket
 from typing import TYPE_CHECKING
 
@@ -31,7 +32,22 @@ def create_server_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-class GracefulServer(uvicorn.Server):
+class BoundServer(uvicorn.Server):
+    """uvicorn's server, saying where it listens also when given a bound socket (uvicorn says it only when it
+    binds one itself): `Uvicorn running on http://HOST:PORT`, the line users and tests wait for."""
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if sockets and not self.should_exit:
+            for sock in sockets:
+                host, port = sock.getsockname()[:2]
+                address = f"[{host}]" if ":" in host else host
+                logging.getLogger("uvicorn.error").info(
+                    "Uvicorn running on http://%s:%d (Press CTRL+C to quit)", address, port
+                )
+
+
+class GracefulServer(BoundServer):
     """uvicorn's server with two changes.
 
     - Shutdown first aborts every request in flight, so streams end within a step or two
