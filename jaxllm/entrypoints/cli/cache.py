@@ -61,6 +61,7 @@ def run_info(args) -> None:
     from jaxllm.weights import converted
     from jaxllm.weights.default import FILE_IN_PACKAGE, cache_dir
 
+    bound = converted.bound_bytes()  # a bad $JAXLLM_WEIGHTS_CACHE_GB: the error before any output
     print(f"jaxllm cache: {cache_dir()} ($JAXLLM_CACHE)")
     total = 0
     for kind, paths in folders().items():
@@ -69,7 +70,6 @@ def run_info(args) -> None:
         where = ", ".join(f"{p.name}/ ({file_count(p)} files)" for p in paths)
         print(f"{kind:<9} {human(size):>9}  {where}")
         if kind == "weights":
-            bound = converted.bound_bytes()
             kept = converted.entries()
             print(
                 f"  {len(kept)} converted variants, least recently used first (bound {human(bound)}: "
