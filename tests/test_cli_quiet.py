@@ -20,20 +20,21 @@ NOTICE = "PyTorch was not found"
 WITHOUT_TORCH = "import sys; sys.modules['torch'] = None; from jaxllm.entrypoints.cli import main; sys.exit(main())"
 
 
+TRANSFORMERS_ENV = ("TRANSFORMERS_VERBOSITY", "TRANSFORMERS_NO_ADVISORY_WARNINGS")
+
+
 def jaxllm(*args, timeout=120):
+    """The command as a user runs it: without what an in-process `main` of another test left in os.environ."""
+    env = {k: v for k, v in os.environ.items() if k not in TRANSFORMERS_ENV}
     return subprocess.run(
-        [sys.executable, "-c", WITHOUT_TORCH, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env=dict(os.environ),
+        [sys.executable, "-c", WITHOUT_TORCH, *args], capture_output=True, text=True, timeout=timeout, env=env
     )
 
 
 @pytest.fixture
 def restore_logging(monkeypatch):
     """configure_logging changes the process's loggers and environment: put them back after the test."""
-    for name in ("TRANSFORMERS_VERBOSITY", "TRANSFORMERS_NO_ADVISORY_WARNINGS"):
+    for name in TRANSFORMERS_ENV:
         monkeypatch.setenv(name, "")  # so that monkeypatch restores it (or its absence) afterwards
         monkeypatch.delenv(name)
     names = ["", *QUIET_LIBRARIES, *FLOODS]
