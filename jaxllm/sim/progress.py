@@ -1,6 +1,6 @@
-"""Progress for `jaxllm calibrate`'s long passes, on stderr: a line when each part starts, and a ticking bar while
-it waits on something that reports nothing (a child server loading and compiling), so it is never silent for
-more than a second or two."""
+"""Progress for `jaxllm calibrate`'s long passes (and `jaxllm tune --validate`'s servers), on stderr: a line when
+each part starts, and a ticking bar while it waits on something that reports nothing (a child server loading and
+compiling), so it is never silent for more than a second or two."""
 
 from __future__ import annotations
 
@@ -12,10 +12,11 @@ from pathlib import Path
 
 
 class Progress:
-    """`say` prints one line to stderr, stamped with the seconds since the start; disabled: nothing."""
+    """`say` prints one line to stderr, stamped with the command and the seconds since the start; disabled:
+    nothing."""
 
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled
+    def __init__(self, enabled: bool = True, command: str = "calibrate"):
+        self.enabled, self.command = enabled, command
         self.started = time.monotonic()
 
     def elapsed(self) -> float:
@@ -23,7 +24,7 @@ class Progress:
 
     def say(self, message: str) -> None:
         if self.enabled:
-            print(f"[calibrate {self.elapsed():5.0f} s] {message}", file=sys.stderr, flush=True)
+            print(f"[{self.command} {self.elapsed():5.0f} s] {message}", file=sys.stderr, flush=True)
 
     def waiting(self, what: str, status: Callable[[], str] | None = None, interval: float = 1.0) -> Waiting:
         return Waiting(what, status, interval, enabled=self.enabled)

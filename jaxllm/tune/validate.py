@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from contextlib import ExitStack
 
 from jaxllm.sim.trace import TraceRequest
 from jaxllm.tune.search import Candidate
@@ -24,7 +25,15 @@ def goodput_fraction(summary: dict, num_requests: int) -> float:
     return round(summary["request_goodput"] * summary["duration"]) / num_requests
 
 
-def replay(url: str, trace: list[TraceRequest], slos: dict[str, float], *, seed: int = 0, warm_up: bool = True) -> dict:
+def replay(
+    url: str,
+    trace: list[TraceRequest],
+    slos: dict[str, float],
+    *,
+    seed: int = 0,
+    warm_up: bool = True,
+    progress: bool = False,
+) -> dict:
     """Replay the trace against a running server at its own arrival times (`jaxllm bench serve`'s client), after
     `WARMUP_REQUESTS` warm-up requests one at a time with other made-up tokens (no prefix-cache hits later); the
     measured bench-serve keys and the goodput fraction."""
@@ -37,7 +46,9 @@ def replay(url: str, trace: list[TraceRequest], slos: dict[str, float], *, seed:
         warm = [dataclasses.replace(r, arrival_time=0.0) for r in trace[:WARMUP_REQUESTS]]
         for i, request in enumerate(warm):
             asyncio.run(run([request], url=url + ENDPOINT, model=model, headers={}, seed=seed + 1 + i))
-    records, duration = asyncio.run(run(trace, url=url + ENDPOINT, model=model, headers={}, seed=seed))
+    records, duration = asyncio.run(
+        run(trace, url=url + ENDPOINT, model=model, headers={}, seed=seed, progress=progress)
+    )
     failed = [r.error for r in records if not r.success]
     if failed:
         logger.warning("replay on %s: %d requests failed (first: %s)", url, len(failed), failed[0])
@@ -55,14 +66,22 @@ def measure(
     startup_timeout: float = 600.0,
     env: dict[str, str] | None = None,
 ) -> dict:
-    """Serve the candidate's engine arguments and replay the trace; the measured bench-serve keys."""
+    """Serve the candidate's engine arguments and replay the trace; the measured bench-serve keys. The server's
+    start ticks on stderr with its log's last line, and the replay has a bar (neither is silent for long)."""
     from jaxllm.bench.server_process import ServerProcess
+    from jaxllm.sim.progress import Progress, last_line
 
     flags = candidate.args.to_cli_args()
+    say = Progress(command="tune")
+    server = ServerProcess(flags, startup_timeout=startup_timeout, env=env)
+    say.say(f"serving {' '.join(flags)} (its log: {server.log_path})")
     started = time.perf_counter()
-    with ServerProcess(flags, startup_timeout=startup_timeout, env=env) as server:
+    with ExitStack() as stack:
+        with say.waiting("Starting jaxllm serve", last_line(server.log_path)):
+            stack.enter_context(server)
         startup = time.perf_counter() - started
-        summary = replay(server.url, trace, slos, seed=seed)
+        say.say(f"server up in {startup:.0f} s; replaying {len(trace)} requests")
+        summary = replay(server.url, trace, slos, seed=seed, progress=True)
     summary["server_startup_s"] = startup
     return summary
 
