@@ -88,6 +88,7 @@ def run_trace_on_engine(core, trace: list[TraceRequest], *, seed: int = 0, progr
     steps: list[EngineStep] = []
     core.scheduler.schedule = recording_schedule
     bar = tqdm(total=len(trace), desc=progress, disable=progress is None, unit="req")
+    shown = 0.0  # when the bar was last redrawn (run time)
     t0 = time.monotonic()
     try:
         next_arrival = 0
@@ -117,6 +118,9 @@ def run_trace_on_engine(core, trace: list[TraceRequest], *, seed: int = 0, progr
             if out.is_empty:
                 continue
             steps.append(EngineStep(start, end, [s.request.request_id for s in out.scheduled], StepShape.of(out)))
+            if progress is not None and end - shown > 0.5:  # redrawn as steps run, not only as requests finish
+                bar.set_postfix_str(f"{len(steps)} steps")
+                shown = end
             for output in outputs:
                 i = int(output.request_id)
                 record = records[i]
