@@ -22,12 +22,20 @@ DTYPES = {
     "fp16": "float16",
 }
 LOAD_FORMATS = ("auto", "hf", "safetensors", "gguf", "orbax", "dummy")
-QUANTIZATIONS = (None, "int8", "int4", "none")  # weights/quant/plan.py says what each keeps quantized
+# weights/quant/plan.py says what each keeps quantized; None (vLLM's default) means "auto"
+QUANTIZATIONS = ("auto", "int8", "int4", "none")
 
 
-def check_quantization(quantization) -> None:
+def check_quantization(quantization) -> str:
+    """`quantization` by its one name ("auto" for vLLM's None), or a ValueError listing the choices."""
+    if quantization is None:
+        return "auto"
     if quantization not in QUANTIZATIONS:
-        raise ValueError(f"quantization must be one of None, 'int8', 'int4', 'none'; got {quantization!r}")
+        raise ValueError(
+            f"quantization must be one of auto (the default: a GGUF keeps its Q8_0/Q4_0/Q4_1 blocks, other "
+            f"formats load as float), int8, int4, none (dequantize everything to dtype); got {quantization!r}"
+        )
+    return quantization
 
 
 def resolve_dtype(dtype):
@@ -67,7 +75,7 @@ class ModelConfig:
     max_model_len: int | None = None  # None: the model's own limit
     attention_backend: str = "auto"
     scan_layers: bool = True  # False: unrolled layers (faster CPU decode, compile grows with depth)
-    quantization: str | None = None  # vLLM's: None (a GGUF keeps its blocks), "int8", "int4", "none"
+    quantization: str | None = "auto"  # "auto" (None too: a GGUF keeps its blocks), "int8", "int4", "none"
 
     def __post_init__(self):
         if isinstance(self.dtype, str) and self.dtype != "auto" and self.dtype.lower() not in DTYPES:
@@ -77,7 +85,7 @@ class ModelConfig:
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         _positive("max_model_len", self.max_model_len, allow_none=True)
-        check_quantization(self.quantization)
+        object.__setattr__(self, "quantization", check_quantization(self.quantization))  # one name for the default
 
 
 @dataclass(frozen=True)

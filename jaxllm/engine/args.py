@@ -12,7 +12,16 @@ import dataclasses
 import json
 from dataclasses import dataclass
 
-from jaxllm.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from jaxllm.config import (
+    DTYPES,
+    LOAD_FORMATS,
+    QUANTIZATIONS,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+)
 from jaxllm.kv_transfer.config import KVTransferConfig
 from jaxllm.spec_decode.config import SpeculativeConfig
 
@@ -20,8 +29,9 @@ from jaxllm.spec_decode.config import SpeculativeConfig
 CPU_DEFAULTS = {"max_num_seqs": 64, "max_num_batched_tokens": 512}
 ACCELERATOR_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 4096}
 HELP = {
-    "quantization": "weights kept quantized: default (a GGUF keeps its Q8_0/Q4_0/Q4_1 blocks), int8 (per output "
-    "channel), int4 (groups of 32), none (all float) (docs/quantization.md)",
+    "quantization": "weights kept quantized: auto (the default: a GGUF keeps its Q8_0/Q4_0/Q4_1 blocks, other "
+    "formats load as float), int8 (per output channel), int4 (groups of 32), none (dequantize everything to --dtype) "
+    "(docs/quantization.md)",
     "speculative_config": 'speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' '
     'or {"method": "draft_model", "model": ..., "num_speculative_tokens": 4} (docs/speculative_decoding.md)',
     "async_scheduling": "schedule and launch each step while the previous one runs on the device (vLLM's "
@@ -32,6 +42,14 @@ HELP = {
     "pipeline_parallel_size": "pipeline stages: the layers split over this many groups of tensor-parallel devices, "
     "a batch in flight per stage (docs/scaling.md)",
     "kv_offloading_size": "GiB of host memory for KV blocks evicted from the device cache (the OffloadingConnector)",
+}
+
+# flags whose values are a closed set: argparse lists them in --help and refuses others before anything loads
+CHOICES = {
+    "quantization": QUANTIZATIONS,
+    "load_format": LOAD_FORMATS,
+    "dtype": ("auto", *DTYPES),
+    "kv_cache_dtype": ("auto", *DTYPES),
 }
 
 
@@ -58,7 +76,7 @@ class EngineArgs:
     master_port: int = 29501
     distributed_timeout: float = 60.0  # seconds a node waits for the others before exiting with an error
     load_format: str = "auto"
-    quantization: str | None = None  # None: a GGUF keeps its Q8_0/Q4_0/Q4_1 blocks; "int8", "int4"; "none": float
+    quantization: str | None = "auto"  # "auto" (or None): a GGUF keeps its blocks; "int8", "int4"; "none": float
     scheduling_policy: str = "fcfs"
     async_scheduling: bool = False  # vLLM's: prepare and launch step N+1 while step N runs on the device
     attention_backend: str = "auto"
@@ -136,7 +154,11 @@ class EngineArgs:
             else:
                 # f.type is the annotation's text (from __future__ import annotations)
                 kind = {"int": int, "int | None": int, "float": float, "float | None": float}.get(str(f.type), str)
-                group.add_argument(flag, type=kind, default=f.default, metavar=f.name.upper(), help=HELP.get(f.name))
+                choices = CHOICES.get(f.name)
+                metavar = "{" + ",".join(choices) + "}" if choices else f.name.upper()
+                group.add_argument(
+                    flag, type=kind, default=f.default, choices=choices, metavar=metavar, help=HELP.get(f.name)
+                )
         parser.add_argument("--model", default=None, help="model path or HF repo (default: SmolLM2-135M-Instruct)")
 
     def to_cli_args(self) -> list[str]:

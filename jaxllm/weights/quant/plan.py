@@ -1,7 +1,8 @@
 """Which of a model's matmul weights are kept quantized, and in which format: a `QuantPlan`.
 
 `quantization` is vLLM's argument:
-- None (the default): a GGUF file keeps its Q8_0, Q4_0 and Q4_1 blocks as they are; other formats load as float.
+- "auto" (the default; None, vLLM's default, means the same): a GGUF file keeps its Q8_0, Q4_0 and Q4_1 blocks
+  as they are; other formats load as float.
 - "int8": weight-only, symmetric, one scale per output channel, quantized at load from any format.
 - "int4": weight-only, groups of 32 along the input with an fp16 scale each (GGUF's Q4_0 layout); the tied
   embedding / LM head in int8, as llama.cpp's 4-bit files keep it in 8 bits (its errors land on the logits).
@@ -60,13 +61,13 @@ def make_plan(arch: ModelArch, quantization: str | None, gguf_types: dict[str, s
     (None for other formats); `tp`: the tensor-parallel size. ValueError naming the tensor and the rule when the
     model cannot take the quantization asked for; a GGUF's own blocks that cannot be kept (a tensor-parallel split
     through a group) are dequantized instead, with a log line."""
-    check_quantization(quantization)
+    quantization = check_quantization(quantization)
     kinds = [*LAYER_KINDS, "embed_tokens"] + ([] if arch.tie_word_embeddings else ["lm_head"])
     wanted: dict[str, str] = {}
     if quantization in ("int8", "int4"):
         for kind in kinds:
             wanted[kind] = quantization if kind in LAYER_KINDS else "int8"
-    elif quantization is None and gguf_types is not None:
+    elif quantization == "auto" and gguf_types is not None:
         for kind in kinds:
             names = gguf_tensor_names(arch, kind)
             types = sorted({gguf_types.get(name, "missing") for name in names})
@@ -79,7 +80,7 @@ def make_plan(arch: ModelArch, quantization: str | None, gguf_types: dict[str, s
         try:
             _check(arch, kind, fmt, tp, quantization)
         except ValueError as e:
-            if quantization is not None:  # asked for: refused
+            if quantization != "auto":  # asked for: refused
                 raise
             logger.info("GGUF %s dequantized to float: %s", kind, e)  # the default: what can stay quantized does
             del wanted[kind]
@@ -89,7 +90,7 @@ def make_plan(arch: ModelArch, quantization: str | None, gguf_types: dict[str, s
 def _check(arch: ModelArch, kind: str, fmt: str, tp: int, quantization: str | None) -> None:
     group = FORMATS[fmt].group
     k = input_size(arch, kind)
-    asked = f"quantization={quantization!r}" if quantization else f"the GGUF's {fmt.upper()} blocks"
+    asked = f"quantization={quantization!r}" if quantization != "auto" else f"the GGUF's {fmt.upper()} blocks"
     if group is not None and k % group:
         raise ValueError(
             f"{asked}: {kind} has {k} inputs, not a multiple of the group size {group} ({fmt} groups run along the "
