@@ -25,10 +25,15 @@ def test_generate_answers_on_the_default_model():
     assert "KV cache" in result.stderr and "executables) ready in" in result.stderr  # the one start-up line
 
 
-def test_chat_streams_a_reply():
-    result = jaxllm("chat", *ENGINE_FLAGS, "--max-tokens", "24", stdin="What is the capital of France?\n\n")
+def test_chat_streams_a_reply_and_takes_reset_and_exit():
+    """`/reset` starts over (greedy: the same question, the same reply), `/exit` ends; neither reaches the model."""
+    question = "What is the capital of France?"
+    stdin = f"{question}\n/reset\n{question}\n/exit\nnever answered\n"
+    result = jaxllm("chat", *ENGINE_FLAGS, "--max-tokens", "24", stdin=stdin)
     assert result.returncode == 0, result.stderr
-    assert "Paris" in result.stdout
+    replies = [line for line in result.stdout.replace("> ", "\n").splitlines() if line.strip()]
+    assert len(replies) == 2 and replies[0] == replies[1] and "Paris" in replies[0], result.stdout
+    assert "conversation cleared" in result.stderr
 
 
 @pytest.mark.parametrize(
@@ -41,15 +46,19 @@ def test_chat_streams_a_reply():
         (["generate", "--dtype", "int8", "hi"], "argument --dtype: invalid choice: 'int8'"),
         (["generate", "--quantization", "default", "hi"], "argument --quantization: invalid choice: 'default'"),
         (["generate", "--model", "/nowhere/model.gguf", "hi"], "/nowhere/model.gguf"),
-        (["generate", *ENGINE_FLAGS, "--no-chat-template", "word " * 600], "more than max_model_len=512"),
+        (["generate", *ENGINE_FLAGS, "--no-chat-template", "word " * 600], "prompt 0: the prompt has 601 tokens"),
+        (["generate", *ENGINE_FLAGS, "word " * 600], "more than max_model_len=512"),  # chat-templated
+        (["generate", *ENGINE_FLAGS, "--kv-offloading-size", "1000000", "hi"], "more than this machine's"),
     ],
 )
 def test_bad_input_is_one_line_not_a_traceback(args, message):
+    """Refused before the weights load or a step compiles (a user once waited 17-29 s for these)."""
     result = jaxllm(*args)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and message in errors[0], result.stderr
+    assert "Compiling" not in result.stderr and "loaded in" not in result.stderr
 
 
 def test_examples_run_on_the_default_model(capsys):

@@ -29,12 +29,13 @@ from jaxllm.engine.detokenizer import IncrementalDetokenizer
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.request import Request, RequestStatus
 from jaxllm.engine.scheduler import ScheduledRequest, Scheduler
-from jaxllm.kv_transfer.factory import CONNECTORS, KVConnector, make_kv_connector
+from jaxllm.kv_transfer.factory import CONNECTORS, KVConnector, check_kv_connector, make_kv_connector
 from jaxllm.kv_transfer.scope import KVScope
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.parallel.pipeline import layer_ranges
 from jaxllm.runner.kv_blocks import KVBlockMover
+from jaxllm.runner.kv_cache import bytes_per_block
 from jaxllm.runner.model_runner import ModelRunner, RunnerOutput
 from jaxllm.runner.sampler import SamplerOutput
 from jaxllm.runner.worker import Worker
@@ -125,6 +126,9 @@ class EngineCore:
             )
         layer_ranges(arch.num_layers, args.pipeline_parallel_size)  # checks that every stage gets layers
         self.config = args.create_engine_config(arch.max_position_embeddings, jax.default_backend())
+        if kv_transfer is not None:  # its sizes against memory, before anything loads
+            kv_dtype = self.config.cache.kv_dtype(source.dtype)
+            check_kv_connector(kv_transfer, bytes_per_block(arch, self.config.cache.block_size, kv_dtype))
         self.seed = args.seed
         executables = os.path.join(cache_folder, "jaxllm-executables") if cache_folder else None
         # the device side: the target model's worker (weights, KV cache, compiled steps), a draft model's too

@@ -42,10 +42,7 @@ def make_kv_connector(config: KVTransferConfig, scope: KVScope, kv: KVCacheManag
         scheduler = OffloadingScheduler(*args, store=store)
         worker = HostCopyWorker(mover, stats, store.put)
     elif config.kv_connector == "SharedStorageConnector":
-        path = config.extra("shared_storage_path")
-        if not isinstance(path, str) or not path:
-            raise ValueError('kv_transfer_config: SharedStorageConnector needs {"shared_storage_path": DIR}')
-        files = BlockFiles(path, scope.key, scope.digest)
+        files = BlockFiles(_storage_path(config), scope.key, scope.digest)
         block_shape = tuple(d for i, d in enumerate(mover.block_shape(1)) if i != 1)
         scheduler = SharedStorageScheduler(*args, files=files, block_shape=block_shape, dtype=mover.dtype)
         worker = SharedStorageWorker(mover, stats, files)
@@ -53,6 +50,22 @@ def make_kv_connector(config: KVTransferConfig, scope: KVScope, kv: KVCacheManag
         worker = TransferWorker(mover, stats, host=config.extra("transfer_host", "127.0.0.1"))
         scheduler = TransferScheduler(*args, address=worker.address, bucket=mover.bucket)
     return KVConnector(scheduler, worker, stats)
+
+
+def check_kv_connector(config: KVTransferConfig, bytes_per_block: int) -> None:
+    """The settings that can be checked before the model loads (`bytes_per_block`: K and V of one block, all
+    layers and devices), so that an impossible one fails in a second, not after the whole start."""
+    if config.kv_connector == "OffloadingConnector":
+        _num_cpu_blocks(config, bytes_per_block)
+    elif config.kv_connector == "SharedStorageConnector":
+        _storage_path(config)
+
+
+def _storage_path(config: KVTransferConfig) -> str:
+    path = config.extra("shared_storage_path")
+    if not isinstance(path, str) or not path:
+        raise ValueError('kv_transfer_config: SharedStorageConnector needs {"shared_storage_path": DIR}')
+    return path
 
 
 def _num_cpu_blocks(config: KVTransferConfig, bytes_per_block: int) -> int:

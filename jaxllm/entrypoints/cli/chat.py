@@ -1,4 +1,5 @@
-"""`jaxllm chat`: an interactive chat that streams the reply token by token."""
+"""`jaxllm chat`: an interactive chat that streams the reply token by token; `/reset` and `/exit` are commands,
+never sent to the model."""
 
 from __future__ import annotations
 
@@ -23,16 +24,25 @@ def run(args) -> None:
     tokenizer = llm.get_tokenizer()
     if tokenizer is None or not tokenizer.chat_template:
         raise ValueError("this model has no chat template")
-    messages = [{"role": "system", "content": args.system}] if args.system else []
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(system)
     ids = itertools.count()
-    print("Chat with the model; an empty line or Ctrl-D ends.", file=sys.stderr)
+    print("Chat with the model; /reset starts over, /exit (or an empty line, or Ctrl-D) ends.", file=sys.stderr)
     while True:
         try:
             line = input("> ")
         except EOFError:
             break
-        if not line.strip():
+        command = line.strip().lower()
+        if command in ("", "/exit", "/quit"):
             break
+        if command == "/reset":  # a new conversation: the system prompt stays
+            messages = list(system)
+            print("(conversation cleared)", file=sys.stderr)
+            continue
+        if command.startswith("/") and " " not in command:
+            print(f"unknown command {command}: /reset or /exit", file=sys.stderr)
+            continue
         messages.append({"role": "user", "content": line})
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         request_id = f"chat-{next(ids)}"

@@ -59,6 +59,37 @@ def make_llm(args):
     return LLM(engine_args.model, **fields)
 
 
+def encoded_prompts(args, texts: list[str], *, chat: bool) -> tuple[list[dict], bool]:
+    """The prompts as token ids (chat-templated when `chat` and the model has a template), each checked against
+    max_model_len before the weights load: the config and the tokenizer take about a second, the start tens of
+    seconds. Returns the prompts as `LLM.generate` takes them, and whether the template applied."""
+    from jaxllm.engine.core import check_prompt
+    from jaxllm.weights import open_model
+
+    engine_args = EngineArgs.from_cli_args(args)
+    engine_args.model_config()  # the cheap settings first
+    source = open_model(engine_args.model, load_format=engine_args.load_format, dtype=engine_args.dtype)
+    tokenizer = source.tokenizer(engine_args.tokenizer)
+    if tokenizer is None:
+        raise ValueError(f"{source.name} has no tokenizer: text prompts need one (--tokenizer)")
+    templated = chat and bool(tokenizer.chat_template)
+    max_model_len = engine_args.max_model_len or source.arch.max_position_embeddings
+    prompts = []
+    for i, text in enumerate(texts):
+        if templated:
+            conversation = [{"role": "user", "content": text}]
+            text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+            ids = tokenizer.encode(text, add_special_tokens=False)
+        else:
+            ids = tokenizer.encode(text)
+        try:
+            check_prompt(ids, max_model_len, source.arch.vocab_size)
+        except ValueError as e:
+            raise ValueError(f"prompt {i}: {e}") from None
+        prompts.append({"prompt": text, "prompt_token_ids": ids})
+    return prompts, templated
+
+
 def run_headless(engine_args: EngineArgs) -> int:
     """A multi-host follower (`--node-rank` > 0): build the same engine as node 0, then run its steps until it
     stops. Returns the steps run. (Here, above both: the step sync is below the engine core, as the runner is.)"""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from jaxllm.engine.args import EngineArgs
-from jaxllm.entrypoints.cli.common import add_sampling_args, make_llm, sampling_params
+from jaxllm.entrypoints.cli.common import add_sampling_args, encoded_prompts, make_llm, sampling_params
 
 
 def register(sub) -> None:
@@ -22,19 +22,14 @@ def run(args) -> None:
 
         run_headless(EngineArgs.from_cli_args(args))
         return
-    llm = make_llm(args)
-    tokenizer = llm.get_tokenizer()
-    use_template = not args.no_chat_template and tokenizer is not None and tokenizer.chat_template
-    if use_template:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params, use_tqdm=False)
-    else:
-        outputs = llm.generate(args.prompts, params, use_tqdm=False)
+    prompts, templated = encoded_prompts(args, args.prompts, chat=not args.no_chat_template)  # before loading
+    outputs = make_llm(args).generate(prompts, params, use_tqdm=False)
     for prompt, output in zip(args.prompts, outputs, strict=True):
         if len(args.prompts) > 1:
             print(f"### {prompt}")
         for completion in output.outputs:
             if len(output.outputs) > 1:
                 print(f"--- sample {completion.index}")
-            print(completion.text.strip() if use_template else prompt + completion.text)
+            print(completion.text.strip() if templated else prompt + completion.text)
         if len(args.prompts) > 1:
             print()
