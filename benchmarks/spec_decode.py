@@ -223,6 +223,61 @@ def format_summary(s: dict) -> str:
     )
 
 
+# ---- the simulator: a full batch on a memory-bound device's cost model --------------------------------------
+
+# a step that reads every weight once whatever its rows (decode on a GPU at batch 32-64): a 7 ms floor, then 10 us
+# per token of compute, 2 us per row of logits; the CPU's shipped cost model (measured, compute-bound) beside it
+MEMORY_BOUND = ([1, 1024], [0.007, 0.007 + 1024 * 1e-5], 2e-6)  # bucket tokens, their base seconds, per row
+CPU_COST = Path(__file__).resolve().parent.parent / "examples" / "research" / "cost_cpu.json"
+
+
+def _rounded(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)
+
+
+def simulate_full_batch(spec: dict, batch: int, input_len: int, output_len: int, acceptance: list[float]) -> dict:
+    """`batch` requests at once with max_num_seqs = batch (a full batch), without and with speculation, through
+    the simulator (the engine's own Scheduler and load-aware rule), on each cost model: output tokens per
+    simulated second, the ratio, and what the rule chose (speculated fraction, drafts per verification)."""
+    from jaxllm.config import SchedulerConfig
+    from jaxllm.engine.scheduler import max_logits_rows
+    from jaxllm.sim.costmodel import CostModel
+    from jaxllm.sim.simulator import SimConfig, cost_model_step_time, simulate
+    from jaxllm.sim.trace import TraceRequest
+    from jaxllm.spec_decode.config import SpeculativeConfig
+
+    speculative = SpeculativeConfig.parse(spec)
+    sched = SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=512, max_model_len=input_len + output_len + 8)
+    trace = [TraceRequest(0.0, output_len, prompt_len=input_len) for _ in range(batch)]
+    blocks = batch * (-(-(input_len + output_len + 8) // 16)) + 1
+    buckets, base_s, per_row_s = MEMORY_BOUND
+    memory_bound = CostModel(bucket_tokens=buckets, bucket_base_s=base_s, per_seq_s=per_row_s)
+    models = {"memory_bound": memory_bound, "cpu_measured": CostModel.load(CPU_COST)}
+    rows = {"rows_of_logits": max_logits_rows(sched, speculative), "max_num_seqs": batch}
+    results = []
+    for name, cost in models.items():
+        plain_config = SimConfig(sched, blocks)
+        plain = simulate(trace, plain_config, cost_model_step_time(cost, plain_config))
+        base = batch * output_len / plain.duration
+        for rate in acceptance:
+            config = SimConfig(sched, blocks, speculative=speculative)
+            result = simulate(trace, config, cost_model_step_time(cost, config), acceptance_rate=rate)
+            tok_s = batch * output_len / result.duration
+            results.append(
+                {
+                    "cost_model": name,
+                    "acceptance_rate": rate,
+                    "no_spec_tok_s": round(base, 1),
+                    "spec_tok_s": round(tok_s, 1),
+                    "ratio": round(tok_s / base, 3),
+                    "steps": {"no_spec": plain.num_steps, "spec": result.num_steps},
+                    "speculated_fraction": _rounded(result.extra.get("spec_decode_speculated_fraction")),
+                    "mean_draft_tokens": _rounded(result.extra.get("spec_decode_mean_draft_tokens")),
+                }
+            )
+    return {"batch": batch, "input_len": input_len, "output_len": output_len, **rows, "results": results}
+
+
 # ---- main -------------------------------------------------------------------------------------------------
 
 
@@ -268,6 +323,14 @@ def main() -> None:
     )
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument(
+        "--simulate",
+        type=int,
+        default=32,
+        metavar="B",
+        help="also simulate B requests at once with max_num_seqs B on a memory-bound cost model and on the CPU's "
+        "(examples/research/cost_cpu.json), acceptance 0.5 / 0.7 / 0.9 (default 32; 0: not)",
+    )
     parser.add_argument("--output", default=None, help="write the result JSON here")
     args = parser.parse_args()
     if min(args.rounds, args.output_len, args.input_len, *args.batches, args.max_num_seqs or 1) < 1:
@@ -295,10 +358,12 @@ def main() -> None:
     engines = {"no_spec": (no_spec, None), "spec": (spec, timer)}
     print(f"engines ready: no spec {no_spec_start:.1f}s, spec {spec_start:.1f}s; max_model_len {max_model_len}")
 
-    # warm-up, untimed: first steps pay one-time host costs
+    # warm-up, untimed: first steps pay one-time host costs, and the load-aware rule measures the step sizes it
+    # may choose (a one-time cost per engine: at a full batch, a few steps of up to 5x the rows)
     for llm, t in engines.values():
         for w in workloads.values():
-            run_workload(llm, t, {**w, "prompts": w["prompts"][:2]}, min(4, args.output_len))
+            prompts = w["prompts"] if w["batch"] > 1 else w["prompts"][:2]
+            run_workload(llm, t, {**w, "prompts": prompts}, min(16, args.output_len))
 
     rounds: dict[str, list[dict]] = {name: [] for name in workloads}
     started = time.perf_counter()
@@ -313,6 +378,9 @@ def main() -> None:
                 f"({row['spec']['output_tokens_per_second'] / row['no_spec']['output_tokens_per_second']:.2f}x)"
             )
     summaries = [summarize(name, workloads[name], rounds[name]) for name in workloads]
+    simulated = None
+    if args.simulate:
+        simulated = simulate_full_batch(spec_json, args.simulate, args.input_len, args.output_len, [0.5, 0.7, 0.9])
     result = {
         "speculative_config": spec_json,
         "rounds": args.rounds,
@@ -325,10 +393,22 @@ def main() -> None:
         "machine": offline.machine_info(),
         "cpu_kernels": offline.cpu_kernel_info(spec),
         "workloads": summaries,
+        "full_batch_simulation": simulated,
     }
     print()
     for s in summaries:
         print(format_summary(s))
+    if simulated is not None:
+        print(
+            f"simulated, {simulated['batch']} at once, max_num_seqs {simulated['max_num_seqs']}, rows of logits "
+            f"{simulated['rows_of_logits']}:"
+        )
+        for r in simulated["results"]:
+            print(
+                f"  {r['cost_model']:>12}, acceptance {r['acceptance_rate']}: {r['no_spec_tok_s']} -> "
+                f"{r['spec_tok_s']} tok/s ({r['ratio']}x), speculated {r['speculated_fraction']}, "
+                f"drafts {r['mean_draft_tokens']}"
+            )
     print(f"load average: start {result['load_average_start']}, end {result['load_average_end']}")
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
