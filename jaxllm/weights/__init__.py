@@ -57,6 +57,11 @@ class LoadedModel:
     quant: QuantPlan = field(default_factory=QuantPlan)  # the projections kept quantized
 
 
+def _hub_name(name: str) -> bool:
+    """Whether `name` reads as an HF Hub repository ("org/name") rather than a path."""
+    return name.count("/") == 1 and not name.startswith((".", "/"))
+
+
 def _resolve_source(model: str | None) -> Path:
     if model is None:
         return default_model_path()
@@ -65,7 +70,7 @@ def _resolve_source(model: str | None) -> Path:
         return path
     if model == DEFAULT_MODEL_NAME:  # the embedded default (Q4_1 GGUF), by its name
         return default_model_path()
-    if model.count("/") == 1 and not model.startswith((".", "/")):
+    if _hub_name(model):
         from huggingface_hub import snapshot_download
 
         try:
@@ -120,8 +125,13 @@ class ModelSource:
     def tokenizer(self, override: str | None = None):
         """The model's transformers tokenizer (a GGUF's built from its metadata), `override`'s if given, or None
         for a bare config."""
-        if override is not None:
-            return _load_tokenizer(override)
+        if override is not None:  # asked for by name: a failure is an error, not a warning
+            if not Path(override).expanduser().exists() and not _hub_name(override):
+                raise FileNotFoundError(f"tokenizer {override!r}: no such file or directory")
+            tokenizer = _load_tokenizer(override)
+            if tokenizer is None:
+                raise ValueError(f"tokenizer {override!r}: cannot be loaded (see the warning above)")
+            return tokenizer
         if self.gguf_file is not None:
             return self.gguf_file.tokenizer()
         return None if self.format == "config" else _load_tokenizer(self.path)
