@@ -61,6 +61,12 @@ def test_bad_input_is_one_line_not_a_traceback(args, message):
     assert "Compiling" not in result.stderr and "loaded in" not in result.stderr
 
 
+def test_help_names_every_quantization_and_auto_is_the_default():
+    result = jaxllm("generate", "--help")
+    assert "--quantization {auto,int8,int4,none}" in result.stdout
+    assert "auto (the default" in " ".join(result.stdout.split())
+
+
 def test_examples_run_on_the_default_model(capsys):
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples"))
     import chat
