@@ -10,7 +10,8 @@ XLA's own path on some shapes must not run them there. `choose` times, on the mo
   row count up to the last one from which on it stops winning (`matmul_max_rows`; None: all of them).
 - the attention kernel (with its KV write) against the jnp reference on a decode batch and a
   prefill chunk, kept where it is the faster in total.
-It costs a few seconds once: the decision is stored beside the kernels, keyed by the kernel
+It costs a few seconds once (logged when it starts, a bar per case while the engine's progress is on:
+`pallas_kernels.progress`): the decision is stored beside the kernels, keyed by the kernel
 libraries (source, flags, target, CPU, jaxlib), the shapes and XLA_FLAGS. `JAXLLM_CPU_KERNELS`
 overrides it: "on" (the kernels wherever they apply, no timing), "off" (XLA only), "auto" (default).
 """
@@ -29,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import cpu_ffi, stacked_matmul
+from pallas_kernels import cpu_ffi, progress, stacked_matmul
 from pallas_kernels.ragged_paged_attention import cpu as attention_cpu
 from pallas_kernels.stacked_matmul import quantized
 
@@ -98,8 +99,9 @@ def _best_ms(kernel, other, *args, reps: int = 5) -> tuple[float, float]:
     return best[0] * 1e3, best[1] * 1e3
 
 
-def _time_matmuls(shapes, dtype, row_counts, rng) -> dict[int, tuple[float, float]]:
-    """Per row count: (kernel ms, XLA ms) for one x @ W of every shape: `(K, N)` in `dtype`, `(K, N, fmt)` quantized."""
+def _time_matmuls(shapes, dtype, row_counts, rng, bar=None) -> dict[int, tuple[float, float]]:
+    """Per row count: (kernel ms, XLA ms) for one x @ W of every shape: `(K, N)` in `dtype`, `(K, N, fmt)` quantized.
+    `bar` (a tqdm bar, or None) advances by one per row count."""
     weights = []
     for k, n, *fmt in shapes:
         n = max(stacked_matmul.PANEL, min(n, MAX_WEIGHT_ELEMENTS // k // stacked_matmul.PANEL * stacked_matmul.PANEL))
@@ -125,11 +127,14 @@ def _time_matmuls(shapes, dtype, row_counts, rng) -> dict[int, tuple[float, floa
     for rows in row_counts:
         xs = [jnp.asarray(rng.standard_normal((rows, shape[0]), np.float32), dtype) for shape in shapes]
         out[rows] = _best_ms(kernel, xla, xs, weights)
+        if bar is not None:
+            bar.update()
     return out
 
 
-def _time_attention(shape: AttentionShape, chunk: int, rng) -> dict[str, tuple[float, float]]:
-    """(kernel ms, reference ms) on a decode batch (8 rows, 512 keys each) and a prefill chunk."""
+def _time_attention(shape: AttentionShape, chunk: int, rng, bar=None) -> dict[str, tuple[float, float]]:
+    """(kernel ms, reference ms) on a decode batch (8 rows, 512 keys each) and a prefill chunk; `bar` (a tqdm bar,
+    or None) advances by one per case."""
     from pallas_kernels import ragged_paged_attention, write_kv
     from pallas_kernels.ragged_paged_attention.testing import make_batch
 
@@ -157,6 +162,8 @@ def _time_attention(shape: AttentionShape, chunk: int, rng) -> dict[str, tuple[f
         kernel = jax.jit(functools.partial(step, backend="cpu"))
         reference = jax.jit(functools.partial(step, backend="reference"))
         out[name] = _best_ms(kernel, reference, *args)
+        if bar is not None:
+            bar.update()
     return out
 
 
@@ -215,8 +222,15 @@ def _choose(
     if record is None:
         started = time.perf_counter()
         rng = np.random.default_rng(0)
-        matmul = _time_matmuls(matmul_shapes, dtype, row_counts, rng) if matmul_ok else {}
-        attn = _time_attention(attention, min(max_rows, 256), rng) if attention_ok and attention else {}
+        cases = (len(row_counts) if matmul_ok else 0) + (2 if attention_ok and attention else 0)
+        logger.info(
+            "checking the CPU kernels against XLA on this model's shapes (%d cases): first use on this machine, "
+            "a few seconds",
+            cases,
+        )
+        with progress.bar(cases, "CPU kernel self-check", "case") as bar:
+            matmul = _time_matmuls(matmul_shapes, dtype, row_counts, rng, bar) if matmul_ok else {}
+            attn = _time_attention(attention, min(max_rows, 256), rng, bar) if attention_ok and attention else {}
         record = {"matmul": {str(r): t for r, t in matmul.items()}, "attention": attn}
         record["seconds"] = round(time.perf_counter() - started, 2)
         _store(key, record)

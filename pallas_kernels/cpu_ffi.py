@@ -5,7 +5,8 @@ system compiler for `-march=$JAXLLM_CPU_MARCH` (default native) into a cache dir
 (`$JAXLLM_CACHE/kernels`, `$JAXLLM_CACHE` defaulting to `~/.cache/jaxllm` as everywhere in jaxllm),
 keyed by the sources, the compiler flags and target, jaxlib's version and the CPU, then registered
 with XLA under a target name. Without a compiler `register` returns False (with a warning) and
-callers keep their jnp path.
+callers keep their jnp path. A build logs a line at INFO when it starts (the one silent step of a first start
+otherwise) and when it ends.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import jax
@@ -100,6 +102,14 @@ def build(source: Path) -> Path:
     if lib.exists():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    logger.info(
+        "building the CPU kernel %s/%s for %s (-march=%s): first use on this machine, a compiler run of ~5-10 s",
+        source.parent.name,
+        source.name,
+        isa(),
+        march(),
+    )
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         tmp_lib = Path(tmp) / lib.name
         cmd = [compiler, *flags(), f"-I{jax.ffi.include_dir()}", str(source), "-o", str(tmp_lib)]
@@ -107,6 +117,7 @@ def build(source: Path) -> Path:
         if done.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
         os.replace(tmp_lib, lib)  # atomic: concurrent builders never load a half-written file
+    logger.info("built %s in %.1fs", lib, time.perf_counter() - started)
     return lib
 
 

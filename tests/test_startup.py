@@ -182,3 +182,63 @@ def test_cached_gguf_tokenizer_is_the_converted_one(tmp_path, monkeypatch):
         converted.pad_token,
     )
     assert cached.get_vocab() == converted.get_vocab()
+
+
+def test_a_cold_start_reports_every_slow_step(tmp_path, monkeypatch, caplog, capsys):
+    """Issue 44: a first start said nothing for ~20 s. Each first-use step logs a line when it starts and, with the
+    engine's progress on, draws a bar: a kernel build (a small source here: the real ones take ~7 s each), the
+    kernels' self-check, the GGUF weights' and tokenizer's conversion, compiling; with progress off, no bar."""
+    from jaxllm.weights import converted
+    from jaxllm.weights.default import cache_dir
+    from pallas_kernels import cpu_choice, cpu_ffi, progress, stacked_matmul
+    from pallas_kernels.ragged_paged_attention import cpu as attention_cpu
+
+    kernels = [cpu_ffi.build(s) for s in (stacked_matmul.SOURCE, attention_cpu.SOURCE)]  # this session's, built
+    compiled = str(cache_dir() / "xla")  # the session's compiled steps: load them, as the tests do
+    monkeypatch.setenv("JAXLLM_CACHE", str(tmp_path))  # an empty cache but for the kernels (a build is below)
+    monkeypatch.setenv("JAXLLM_CPU_KERNELS", "auto")  # the self-check, not the tests' "on"
+    (tmp_path / "kernels").mkdir()
+    for lib in kernels:
+        (tmp_path / "kernels" / lib.name).symlink_to(lib)
+    cpu_choice._choose.cache_clear()
+    caplog.set_level(logging.INFO)
+
+    source = tmp_path / "tiny_kernel.cc"
+    source.write_text('extern "C" int tiny() { return 0; }\n')
+    cpu_ffi.build(source)
+    LLM(
+        **{**TEST_ENGINE, "progress": True},
+        kv_cache_memory_bytes=kv_bytes(TEST_KV_BLOCKS),
+        compilation_cache_dir=compiled,
+    )
+    converted.wait_for_saves()
+    logged = caplog.text
+    for started in (
+        "building the CPU kernel",
+        "checking the CPU kernels against XLA",
+        "converting SmolLM2-135M-Instruct.Q4_1.gguf into",
+        "converting the tokenizer of SmolLM2-135M-Instruct.Q4_1.gguf",
+    ):
+        assert started in logged
+    bars = capsys.readouterr().err
+    cases = len([1, 8, 64]) + 2  # row counts up to max_num_batched_tokens, a decode and a prefill attention
+    assert f"CPU kernel self-check: 100%|██████████| {cases}/{cases}" in bars
+    assert "Converting weights: 100%" in bars and "Compiling steps: 100%" in bars
+
+    # progress off (LLM(progress=False), the tests): the same steps draw nothing
+    shapes = {"w": jax.ShapeDtypeStruct((4, 4), jnp.float32)}
+    shardings = {"w": jax.sharding.SingleDeviceSharding(jax.devices()[0])}
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"GGUF")
+    with progress.showing(False):
+        converted.load_or_convert(
+            gguf,
+            "tiny",
+            np.float32,
+            shapes,
+            shardings,
+            "",
+            lambda allocate: {"w": allocate(("w",), (4, 4), np.dtype(np.float32))},
+        )
+    converted.wait_for_saves()
+    assert "Converting weights" not in capsys.readouterr().err

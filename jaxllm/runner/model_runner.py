@@ -137,6 +137,14 @@ def weight_layout(arch, config: EngineConfig, dtype, mesh: Mesh, quant: QuantPla
     return Layout(model.matmul_backend, model.pack_leaf) if model.matmul_backend == "cpu_packed" else None
 
 
+def _job_name(job: tuple) -> str:
+    """A warm-up job for its progress bar: "forward 64 tokens x 4 rows", "sample 4 rows"."""
+    kind, shape = job
+    if isinstance(shape, Bucket):
+        return f"{kind} {shape.num_tokens} tokens x {shape.num_seqs} rows"
+    return f"{kind} {shape} rows"
+
+
 class ModelRunner:
     """`executable_dir`: where compiled steps are stored and found (None: compile every bucket each start)."""
 
@@ -317,8 +325,10 @@ class ModelRunner:
                     bar.update()
                     continue
                 fn, args = jobs[job]
+                bar.set_postfix_str(f"tracing {_job_name(job)}")  # up to ~1 s each, in this thread: the bar moves
                 futures[job] = pool.submit(self._executables.compile_and_store, keys[job], fn.lower(*args))
                 futures[job].add_done_callback(lambda _: bar.update())
+            bar.set_postfix_str("compiling" if futures else "")
             made.update({job: future.result() for job, future in futures.items()})
         tables = self._executable_tables()
         for (kind, shape), executable in made.items():

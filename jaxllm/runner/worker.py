@@ -7,6 +7,7 @@ detokenizer, structured outputs) lives in the engine and never touches device ar
 
 from __future__ import annotations
 
+import contextvars
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,6 +20,7 @@ from jaxllm.runner.model_runner import ModelRunner, weight_layout
 from jaxllm.runner.pipeline import PipelineRunner
 from jaxllm.runner.pipeline_hosts import HostsPipelineRunner
 from jaxllm.weights import LoadedModel, ModelSource
+from pallas_kernels import progress as kernel_progress
 
 
 class Worker:
@@ -26,7 +28,8 @@ class Worker:
 
     Compiling needs only the weights' shapes, so a thread reads the weights and the tokenizer meanwhile
     (unrolled layers, and multi-host starts, read them first). The loader packs the weights for the CPU
-    kernel (and keeps them packed on disk)."""
+    kernel (and keeps them packed on disk). `progress`: bars on stderr for what takes seconds (the CPU kernels'
+    self-check and the weights' conversion on first use, compiling the steps); the first two also log a line at INFO."""
 
     def __init__(
         self,
@@ -45,9 +48,10 @@ class Worker:
         if pp > 1:  # the weights load onto this process's first stage's devices, then spread
             meshes = stage_meshes(pp, config.parallel.tensor_parallel_size)
             mesh = meshes[local_stages(meshes)[0]]
-        with ThreadPoolExecutor(1, thread_name_prefix="jaxllm-load") as pool:
-            layout = weight_layout(arch, config, source.dtype, mesh, source.quant)
-            reading = pool.submit(source.load, mesh, tokenizer, seed, layout)
+        with kernel_progress.showing(progress), ThreadPoolExecutor(1, thread_name_prefix="jaxllm-load") as pool:
+            layout = weight_layout(arch, config, source.dtype, mesh, source.quant)  # first use: kernels built, checked
+            # the reading thread converts the weights on first use: its bar follows `progress` too
+            reading = pool.submit(contextvars.copy_context().run, source.load, mesh, tokenizer, seed, layout)
             model = (
                 LoadedModel(source.name, arch, source.hf_config, source.abstract_params(mesh), None, source.dtype)
                 if overlap
@@ -60,10 +64,11 @@ class Worker:
                 self.runner = PipelineRunner(model, config, meshes)
             else:  # stages on several nodes
                 self.runner = HostsPipelineRunner(model, config, meshes, config.parallel.distributed_timeout)
-            capacity = (self.runner.num_blocks - 1) * config.cache.block_size  # block 0 is scratch
+            usable = max(self.runner.num_blocks - 1, 0)  # block 0 is scratch
+            capacity = usable * config.cache.block_size
             if capacity < config.scheduler.max_model_len:
                 raise ValueError(
-                    f"the KV cache of {source.name} holds {capacity} tokens ({self.runner.num_blocks - 1} blocks), "
+                    f"the KV cache of {source.name} holds {capacity} tokens ({usable} blocks), "
                     f"fewer than max_model_len={config.scheduler.max_model_len}: raise kv_cache_memory_bytes or "
                     f"gpu_memory_utilization, or lower max_model_len"
                 )

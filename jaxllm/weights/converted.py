@@ -11,7 +11,8 @@ write the file) and, on CPU, hand them to XLA without a copy (`.npy` data is 64-
 The key is the source file (path, size, mtime), the architecture, the dtype, the layout the step
 asked for (the CPU kernel's packing: kept packed, a warm start does not pack again) and FORMAT:
 raise FORMAT whenever the conversion (`params.py`, `gguf.py`) or a layout changes what it produces. Anything
-missing or unreadable means convert again, and overwrite.
+missing or unreadable means convert again, and overwrite. A conversion logs a line when it starts and draws a bar
+of the leaves converted (`pallas_kernels.progress`: while the engine's progress is on).
 
 Each variant (quantization, layout, dtype) is a folder of its own, 90-540 MB for the default model, so
 the folders are bounded: once a new one is kept, the least recently used others are deleted until all
@@ -38,6 +39,7 @@ import numpy as np
 
 from jaxllm.weights.default import cache_dir
 from jaxllm.weights.params import Allocate, aligned_empty, leaf_path, place
+from pallas_kernels import progress
 
 logger = logging.getLogger(__name__)
 
@@ -274,8 +276,29 @@ def load_or_convert(
         description = {"source": str(source), "dtype": str(np.dtype(dtype)), "layout": layout, "format": FORMAT}
         fully_addressable = all(s.is_fully_addressable for s in jax.tree.leaves(shardings))
         writer = _Writer(folder, description) if fully_addressable else None
+        allocate = writer.allocate if writer else aligned_empty
+        leaves = len(jax.tree.leaves(shapes))
+        logger.info(
+            "converting %s into %d %s arrays (layout %s): first use, a few seconds; kept in %s",
+            source.name,
+            leaves,
+            np.dtype(dtype),
+            layout.split("/")[0] or "none",  # its name (then the quantization plan's)
+            folder.parent if writer else "memory only",
+        )
+        begun = 0
+
+        def allocate_counted(path: tuple[str, ...], shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+            nonlocal begun
+            bar.update(1 if begun else 0)  # `convert` allocates each leaf as it starts it: the one before is done
+            bar.set_postfix_str(".".join(path), refresh=False)
+            begun += 1
+            return allocate(path, shape, dtype)
+
         try:
-            host = convert(writer.allocate if writer else aligned_empty)
+            with progress.bar(leaves, "Converting weights", "array") as bar:
+                host = convert(allocate_counted)
+                bar.update(leaves - bar.n)
         except BaseException:
             if writer:
                 writer.discard()

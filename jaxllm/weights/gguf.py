@@ -298,6 +298,7 @@ class GGUFFile:
             return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(saved["tokenizer"]), **saved["kwargs"])
         except (OSError, ValueError, KeyError, TypeError):  # absent or unreadable: convert again
             pass
+        logger.info("converting the tokenizer of %s: first use, ~1-3 s; kept in %s", self.path.name, cached.parent)
         backend, kwargs = self._convert_tokenizer()
         try:
             text = json.dumps({"tokenizer": backend.to_str(), "kwargs": kwargs})

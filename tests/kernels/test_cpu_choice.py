@@ -31,8 +31,10 @@ def fresh(monkeypatch, tmp_path):
 
 def timed(monkeypatch, matmul: dict, attention: dict):
     """Fixed timings instead of measured ones: {rows: (kernel ms, XLA ms)}, {case: (kernel ms, reference ms)}."""
-    monkeypatch.setattr(cpu_choice, "_time_matmuls", lambda shapes, dtype, rows, rng: {r: matmul[r] for r in rows})
-    monkeypatch.setattr(cpu_choice, "_time_attention", lambda shape, chunk, rng: attention)
+    monkeypatch.setattr(
+        cpu_choice, "_time_matmuls", lambda shapes, dtype, rows, rng, bar=None: {r: matmul[r] for r in rows}
+    )
+    monkeypatch.setattr(cpu_choice, "_time_attention", lambda shape, chunk, rng, bar=None: attention)
 
 
 def untimed(monkeypatch):
