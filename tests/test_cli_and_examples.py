@@ -23,6 +23,7 @@ def test_generate_answers_on_the_default_model():
     assert result.returncode == 0, result.stderr
     assert "Paris" in result.stdout
     assert "KV cache" in result.stderr and "executables) ready in" in result.stderr  # the one start-up line
+    assert "starting the engine" in result.stderr.splitlines()[0]  # said before seconds of imports and loading
 
 
 def test_chat_streams_a_reply_and_takes_reset_and_exit():

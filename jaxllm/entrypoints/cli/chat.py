@@ -7,7 +7,7 @@ import itertools
 import sys
 
 from jaxllm.engine.args import EngineArgs
-from jaxllm.entrypoints.cli.common import add_sampling_args, make_llm, sampling_params
+from jaxllm.entrypoints.cli.common import add_sampling_args, announce_start, make_llm, sampling_params
 
 
 def register(sub) -> None:
@@ -20,6 +20,7 @@ def register(sub) -> None:
 
 def run(args) -> None:
     params = sampling_params(args)
+    announce_start(args)
     llm = make_llm(args)
     tokenizer = llm.get_tokenizer()
     if tokenizer is None or not tokenizer.chat_template:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import logging
 
 from jaxllm.engine.args import EngineArgs
+
+logger = logging.getLogger("jaxllm")
 
 
 class Parser(argparse.ArgumentParser):
@@ -49,6 +52,12 @@ def sampling_params(args):
         stop=args.stop,
         ignore_eos=args.ignore_eos,
     )
+
+
+def announce_start(args) -> None:
+    """The first line of a start, before seconds of imports (JAX, transformers) and loading pass in silence (so
+    nothing here imports them)."""
+    logger.info("starting the engine for %s", args.model or "the default model")
 
 
 def make_llm(args):

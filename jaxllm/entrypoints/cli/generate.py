@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from jaxllm.engine.args import EngineArgs
-from jaxllm.entrypoints.cli.common import add_sampling_args, encoded_prompts, make_llm, sampling_params
+from jaxllm.entrypoints.cli.common import add_sampling_args, announce_start, encoded_prompts, make_llm, sampling_params
 
 
 def register(sub) -> None:
@@ -22,6 +22,7 @@ def run(args) -> None:
 
         run_headless(EngineArgs.from_cli_args(args))
         return
+    announce_start(args)
     prompts, templated = encoded_prompts(args, args.prompts, chat=not args.no_chat_template)  # before loading
     outputs = make_llm(args).generate(prompts, params, use_tqdm=False)
     for prompt, output in zip(args.prompts, outputs, strict=True):
