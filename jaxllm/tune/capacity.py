@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 import numpy as np
 
 from jaxllm.engine.args import EngineArgs
 from jaxllm.sim.costmodel import CostModel
+from jaxllm.sim.settings import SimSettings, sim_config, simulate_priced
+from jaxllm.sim.simulator import SimConfig
 from jaxllm.sim.trace import TraceRequest
+from jaxllm.tune.space import kv_bytes_per_block
 
 STEPS_PER_DOUBLING = 16  # rate resolution: 2^(1/16), 4.4 %
 MAX_DOUBLINGS = 10  # rates searched: the trace's own / 1024 .. x 1024
@@ -56,32 +58,12 @@ def scaled(trace: list[TraceRequest], factor: float) -> list[TraceRequest]:
     return [dataclasses.replace(r, arrival_time=first + (r.arrival_time - first) / factor) for r in trace]
 
 
-def sim_config_of(args: EngineArgs, cost: CostModel):
-    """The simulator's config for these engine arguments (through `jaxllm simulate`'s own builder). With pipeline
-    parallelism `kv_cache_memory_bytes` is each stage's budget for its own layers' K/V (runner/pipeline.py), so
-    the pool holds more blocks (`pipeline_pool`, the tightest stage's count)."""
-    from jaxllm.entrypoints.cli.simulate import pipeline_layers, pipeline_pool, sim_config
-    from jaxllm.tune.space import kv_bytes_per_block
-
+def sim_config_of(args: EngineArgs, cost: CostModel) -> SimConfig:
+    """The simulator's config for these engine arguments. With pipeline parallelism `kv_cache_memory_bytes` is
+    each stage's budget for its own layers' K/V (runner/pipeline.py), so the pool holds more blocks."""
     assert args.kv_cache_memory_bytes is not None  # base_engine_args fills it
-    pp = args.pipeline_parallel_size
-    namespace = SimpleNamespace(
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        num_gpu_blocks_override=args.kv_cache_memory_bytes // kv_bytes_per_block(cost, args.block_size),
-        enable_prefix_caching=args.enable_prefix_caching,
-        scheduling_policy=args.scheduling_policy,
-        pipeline_parallel_size=pp,
-        pp_layer_partition=None,
-        num_layers=None,  # the cost model's record, else an even split
-        speculative_config=args.speculative_config,
-    )
-    if pp > 1:
-        layers = pipeline_layers(namespace, cost, pp) or (1,) * pp
-        namespace.num_gpu_blocks_override = pipeline_pool(namespace.num_gpu_blocks_override, layers)
-    return sim_config(namespace, cost)
+    budget_blocks = args.kv_cache_memory_bytes // kv_bytes_per_block(cost, args.block_size)
+    return sim_config(SimSettings.of(args, budget_blocks=budget_blocks), cost)
 
 
 @dataclass
@@ -136,18 +118,10 @@ class Objective:
 
     def run(self, args: EngineArgs, k: int = 0) -> Run:
         from jaxllm.bench.results import summarize
-        from jaxllm.sim.simulator import cost_model_step_time, simulate
 
-        config = sim_config_of(args, self.cost)
         trace = self.trace if k == 0 else scaled(self.trace, 2 ** (k / STEPS_PER_DOUBLING))
-        sim = simulate(
-            trace,
-            config,
-            cost_model_step_time(self.cost, config),
-            seed=self.seed,
-            acceptance_rate=self.acceptance_rate,
-            **self.cost.event_costs(),
-        )
+        config = sim_config_of(args, self.cost)
+        sim = simulate_priced(trace, config, self.cost, seed=self.seed, acceptance_rate=self.acceptance_rate)
         self.simulations += 1
         summary = summarize(sim.records, sim.duration, goodput=self.slos)
         good = round(summary["request_goodput"] * summary["duration"])

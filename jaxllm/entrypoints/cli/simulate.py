@@ -103,81 +103,26 @@ def register(sub) -> None:
     parser.set_defaults(func=run)
 
 
-def sim_config(args, cost):
-    from jaxllm.config import SchedulerConfig
-    from jaxllm.sim.simulator import SimConfig
-    from jaxllm.spec_decode.config import SpeculativeConfig
+def settings_of(args):
+    """The engine the flags describe, for `jaxllm.sim.settings.sim_config`."""
+    from jaxllm.sim.settings import SimSettings
 
-    pp = args.pipeline_parallel_size
-    calibrated_pp = cost.engine.get("pipeline_parallel_size", 1)
-    if calibrated_pp != 1:
-        raise ValueError(
-            f"the cost model was calibrated with pipeline_parallel_size={calibrated_pp}: its steps are whole "
-            f"pipelines run one at a time; calibrate with one stage (the simulator splits it over the stages)"
-        )
-    if pp == 1 and args.pp_layer_partition is not None:
-        raise ValueError("--pp-layer-partition needs --pipeline-parallel-size > 1")
-    layers = pipeline_layers(args, cost, pp) if pp > 1 else None
-
-    def setting(name):
-        value = getattr(args, name)
-        if value is not None:
-            return value
-        if name == "num_gpu_blocks_override":
-            name = "num_blocks"
-        if name not in cost.engine:
-            raise ValueError(f"--{name.replace('_', '-')} is needed: the cost model does not record it")
-        return cost.engine[name]
-
-    scheduler = SchedulerConfig(
-        setting("max_num_seqs"), setting("max_num_batched_tokens"), setting("max_model_len"), args.scheduling_policy
+    return SimSettings.of(
+        args,
+        num_blocks=args.num_gpu_blocks_override,
+        num_layers=args.num_layers,
+        pp_layer_partition=args.pp_layer_partition,
     )
-    num_blocks = setting("num_gpu_blocks_override")
-    if pp > 1 and args.num_gpu_blocks_override is None:
-        num_blocks = pipeline_pool(num_blocks, layers or (1,) * pp)
-    return SimConfig(
-        scheduler,
-        num_blocks=num_blocks,
-        block_size=setting("block_size"),
-        enable_prefix_caching=setting("enable_prefix_caching"),
-        speculative=SpeculativeConfig.parse(args.speculative_config),
-        pipeline_parallel_size=pp,
-        pp_stage_layers=layers,
-    )
-
-
-def pipeline_layers(args, cost, pp: int) -> tuple[int, ...] | None:
-    """Each stage's layers: --pp-layer-partition, else the engine's split of --num-layers (or the cost model's
-    record of them); None when neither is known (an even split of the step time)."""
-    from jaxllm.sim.simulator import stage_layers
-
-    if args.pp_layer_partition is not None:
-        try:
-            counts = [int(n) for n in args.pp_layer_partition.split(",")]
-        except ValueError:
-            raise ValueError(f"--pp-layer-partition {args.pp_layer_partition!r}: not comma-separated counts") from None
-        return stage_layers(sum(counts), pp, args.pp_layer_partition)
-    num_layers = args.num_layers if args.num_layers is not None else cost.engine.get("num_layers")
-    return stage_layers(num_layers, pp) if num_layers is not None else None
-
-
-def pipeline_pool(num_blocks: int, layers: tuple[int, ...]) -> int:
-    """The pool of a pipeline-parallel engine with the calibrated engine's KV bytes per device: a block's K/V on
-    a stage is its layers' share of the whole model's, and the tightest stage sets the count (runner/pipeline.py)."""
-    return num_blocks * sum(layers) // max(layers)
 
 
 def run(args) -> dict:
-    from jaxllm.bench.results import format_result, per_request
-    from jaxllm.bench.serve import parse_goodput, parse_percentiles
     from jaxllm.sim.costmodel import CostModel
-    from jaxllm.sim.coverage import FROM_COST_MODEL, check_trace_fits, failure_line
-    from jaxllm.sim.simulator import cost_model_step_time, simulate
+    from jaxllm.sim.coverage import FROM_COST_MODEL, check_trace_fits
+    from jaxllm.sim.settings import sim_config, simulate_priced
     from jaxllm.sim.trace import load_trace
 
     cost = CostModel.load(args.cost)
-    config = sim_config(args, cost)
-    pp = config.pipeline_parallel_size
+    config = sim_config(settings_of(args), cost)
     transfer = {
         name: value
         for name, value in (
@@ -186,7 +131,7 @@ def run(args) -> dict:
         )
         if value is not None
     }
-    if transfer and pp == 1:
+    if transfer and config.pipeline_parallel_size == 1:
         raise ValueError("--pp-transfer-* need --pipeline-parallel-size > 1")
     if args.acceptance_rate is not None and config.speculative is None:
         raise ValueError("--acceptance-rate needs --speculative-config")
@@ -196,19 +141,27 @@ def run(args) -> dict:
     source = "--max-model-len" if args.max_model_len is not None else FROM_COST_MODEL
     check_trace_fits(trace, config.scheduler.max_model_len, cost.engine, source=source, cost_path=args.cost)
     started = time.perf_counter()
-    sim = simulate(
+    sim = simulate_priced(
         trace,
         config,
-        cost_model_step_time(cost, config),
+        cost,
         seed=args.seed,
-        **cost.event_costs(),
         oracle_output_len=args.oracle_output_len,
         acceptance_rate=args.acceptance_rate,
         **transfer,
     )
-    wall = time.perf_counter() - started
+    result = result_json(args, trace, config, cost, sim, time.perf_counter() - started)
+    print_summary(args, result, config, cost, sim)
+    save(args, result, sim)
+    return result
+
+
+def result_json(args, trace, config, cost, sim, wall: float) -> dict:
+    """bench serve's result keys for the simulated run, and the engine simulated."""
+    from jaxllm.bench.serve import parse_goodput, parse_percentiles
+
     sched = config.scheduler
-    result = {
+    return {
         "backend": "jaxllm-simulator",
         "dataset_path": args.trace,
         "num_prompts": len(trace),
@@ -223,7 +176,7 @@ def run(args) -> dict:
         "enable_prefix_caching": config.enable_prefix_caching,
         "speculative_config": json.loads(config.speculative.to_json()) if config.speculative else None,
         "tensor_parallel_size": cost.engine.get("tensor_parallel_size", 1),  # the cost model's
-        "pipeline_parallel_size": pp,
+        "pipeline_parallel_size": config.pipeline_parallel_size,
         "pp_stage_layers": list(config.pp_stage_layers) if config.pp_stage_layers else None,
         "acceptance_rate": args.acceptance_rate,
         "seed": args.seed,
@@ -232,6 +185,12 @@ def run(args) -> dict:
             goodput=parse_goodput(args.goodput) or None, percentiles=parse_percentiles(args.metric_percentiles)
         ),
     }
+
+
+def print_summary(args, result: dict, config, cost, sim) -> None:
+    from jaxllm.bench.results import format_result
+    from jaxllm.sim.coverage import failure_line
+
     print(format_result(result, title="Simulated Serving Result"))
     print(engine_summary(args, result, cost.engine))
     failed = failure_line([r.error for r in sim.records])
@@ -239,12 +198,19 @@ def run(args) -> dict:
         print(failed)
     print(
         f"{sim.num_steps} steps, {sim.num_preemptions} preemptions, prefix-cache hit rate "
-        f"{sim.prefix_cache_hit_rate:.1%}, mean KV usage {result['mean_kv_cache_usage']:.1%}; simulated in {wall:.2f} s"
+        f"{sim.prefix_cache_hit_rate:.1%}, mean KV usage {result['mean_kv_cache_usage']:.1%}; "
+        f"simulated in {result['simulation_seconds']:.2f} s"
     )
     if config.speculative is not None:
         print(speculation_line(result))
-    if pp > 1:
+    if config.pipeline_parallel_size > 1:
         print(pipeline_line(result))
+
+
+def save(args, result: dict, sim) -> None:
+    """--output's JSON (with per-request arrays) and --plot's PNGs."""
+    from jaxllm.bench.results import per_request
+
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         arrays = per_request(sim.records)
@@ -257,9 +223,9 @@ def run(args) -> dict:
         from jaxllm.sim.plots import plot_kv_usage
 
         paths = save_plots(result, sim.records, args.plot)
-        paths.append(plot_kv_usage(sim, Path(args.plot) / "kv_cache_usage.png", title=f"{sched.policy} (simulated)"))
+        title = f"{result['scheduling_policy']} (simulated)"
+        paths.append(plot_kv_usage(sim, Path(args.plot) / "kv_cache_usage.png", title=title))
         print("plots:", ", ".join(str(p) for p in paths))
-    return result
 
 
 def engine_summary(args, result: dict, engine: dict) -> str:
