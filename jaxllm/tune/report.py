@@ -1,5 +1,6 @@
 """The tuning report: the JSON (`--output`, written whole or not at all), the table printed, the `jaxllm serve`
-command of the best setting, and `--plot` PNGs (each setting's sustainable rate; the TTFT/TPOT trade-off)."""
+command of the best setting, the error when no setting meets the SLOs, and `--plot` PNGs (each setting's
+sustainable rate; the TTFT/TPOT trade-off)."""
 
 from __future__ import annotations
 
@@ -97,6 +98,28 @@ def versus(key: str, compared: dict) -> str:
 def duration(ms: float) -> str:
     """Milliseconds for a reader: `129 ms`, `5.3 s`."""
     return f"{ms / 1000:.1f} s" if abs(ms) >= 1000 else f"{ms:.3g} ms"
+
+
+def unmeetable(candidates: list[Candidate], lowest_rate: float, fraction: float) -> str:
+    """No setting meets the SLOs at any rate: the closest one and by how much it misses, at the lowest rate."""
+
+    def worst(c: Candidate) -> float:
+        misses = c.capacity.lowest.misses
+        return float("inf") if misses.get("failed") else max(v for k, v in misses.items() if k != "failed")
+
+    closest = min(candidates, key=lambda c: (worst(c), c.rank_key()))
+    lowest = closest.capacity.lowest
+    q = f"p{100 * fraction:g}"
+    misses = ", ".join(
+        f"{q} {k.upper()} {v:.2f}x its SLO ({v - 1:+.0%})" for k, v in lowest.misses.items() if k != "failed" and v > 1
+    )
+    failed = lowest.misses.get("failed")
+    return (
+        f"no setting meets the SLOs for {fraction:.0%} of the requests at any rate tried (down to "
+        f"{lowest_rate:.4g} req/s, each request nearly alone); the closest, {short(closest.setting)}, serves "
+        f"{lowest.fraction:.1%} of them within every SLO: {misses or 'within the SLOs at the quantile'}"
+        + (f"; {failed:g} requests failed" if failed else "")
+    )
 
 
 def write_json(result: dict, path: str | Path) -> None:

@@ -157,6 +157,29 @@ def default_policies(trace: list[TraceRequest]) -> list[str]:
     return policies
 
 
+def default_values(
+    cost: CostModel,
+    trace: list[TraceRequest],
+    fixed: dict,
+    seqs_cap: int | None,
+    tokens_cap: int,
+    acceptance_known: bool,
+) -> dict[str, list]:
+    """The default dimensions a flag does not fix, from serve's defaults up to the calibrated shapes."""
+    values: dict[str, list] = {}
+    serve = serve_defaults(cost)
+    if fixed.get("max_num_seqs") is None:
+        values["max_num_seqs"] = with_default(powers_of_two(seqs_cap or 8), serve["max_num_seqs"], seqs_cap)
+    if fixed.get("max_num_batched_tokens") is None:
+        tokens = powers_of_two(tokens_cap, start=8)
+        values["max_num_batched_tokens"] = with_default(tokens, serve["max_num_batched_tokens"], tokens_cap)
+    if fixed.get("scheduling_policy") in (None, "fcfs"):
+        values["scheduling_policy"] = default_policies(trace)
+    if acceptance_known and fixed.get(SPECULATION) is None:
+        values[SPECULATION] = [0, 1, 2, 4]
+    return values
+
+
 def build_space(
     explicit: dict[str, list],
     cost: CostModel,
@@ -173,20 +196,10 @@ def build_space(
     tokens_cap = max(cost.bucket_tokens)
     if "max_num_batched_tokens" in cost.engine:
         tokens_cap = min(tokens_cap, cost.engine["max_num_batched_tokens"])
-    values: dict[str, list] = {}
     if explicit:
         values = {name: list(v) for name, v in explicit.items()}
     else:
-        serve = serve_defaults(cost)
-        if fixed.get("max_num_seqs") is None:
-            values["max_num_seqs"] = with_default(powers_of_two(seqs_cap or 8), serve["max_num_seqs"], seqs_cap)
-        if fixed.get("max_num_batched_tokens") is None:
-            tokens = powers_of_two(tokens_cap, start=8)
-            values["max_num_batched_tokens"] = with_default(tokens, serve["max_num_batched_tokens"], tokens_cap)
-        if fixed.get("scheduling_policy") in (None, "fcfs"):
-            values["scheduling_policy"] = default_policies(trace)
-        if acceptance_known and fixed.get(SPECULATION) is None:
-            values[SPECULATION] = [0, 1, 2, 4]
+        values = default_values(cost, trace, fixed, seqs_cap, tokens_cap, acceptance_known)
     restricted = []
     # a verification of k drafts is k + 1 rows of logits and tokens: beyond the calibrated rows (max_num_seqs)
     # the per-row cost would be extrapolated
