@@ -8,7 +8,7 @@ import asyncio
 import hmac
 import logging
 from collections.abc import AsyncIterator, Awaitable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -85,11 +85,26 @@ def build_app(
     request_logger = RequestLogger(max_log_len=max_log_len) if enable_log_requests else None
     completion = OpenAIServingCompletion(engine, names, request_logger, options=options, tokenizer=tokenizer)
     chat = OpenAIServingChat(engine, names, request_logger, options=options, tokenizer=tokenizer)
-    tokenization = OpenAIServingTokenization(chat)
-    responses = OpenAIServingResponses(chat)
     app = FastAPI(title="jaxllm OpenAI-compatible server", version=jaxllm.__version__)
     app.state.engine = engine
     app.state.openai_serving_completion, app.state.openai_serving_chat = completion, chat  # vLLM's names
+    add_error_handlers(app)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    parse = body_parser(max_request_body_bytes)
+    add_generation_routes(app, parse, completion, chat, OpenAIServingResponses(chat))
+    add_info_routes(app, parse, engine, names, OpenAIServingTokenization(chat))
+    return app
+
+
+class Parse(Protocol):
+    """A route's body parser (`body_parser`)."""
+
+    def __call__(self, model: type[M], raw: Request) -> Awaitable[M]: ...
+
+
+def body_parser(max_request_body_bytes: int | None) -> Parse:
+    """Reads a request's body (a 413 past the limit) and parses it; a large body is parsed on a thread."""
 
     async def parse(model: type[M], raw: Request) -> M:
         body = await read_body(raw, max_request_body_bytes)
@@ -97,7 +112,11 @@ def build_app(
             return await asyncio.to_thread(parse_request, model, body)
         return parse_request(model, body)
 
-    # ---- errors: OpenAI's JSON everywhere ----------------------------------------------------
+    return parse
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """OpenAI's error JSON for every failure."""
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_, e: OpenAIError):
@@ -115,10 +134,15 @@ def build_app(
     async def internal_error(_, e: Exception):
         return convert_engine_errors(e).response()
 
-    if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
 
-    # ---- generation ------------------------------------------------------------------------------
+def add_generation_routes(
+    app: FastAPI,
+    parse: Parse,
+    completion: OpenAIServingCompletion,
+    chat: OpenAIServingChat,
+    responses: OpenAIServingResponses,
+) -> None:
+    """/v1/completions, /v1/chat/completions, /v1/responses: JSON or server-sent events."""
 
     @app.post("/v1/completions")
     async def create_completion(raw: Request):
@@ -135,7 +159,11 @@ def build_app(
         body = await parse(ResponsesRequest, raw)
         return await respond(raw, responses.create_response(body, request_id(raw, body)))
 
-    # ---- everything else --------------------------------------------------------------------------
+
+def add_info_routes(
+    app: FastAPI, parse: Parse, engine: AsyncLLM, names: list[str], tokenization: OpenAIServingTokenization
+) -> None:
+    """Everything but generation: models, (de)tokenization, health, version, metrics."""
 
     @app.get("/v1/models")
     async def models():
@@ -170,8 +198,6 @@ def build_app(
     async def metrics():
         engine.refresh_metrics()
         return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
-
-    return app
 
 
 class APIKeyMiddleware:
