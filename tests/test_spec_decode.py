@@ -345,9 +345,9 @@ def test_draft_budget_disable_by_batch_size():
 
 def test_draft_budget_measures_every_size_it_may_choose_and_shrugs_off_a_slow_step():
     """Batch 1 on a CPU with quantized weights: 5 rows (k = 4) cost twice 4 (k' = 3), which no interpolation
-    between 1 and 8 tokens shows. The rule measures every size first, keeps the least of its first measurements
-    (the first step of 4 tokens here was slowed 6x by a busy machine), then picks k' = 3; a later slow step
-    moves the estimate by at most OUTLIER times it."""
+    between 1 and 8 tokens shows. The rule measures every size first (the first step of 4 tokens here was slowed
+    6x by a busy machine: the median of its measurements ignores it), then picks k' = 3; a later step slowed
+    60x does not move the estimate."""
     from jaxllm.spec_decode import budget as budget_module
 
     cost = {1: 0.010, 2: 0.0105, 4: 0.016, 8: 0.035}
@@ -356,7 +356,7 @@ def test_draft_budget_measures_every_size_it_may_choose_and_shrugs_off_a_slow_st
         budget.observe_verification(4, 4 if i % 10 else 2)  # drafts 0-1 always accepted, 2 at 90 %, 3 then always
     size_of = {0: 1, 1: 2, 2: 4, 3: 4, 4: 8}  # 1 + k' tokens, rounded up to a power of two (a bucket)
     tried, slowed = [], False
-    for _ in range(2 * budget_module.EXPLORE * 4):
+    for _ in range(2 * budget_module.EXPLORE * 4):  # (exploring takes EXPLORE steps per size: 4 sizes)
         k = budget.cap([4], 0)
         size = size_of[k]
         tried.append(size)
@@ -366,7 +366,7 @@ def test_draft_budget_measures_every_size_it_may_choose_and_shrugs_off_a_slow_st
     assert set(tried) == {1, 2, 4, 8}  # each size measured before the rule trusts it
     assert budget.cap([4], 0) == 3
     budget.observe_step(4, 1.0)  # one step slowed 60x
-    assert budget.step_seconds[4] <= cost[4] * (1 + budget_module.EMA * (budget_module.OUTLIER - 1)) + 1e-9
+    assert budget.step_seconds[4] == cost[4]
     assert budget.cap([4], 0) == 3
 
 

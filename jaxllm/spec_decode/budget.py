@@ -11,20 +11,24 @@ measured time of earlier steps of the same size (token counts rounded up to a po
 are), and `draft` the measured time proposing takes per draft position (a draft model's step; ~0 for
 n-gram). Every size a cap could run is measured `EXPLORE` times before the rule decides (full speculation
 first, then none, then the rest), so it never rests on a guess: the buckets' costs are not smooth (on a CPU,
-5 rows of quantized weights cost twice 4). An estimate starts at the least of those measurements and then
-follows a running mean whose samples are clipped at `OUTLIER` times it, so one step slowed by a busy machine
-neither hides a size nor sticks to it; a size that might be the best (within `REFRESH_MARGIN` of it) is
-measured again once its last measurement is `STALE_STEPS` steps old.
+5 rows of quantized weights cost twice 4). A size's estimate is the median of its last `WINDOW` measurements,
+so one step slowed (or sped up) by a busy machine neither hides a size nor sticks to it; a size that might be
+the best (within `REFRESH_MARGIN` of it) is measured again once its last measurement is `STALE_STEPS` steps
+old. Drafts are verified only when they promise `GAIN_MARGIN` times the rate of none: where the gain is
+marginal (a compute-bound batch), the noise of the estimates must not decide.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 
 PRIOR_ACCEPTANCE = 0.6  # per-position acceptance assumed before any draft is verified
-EMA = 0.2  # weight of the newest measurement in the running estimates
-EXPLORE = 2  # measurements of each step size before its estimate is trusted (the least of them)
-OUTLIER = 1.5  # a step's time counts at most this many times its size's estimate
+EMA = 0.2  # weight of the newest measurement in the running mean of proposing time
+EXPLORE = 3  # measurements of each step size before its estimate is trusted
+WINDOW = 5  # a size's estimate: the median of its last this many measurements
+GAIN_MARGIN = 1.1  # drafts are verified only if their predicted rate is this many times no speculation's
 STALE_STEPS = 256  # steps after which a size that might be the best is measured again
 REFRESH_MARGIN = 0.85  # ... "might": its predicted rate is at least this share of the best's
 
@@ -39,6 +43,7 @@ class DraftBudget:
         self.disable_by_batch_size = disable_by_batch_size
         self.step_seconds: dict[int, float] = {}  # step size (power of two tokens) → estimated seconds
         self.samples: dict[int, int] = {}  # step size → steps measured
+        self._recent: dict[int, deque[float]] = {}  # step size → its last WINDOW measurements
         self.measured_at: dict[int, int] = {}  # step size → `steps` at its last measurement
         self.steps = 0  # steps measured
         self.draft_seconds = 0.0  # running mean of proposing time per draft position (a draft model's step)
@@ -50,13 +55,10 @@ class DraftBudget:
     def observe_step(self, num_tokens: int, seconds: float) -> None:
         size = _pow2_at_least(num_tokens)
         self.steps += 1
-        count = self.samples.get(size, 0)
-        old = self.step_seconds.get(size)
-        if old is None or count < EXPLORE:
-            self.step_seconds[size] = seconds if old is None else min(old, seconds)
-        else:
-            self.step_seconds[size] = (1 - EMA) * old + EMA * min(seconds, OUTLIER * old)
-        self.samples[size] = count + 1
+        recent = self._recent.setdefault(size, deque(maxlen=WINDOW))
+        recent.append(seconds)
+        self.step_seconds[size] = statistics.median(recent)
+        self.samples[size] = self.samples.get(size, 0) + 1
         self.measured_at[size] = self.steps
 
     def observe_drafting(self, seconds_per_position: float) -> None:
@@ -114,7 +116,7 @@ class DraftBudget:
         ]
         best = 0
         for k in range(1, self.k + 1):
-            if rates[k] > rates[best] * 1.0001:
+            if rates[k] > rates[best] * (GAIN_MARGIN if best == 0 else 1.0001):
                 best = k
         stale = [
             k
