@@ -28,7 +28,7 @@ PRIOR_ACCEPTANCE = 0.6  # per-position acceptance assumed before any draft is ve
 EMA = 0.2  # weight of the newest measurement in the running mean of proposing time
 EXPLORE = 3  # measurements of each step size before its estimate is trusted
 WINDOW = 5  # a size's estimate: the median of its last this many measurements
-GAIN_MARGIN = 1.1  # drafts are verified only if their predicted rate is this many times no speculation's
+GAIN_MARGIN = 1.25  # drafts are verified only if their predicted rate is this many times no speculation's
 STALE_STEPS = 256  # steps after which a size that might be the best is measured again
 REFRESH_MARGIN = 0.85  # ... "might": its predicted rate is at least this share of the best's
 
