@@ -202,6 +202,9 @@ def choose(
 def _choose(
     matmul_shapes: tuple[MatmulShape, ...], dtype: str, max_rows: int, attention: AttentionShape | None, how: str
 ) -> KernelChoice:
+    # a cold start compiles both kernels side by side (~5-10 s each), not one after the other in `available`
+    wanted = ((stacked_matmul.SOURCE, bool(matmul_shapes)), (attention_cpu.SOURCE, attention is not None))
+    cpu_ffi.prebuild(*(source for source, want in wanted if want))
     target = f"{cpu_ffi.isa()} (-march={cpu_ffi.march()})"
     matmul_ok = bool(matmul_shapes) and stacked_matmul.available()
     if any(len(shape) > 2 for shape in matmul_shapes):

@@ -1,12 +1,17 @@
 """Building and registering jaxllm's C++ CPU kernels (XLA FFI custom calls).
 
-Each kernel is one C++ file (and the headers beside this module) compiled on first use with the
-system compiler for `-march=$JAXLLM_CPU_MARCH` (default native) into a cache directory
-(`$JAXLLM_CACHE/kernels`, `$JAXLLM_CACHE` defaulting to `~/.cache/jaxllm` as everywhere in jaxllm),
-keyed by the sources, the compiler flags and target, jaxlib's version and the CPU, then registered
-with XLA under a target name. Without a compiler `register` returns False (with a warning) and
-callers keep their jnp path. A build logs a line at INFO when it starts (the one silent step of a first start
-otherwise) and when it ends.
+Each kernel is one C++ file, its FFI handlers, that includes its jobs as headers (the stacked matmul's
+float and quantized kernels, the attention's units) and the shared ones beside this module
+(cpu_simd.h: every choice by instruction set; cpu_team.h: the threads): one translation unit per
+kernel, so one compiler run, no link step, and the compiler inlines across the jobs as it did when
+they were one file. It is compiled on first use with the system compiler for
+`-march=$JAXLLM_CPU_MARCH` (default native) into a cache directory (`$JAXLLM_CACHE/kernels`,
+`$JAXLLM_CACHE` defaulting to `~/.cache/jaxllm` as everywhere in jaxllm), keyed by every file the
+compiler reads of ours (`sources`: the .cc and each header it includes by a quoted name, transitively,
+wherever it lives, jaxlib's FFI headers too), the compiler flags and target, jaxlib's version and
+the CPU, then registered with XLA under a target name. Without a compiler `register` returns False
+(with a warning) and callers keep their jnp path. A build logs a line at INFO when it starts (the one
+silent step of a first start otherwise) and when it ends; `prebuild` starts several at once.
 """
 
 from __future__ import annotations
@@ -17,10 +22,13 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
+from concurrent.futures import Future
 from pathlib import Path
 
 import jax
@@ -28,7 +36,7 @@ import jax
 logger = logging.getLogger(__name__)
 
 FLAGS = ["-O3", "-ffast-math", "-std=c++17", "-shared", "-fPIC", "-fopenmp-simd"]
-HEADERS = sorted(Path(__file__).parent.glob("*.h"))  # shared by the kernels (cpu_simd.h: vector width per target)
+_QUOTED_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
 
 
 def march() -> str:
@@ -79,18 +87,37 @@ def cache_dir() -> Path:
     return Path(root) / "kernels"
 
 
-def build(source: Path) -> Path:
-    """The shared library of `source`, compiled now unless this machine already has it."""
+def include_dirs() -> list[Path]:
+    """The directories the kernels' compiler run searches (-I) beyond the including file's own: jaxlib's FFI headers."""
+    return [Path(jax.ffi.include_dir())]
+
+
+def sources(source: Path) -> list[Path]:
+    """`source` and every file it includes by a quoted name (`#include "..."`), transitively, found where the
+    compiler finds it (beside the including file, then in `include_dirs`), in the order first included: what a
+    build reads of ours and of jaxlib's, wherever it lives. An include inside an `#if` counts whether or not the
+    target takes it; `<...>` includes are the compiler's own (its path is in the build key)."""
+    found = [source.resolve()]
+    for path in found:  # grows as it goes: breadth first
+        for name in _QUOTED_INCLUDE.findall(path.read_text()):
+            for where in (path.parent, *include_dirs()):
+                header = (where / name).resolve()
+                if header.is_file():
+                    if header not in found:
+                        found.append(header)
+                    break
+    return found
+
+
+def library(source: Path, compiler: str) -> Path:
+    """Where the build of `source` with `compiler` for this target lives: named by a hash of every file in
+    `sources(source)`, the flags and target, jaxlib's version, the CPU and the compiler."""
     import jaxlib
 
-    compiler = _compiler()
-    if not compiler:
-        raise RuntimeError("no C++ compiler (set CXX)")
     key = hashlib.sha256(
         b"\0".join(
             [
-                source.read_bytes(),
-                *(h.read_bytes() for h in HEADERS),
+                *(path.read_bytes() for path in sources(source)),
                 " ".join(flags()).encode(),
                 jaxlib.__version__.encode(),
                 _cpu_id().encode(),
@@ -98,9 +125,39 @@ def build(source: Path) -> Path:
             ]
         )
     ).hexdigest()[:16]
-    lib = cache_dir() / f"{source.parent.name}-{source.stem}-{key}.so"
+    return cache_dir() / f"{source.parent.name}-{source.stem}-{key}.so"
+
+
+_lock = threading.Lock()
+_builds: dict[Path, Future] = {}  # library -> its compiler run in this process (done or not; failed: its error)
+
+
+def build(source: Path) -> Path:
+    """The shared library of `source`, compiled now unless this machine already has it. A build of the same
+    library under way in this process (`prebuild`) is waited for rather than started again."""
+    compiler = _compiler()
+    if not compiler:
+        raise RuntimeError("no C++ compiler (set CXX)")
+    lib = library(source, compiler)
     if lib.exists():
         return lib
+    with _lock:
+        run = _builds.get(lib)
+        mine = run is None
+        if mine:
+            run = _builds[lib] = Future()
+    if not mine:
+        return run.result()
+    try:
+        _compile(compiler, source, lib)
+    except BaseException as e:
+        run.set_exception(e)
+        raise
+    run.set_result(lib)
+    return lib
+
+
+def _compile(compiler: str, source: Path, lib: Path) -> None:
     lib.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     logger.info(
@@ -112,13 +169,28 @@ def build(source: Path) -> Path:
     )
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         tmp_lib = Path(tmp) / lib.name
-        cmd = [compiler, *flags(), f"-I{jax.ffi.include_dir()}", str(source), "-o", str(tmp_lib)]
+        cmd = [compiler, *flags(), *(f"-I{d}" for d in include_dirs()), str(source), "-o", str(tmp_lib)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
         os.replace(tmp_lib, lib)  # atomic: concurrent builders never load a half-written file
     logger.info("built %s in %.1fs", lib, time.perf_counter() - started)
-    return lib
+
+
+def prebuild(*sources: Path) -> None:
+    """Start building each of `sources` that this machine lacks, each in a thread of its own, and return: a cold
+    start's compiler runs (~5-10 s each) then overlap, instead of running one after the other as each kernel is
+    first registered (the compiler is a subprocess: the threads hold no GIL while it runs). `build` and
+    `register` of a source being built wait for its run; a failed one is reported by them, not here."""
+    for source in sources:
+        threading.Thread(target=_build_quietly, args=(source,), name=f"build-{source.parent.name}", daemon=True).start()
+
+
+def _build_quietly(source: Path) -> None:
+    try:
+        build(source)
+    except Exception as e:  # raised again to whoever waits on it (build), which reports it
+        logger.debug("prebuild of %s failed: %s", source, e)
 
 
 @functools.cache

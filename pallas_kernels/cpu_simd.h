@@ -9,11 +9,23 @@
 //   AVX2 + FMA (x86-64-v3)   32-byte vectors, 16 registers
 //   ARM64 NEON               16-byte vectors, 32 registers
 //   SSE (x86-64-v2, other)   16-byte vectors, 16 registers
+//
+// Every decision a kernel makes by instruction set lives here (ggml's layout: one home for the per-ISA
+// helpers, each with a generic fallback in plain vector code), so a kernel source holds no `#if
+// defined(__AVX2__)`: it calls Load, LoadHalf, WidenBytes, the bfloat16 pair dot product or Pause, and
+// asks kBf16Dot where the fast path differs in shape.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
 
 namespace jaxllm_simd {
 
@@ -41,6 +53,7 @@ constexpr int kLanes = kVecBytes / 4;  // float32 lanes per vector
 typedef float VecF __attribute__((vector_size(kVecBytes)));
 typedef uint32_t VecU __attribute__((vector_size(kVecBytes)));
 typedef uint16_t VecH __attribute__((vector_size(kVecBytes / 2)));  // kLanes bfloat16 values
+typedef int32_t VecI __attribute__((vector_size(kVecBytes)));
 
 inline VecF Load(const float* p) {
   VecF v;
@@ -83,6 +96,95 @@ inline void FoldLevel(VecF* p, int n) {
 inline VecF LaneSums(VecF* p) {
   FoldLevel<kLanes / 2>(p, kLanes);
   return p[0];
+}
+
+// kLanes float16 values (scales, mins) as float32: one vcvtph2ps (F16C, AVX-512), NEON's fcvtl, else by their
+// bits. By intrinsics: GCC lowers __builtin_convertvector of a _Float16 vector lane by lane (a vpinsrw and a
+// vcvtph2ps each), which made the scales a third of a 4-bit decode matmul's instructions (benchmarks/NOTES.md).
+inline VecF LoadHalf(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return (VecF)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__) && defined(__AVX__)
+  return (VecF)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#elif defined(__aarch64__)
+  static_assert(kLanes == 4, "NEON vectors hold 4 float32");
+  return (VecF)vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
+#else
+  VecH h16;
+  std::memcpy(&h16, p, sizeof h16);
+  const VecU h = __builtin_convertvector(h16, VecU);
+  // normal halves: exponent and mantissa moved into place, the exponent rebiased (+112); subnormal ones (and
+  // zero) are their mantissa times 2^-24, in float arithmetic (-ffast-math flushes a float32 denormal input to
+  // zero, so no denormal float may stand in between); infinities and NaN get the all-ones exponent; then the sign
+  const VecU em = h & 0x7fffu, exponent = h & 0x7c00u;
+  const VecU is_subnormal = (VecU)(exponent == 0u), is_inf_nan = (VecU)(exponent == 0x7c00u);
+  const VecU normal = (em << 13) + (112u << 23);
+  const VecU subnormal = (VecU)(__builtin_convertvector((VecI)em, VecF) * 0x1p-24f);
+  const VecU bits = (normal & ~is_subnormal) | (subnormal & is_subnormal) | (is_inf_nan & 0x7f800000u);
+  return (VecF)(bits | ((h & 0x8000u) << 16));
+#endif
+}
+
+// kLanes bytes widened to int32 lanes, sign- or zero-extended: one vpmovsxbd / vpmovzxbd (pmov*xbd, two
+// NEON widenings). GCC lowers __builtin_convertvector of a vector this narrow byte by byte, hence the intrinsics.
+template <bool SIGNED>
+inline VecI WidenBytes(const void* p) {
+#if defined(__AVX512F__)
+  const __m128i b = _mm_loadu_si128(static_cast<const __m128i*>(p));
+  return (VecI)(SIGNED ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
+#elif defined(__AVX2__)
+  const __m128i b = _mm_loadl_epi64(static_cast<const __m128i*>(p));
+  return (VecI)(SIGNED ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b));
+#elif defined(__SSE4_1__) && !defined(__AVX__)
+  int32_t word;
+  std::memcpy(&word, p, sizeof word);
+  const __m128i b = _mm_cvtsi32_si128(word);
+  return (VecI)(SIGNED ? _mm_cvtepi8_epi32(b) : _mm_cvtepu8_epi32(b));
+#elif defined(__aarch64__)
+  uint32_t word;
+  std::memcpy(&word, p, sizeof word);
+  if constexpr (SIGNED) return (VecI)vmovl_s16(vget_low_s16(vmovl_s8(vcreate_s8(word))));
+  return (VecI)vmovl_u16(vget_low_u16(vmovl_u8(vcreate_u8(word))));
+#else
+  using Byte = std::conditional_t<SIGNED, int8_t, uint8_t>;
+  VecI out;
+  for (int i = 0; i < kLanes; ++i) out[i] = static_cast<const Byte*>(p)[i];
+  return out;
+#endif
+}
+
+// The bfloat16 dot product of pairs: lane i of DotBf16Pairs(acc, a, b) is acc[i] + a's pair i . b's pair i, a
+// pair being two bfloat16 in one 32-bit word (the even k in the low half). kBf16Dot: the target has it as one
+// instruction (AVX-512 BF16's vdpbf16ps, twice the float32 FMA rate), so a kernel reads x as bfloat16 pairs too
+// (SplatBf16Pair); without it a kernel does better to widen x to float32 once and the weights in registers (two
+// FMAs per pair: the stacked matmul's bfloat16 tile), and the generic version here, the same arithmetic in
+// plain vector code, only keeps such code compiling.
+#if defined(__AVX512BF16__)
+constexpr bool kBf16Dot = true;
+static_assert(kLanes == 16, "vdpbf16ps takes 512-bit vectors here");
+typedef __m512bh VecBf16Pairs;  // kLanes pairs
+inline VecBf16Pairs LoadBf16Pairs(const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); }
+inline VecBf16Pairs SplatBf16Pair(uint32_t pair) { return (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)); }
+inline VecF DotBf16Pairs(VecF acc, VecBf16Pairs a, VecBf16Pairs b) {
+  return (VecF)_mm512_dpbf16_ps((__m512)acc, a, b);
+}
+#else
+constexpr bool kBf16Dot = false;
+typedef VecU VecBf16Pairs;
+inline VecBf16Pairs LoadBf16Pairs(const uint16_t* p) { return LoadU(p); }
+inline VecBf16Pairs SplatBf16Pair(uint32_t pair) { return VecU{} + pair; }
+inline VecF DotBf16Pairs(VecF acc, VecBf16Pairs a, VecBf16Pairs b) {
+  return acc + (VecF)(a << 16) * (VecF)(b << 16) + (VecF)(a & 0xffff0000u) * (VecF)(b & 0xffff0000u);
+}
+#endif
+
+// A spin-wait's pause: x86's pause, ARM's yield, else nothing.
+inline void Pause() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
 }
 
 }  // namespace jaxllm_simd

@@ -16,21 +16,11 @@
 #include <memory>
 #include <thread>
 #include <utility>
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
 
+#include "cpu_simd.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace jaxllm_team {
-
-inline void Pause() {
-#if defined(__x86_64__) || defined(__i386__)
-  _mm_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
 
 class Team {
  public:
@@ -76,7 +66,7 @@ class Team {
     for (int spins = 0; counters->done.load(std::memory_order_acquire) < items;) {
       if (spins < kSpinsBeforeYield) {
         ++spins;  // counted only up to the threshold: a long wait must not overflow it
-        Pause();
+        jaxllm_simd::Pause();
       } else {
         std::this_thread::yield();
       }

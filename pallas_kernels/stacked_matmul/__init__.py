@@ -5,8 +5,9 @@ inside the scan. XLA's CPU backend copies the picked `[K, ...]` slice out of the
 before its dot (a dot's operands must be buffers of their own): at a decode step's few
 rows, where the dot is bound by reading the weights, the copy doubles the bytes moved —
 measured 2x on the default model's matmul chain at one row (`benchmarks/NOTES.md`). The C++
-kernel (`cpu_kernel.cc`) reads the layer in place, streaming the weights for a few rows and
-multiplying cache-resident panels of them with register tiles for more (a prefill chunk):
+kernel (`cpu_kernel.cc`'s handler, the float kernel in `float_panels.h`) reads the layer in place,
+streaming the weights for a few rows and multiplying cache-resident panels of them with register
+tiles for more (a prefill chunk):
 measured 1.1-1.3x less CPU than the slice and XLA's dot from 8 to 512 rows.
 
 Backends: "reference" (the slice and `dot_general`: every platform, the oracle), "cpu" (the
@@ -35,7 +36,7 @@ from pallas_kernels import cpu_ffi
 
 BACKENDS = ("auto", "reference", "cpu", "cpu_packed")
 TARGET = "jaxllm_stacked_matmul_cpu"
-PANEL = 32  # columns per panel: kPanel in cpu_kernel.cc
+PANEL = 32  # columns per panel: kPanel in float_panels.h
 SOURCE = Path(__file__).with_name("cpu_kernel.cc")
 
 

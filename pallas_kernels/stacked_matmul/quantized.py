@@ -17,7 +17,7 @@ dequantized weights up to summation order.
 Backends of `quantized_matmul`: "reference" (unpacked weights: XLA dequantizes the layer and runs its dot;
 every platform, and the tensor-parallel path: qs, scales and mins sharded alike along N or K partition as
 an ordinary dot) and "cpu_packed" (every array `pack`ed into 32-column panels like the float "cpu_packed"
-weights: the C++ kernel in `cpu_kernel.cc`, which dequantizes in registers, up to `kernel_max_rows` rows,
+weights: the C++ kernel in `quant_panels.h`, which dequantizes in registers, up to `kernel_max_rows` rows,
 XLA's dequantize-and-dot on the same packed arrays above).
 """
 

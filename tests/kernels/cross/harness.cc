@@ -3,8 +3,8 @@
 // it runs where there is no machine: tests/kernels/test_cross_targets.py cross-compiles it for
 // aarch64 and runs the NEON code under qemu-aarch64, and runs it natively too.
 //
-// Both kernel sources are included whole, each in a namespace of its own, so their internal
-// functions (anonymous namespace) are callable here. Prints one line per case, then
+// Both kernel sources are included whole (with the job headers they include), each in a namespace
+// of its own, so their internal functions (anonymous namespace) are callable here. Prints one line per case, then
 // "N passed, M failed"; exits 1 on any failure.
 //
 // Build: g++ -O3 -ffast-math -std=c++17 -fopenmp-simd -pthread -march=... -I$(jax.ffi.include_dir()) harness.cc
@@ -188,13 +188,8 @@ void MatmulCases(Rng& rng) {
 
     const std::vector<uint16_t> x16 = Stored<uint16_t>(x);  // as Impl passes bfloat16 x
     std::fill(yp.begin(), yp.end(), kNaN);
-#if defined(__AVX512BF16__)
-    matmul::PackedPanels(kTeam, reinterpret_cast<const matmul::Bf16X*>(x16.data()), rows, kK / 2,
-                         packed16.data() + layer_packed, kNPacked, yp.data());
-#else
-    matmul::PackedPanels(kTeam, matmul::WidenRows(x16.data(), rows * kK), rows, kK / 2, packed16.data() + layer_packed,
+    matmul::PackedPanels(kTeam, matmul::Bf16Rows(x16.data(), rows * kK), rows, kK / 2, packed16.data() + layer_packed,
                          kNPacked, yp.data());
-#endif
     CheckMatmul("matmul PackedPanels bfloat16" + r, Widened(x16), rows, Widened(w16), kNPacked, yp);
   }
 }
