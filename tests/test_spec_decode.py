@@ -370,6 +370,24 @@ def test_draft_budget_measures_every_size_it_may_choose_and_shrugs_off_a_slow_st
     assert budget.cap([4], 0) == 3
 
 
+def test_draft_budget_weighs_each_requests_own_acceptance():
+    """Copy-like work first (every draft accepted), then a chat-like request whose drafts are all rejected: its own
+    verifications outweigh the engine's record within a few dozen steps, so it alone stops verifying; a new
+    request starts from the engine's record, and a finished one's counts go."""
+    budget = DraftBudget(4)
+    measured(budget, per_token_seconds=0.001, base_seconds=0.01)  # rows cost, but not much
+    for i in range(300):
+        budget.observe_verification(4, 4, f"copy{i % 3}")
+    assert budget.cap([4], 0, None, ["chat"]) == 3  # (4 drafts: 5 rows in an 8-token step)
+    for _ in range(30):
+        budget.observe_verification(4, 0, "chat")
+    assert budget.cap([4], 0, None, ["chat"]) == 0
+    assert budget.cap([4], 0, None, ["new"]) == 3 and budget.cap([4], 0) == 3
+    assert budget.cap([4, 4], 0, None, ["chat", "copy0"]) > 0  # the step's cap: the copy request still pays
+    budget.forget("chat")
+    assert budget.cap([4], 0, None, ["chat"]) == 3
+
+
 def test_buckets_give_drafts_rows_of_their_own():
     """With speculation a token bucket whose rows would grow gets a second, wide bucket; a step picks the plain
     one unless its rows (drafts) need the wide one, so prefills never pay for draft rows."""
@@ -967,7 +985,7 @@ def test_a_draft_model_keeps_the_targets_tokens_and_returns_every_block(tiny_mod
     plain = LLM(target, **TINY_ENGINE).generate(prompts, params, use_tqdm=False)
     config = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
     spec = LLM(target, **TINY_ENGINE, speculative_config=config)
-    spec.engine.scheduler.draft_budget.cap = lambda drafts, other, limit=None: 3  # verify drafts on every step
+    spec.engine.scheduler.draft_budget.cap = lambda drafts, *other: 3  # verify drafts on every step
     outputs = spec.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in plain]
     stats = spec.engine.stats()
@@ -983,7 +1001,7 @@ def test_a_draft_model_drafting_for_itself_is_accepted_every_time(tiny_models):
     target, _ = tiny_models
     config = {"method": "draft_model", "model": target, "num_speculative_tokens": 4}
     spec = LLM(target, **TINY_ENGINE, speculative_config=config)
-    spec.engine.scheduler.draft_budget.cap = lambda drafts, other, limit=None: 4
+    spec.engine.scheduler.draft_budget.cap = lambda drafts, *other: 4
     spec.generate(
         [{"prompt_token_ids": list(range(1, 20))}],
         SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),

@@ -191,6 +191,8 @@ class Scheduler:
                 self.kv.uncache_from(request, 0)
         else:
             self.kv.free(request, uncache=uncache)
+        if self.draft_budget is not None:
+            self.draft_budget.forget(request.request_id)
         for sibling in self.held.pop(request.request_id, []):  # never started: finish them alike
             self.finish_request(sibling, status)
 
@@ -444,7 +446,8 @@ class Scheduler:
             return
         prefill = out.num_tokens - len(decodes)
         limit = self.config.max_num_batched_tokens
-        cap = self.draft_budget.cap([len(s.request.draft_token_ids) for s in decodes], prefill, limit)
+        counts = [len(s.request.draft_token_ids) for s in decodes]
+        cap = self.draft_budget.cap(counts, prefill, limit, [s.request.request_id for s in decodes])
         rows = self.max_num_rows - out.num_rows
         for scheduled in decodes:
             drafts = self._drafts(scheduled.request, min(cap, budget, rows))
@@ -520,7 +523,7 @@ class Scheduler:
                 continue
             if drafts and self.spec_stats is not None and self.draft_budget is not None:
                 self.spec_stats.observe(len(drafts), accepted)
-                self.draft_budget.observe_verification(len(drafts), accepted)
+                self.draft_budget.observe_verification(len(drafts), accepted, request.request_id)
             appended = 0
             for token in map(int, sampled[row : row + accepted + 1]):
                 request.output_token_ids.append(token)

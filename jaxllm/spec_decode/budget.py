@@ -6,7 +6,9 @@ So each step takes the cap k' in [0, k] that maximises expected tokens per secon
 
     sum over decodes of E[tokens | min(drafts, k')]  /  (cost(tokens the step would run with k') + k' * draft)
 
-with E from the measured acceptance at each draft position (1 + sum_j prod_{i<=j} alpha_i), cost from the
+with E from the acceptance at each draft position (1 + sum_j prod_{i<=j} alpha_i): each request's own, which
+starts at the engine's and moves to what its verifications show (`OWN_WEIGHT`), so after copy-like work a chat
+request's rejected drafts turn speculation down for it alone; cost from the
 measured time of earlier steps of the same size (token counts rounded up to a power of two, as the buckets
 are), and `draft` the measured time proposing takes per draft position (a draft model's step; ~0 for
 n-gram). Every size a cap could run is measured `EXPLORE` times before the rule decides (full speculation
@@ -31,6 +33,7 @@ WINDOW = 5  # a size's estimate: the median of its last this many measurements
 GAIN_MARGIN = 1.25  # drafts are verified only if their predicted rate is this many times no speculation's
 STALE_STEPS = 256  # steps after which a size that might be the best is measured again
 REFRESH_MARGIN = 0.85  # ... "might": its predicted rate is at least this share of the best's
+OWN_WEIGHT = 4.0  # the engine's acceptance counts as this many verifications in a request's own estimate
 
 
 def _pow2_at_least(n: int) -> int:
@@ -49,6 +52,7 @@ class DraftBudget:
         self.draft_seconds = 0.0  # running mean of proposing time per draft position (a draft model's step)
         self.reached = [0] * k  # verifications that had a draft at position j
         self.accepted = [0] * k  # ... and accepted it
+        self._own: dict[str, tuple[list[int], list[int]]] = {}  # request id → its own (reached, accepted)
 
     # ---- measurements ------------------------------------------------------------------
 
@@ -64,18 +68,30 @@ class DraftBudget:
     def observe_drafting(self, seconds_per_position: float) -> None:
         self.draft_seconds = (1 - EMA) * self.draft_seconds + EMA * seconds_per_position
 
-    def observe_verification(self, num_drafts: int, num_accepted: int) -> None:
-        for j in range(min(num_drafts, num_accepted + 1)):  # positions past the first rejection were not tried
-            self.reached[j] += 1
-            self.accepted[j] += j < num_accepted
+    def observe_verification(self, num_drafts: int, num_accepted: int, request_id: str | None = None) -> None:
+        counts = [(self.reached, self.accepted)]
+        if request_id is not None:
+            counts.append(self._own.setdefault(request_id, ([0] * self.k, [0] * self.k)))
+        for reached, accepted in counts:
+            for j in range(min(num_drafts, num_accepted + 1)):  # positions past the first rejection were not tried
+                reached[j] += 1
+                accepted[j] += j < num_accepted
+
+    def forget(self, request_id: str) -> None:
+        """The request finished: its own acceptance counts go."""
+        self._own.pop(request_id, None)
 
     # ---- the decision ------------------------------------------------------------------
 
-    def expected_tokens(self, num_drafts: int) -> float:
-        """Tokens one verification of `num_drafts` drafts yields on average, the target's own token included."""
+    def expected_tokens(self, num_drafts: int, request_id: str | None = None) -> float:
+        """Tokens one verification of `num_drafts` drafts yields on average, the target's own token included (for
+        `request_id`: from its own verifications, the engine's counting as `OWN_WEIGHT` of them)."""
+        own = self._own.get(request_id) if request_id is not None else None
         total, chain = 1.0, 1.0
         for j in range(num_drafts):
             alpha = (self.accepted[j] + PRIOR_ACCEPTANCE) / (self.reached[j] + 1)  # one pseudo-count of the prior
+            if own is not None:
+                alpha = (own[1][j] + OWN_WEIGHT * alpha) / (own[0][j] + OWN_WEIGHT)
             chain *= alpha
             total += chain
         return total
@@ -94,9 +110,12 @@ class DraftBudget:
         share = (math.log2(size) - math.log2(lo)) / (math.log2(hi) - math.log2(lo))
         return self.step_seconds[lo] + share * (self.step_seconds[hi] - self.step_seconds[lo])
 
-    def cap(self, drafts: list[int], other_tokens: int, limit: int | None = None) -> int:
+    def cap(
+        self, drafts: list[int], other_tokens: int, limit: int | None = None, requests: list[str] | None = None
+    ) -> int:
         """The drafts per request to verify this step; `drafts`: how many each decode has, `other_tokens`:
-        the step's prefill tokens, `limit`: the most tokens a step takes. A size not yet measured `EXPLORE`
+        the step's prefill tokens, `limit`: the most tokens a step takes, `requests`: the decodes' request ids
+        (their own acceptance; None: the engine's). A size not yet measured `EXPLORE`
         times is tried first (full speculation, then none, then the others), then a stale one that
         might be the best; otherwise the best by measured costs."""
         if not drafts or not any(drafts):
@@ -110,8 +129,10 @@ class DraftBudget:
         for k in (self.k, 0, *range(1, self.k)):
             if self.samples.get(sizes[k], 0) < EXPLORE:
                 return k
+        ids = requests if requests is not None else [None] * len(drafts)
         rates = [
-            sum(self.expected_tokens(min(d, k)) for d in drafts) / (self.cost(tokens[k]) + k * self.draft_seconds)
+            sum(self.expected_tokens(min(d, k), r) for d, r in zip(drafts, ids, strict=True))
+            / (self.cost(tokens[k]) + k * self.draft_seconds)
             for k in range(self.k + 1)
         ]
         best = 0

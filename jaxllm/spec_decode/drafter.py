@@ -48,7 +48,8 @@ class Drafter:
                 self.stats.num_unspeculated += 1
                 continue
             decoding.append(request)
-        k = self.budget.cap([self.config.num_speculative_tokens] * len(decoding), 0) if decoding else 0
+        drafts = [self.config.num_speculative_tokens] * len(decoding)
+        k = self.budget.cap(drafts, 0, None, [r.request_id for r in decoding]) if decoding else 0
         if k == 0:
             return
         started = time.perf_counter()
