@@ -262,12 +262,11 @@ def simulate_full_batch(spec: dict, batch: int, input_len: int, output_len: int,
     """`batch` requests at once with max_num_seqs = batch (a full batch), without and with speculation, through
     the simulator (the engine's own Scheduler and load-aware rule), on each cost model: output tokens per
     simulated second, the ratio, and what the rule chose (speculated fraction, drafts per verification)."""
-    from jaxllm.config import SchedulerConfig
+    from jaxllm.config import SchedulerConfig, SpeculativeConfig
     from jaxllm.engine.scheduler import max_logits_rows
     from jaxllm.sim.costmodel import CostModel
     from jaxllm.sim.simulator import SimConfig, cost_model_step_time, simulate
     from jaxllm.sim.trace import TraceRequest
-    from jaxllm.spec_decode.config import SpeculativeConfig
 
     speculative = SpeculativeConfig.parse(spec)
     sched = SchedulerConfig(max_num_seqs=batch, max_num_batched_tokens=512, max_model_len=input_len + output_len + 8)
@@ -360,7 +359,7 @@ def main() -> None:
         parser.error("--rounds, --output-len, --input-len, --batches and --max-num-seqs must be >= 1")
 
     from jaxllm.bench import offline
-    from jaxllm.spec_decode.config import SpeculativeConfig
+    from jaxllm.config import SpeculativeConfig
 
     try:
         speculative = SpeculativeConfig.parse(args.speculative_config)

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from jaxllm import LLM, SamplingParams
+from jaxllm.config import KVTransferConfig
 from jaxllm.engine.block_hash import root_hash
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.request import Request
-from jaxllm.kv_transfer.config import KVTransferConfig
 from jaxllm.model import KVCache
 from jaxllm.parallel.mesh import kv_cache_sharding, make_mesh
 from jaxllm.runner.kv_blocks import KVBlockMover

@@ -14,7 +14,7 @@ import pytest
 
 import jaxllm.sim.calibrate as calibrate
 import jaxllm.sim.simulator as simulator
-from jaxllm.config import SchedulerConfig
+from jaxllm.config import SchedulerConfig, SpeculativeConfig
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.request import Request
 from jaxllm.engine.scheduler import Scheduler
@@ -26,7 +26,6 @@ from jaxllm.sim.simulator import SimConfig, cost_model_step_time, simulate
 from jaxllm.sim.synth import LengthDist, synthesize
 from jaxllm.sim.trace import TraceRequest, load_trace
 from jaxllm.spec_decode.budget import DraftBudget
-from jaxllm.spec_decode.config import SpeculativeConfig
 
 COST = CostModel(
     bucket_tokens=[1, 64, 512],

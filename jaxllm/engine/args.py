@@ -18,12 +18,13 @@ from jaxllm.config import (
     QUANTIZATIONS,
     CacheConfig,
     EngineConfig,
+    KVTransferConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
+    SpeculativeConfig,
+    check_combinations,
 )
-from jaxllm.kv_transfer.config import KVTransferConfig
-from jaxllm.spec_decode.config import SpeculativeConfig
 
 # defaults where vLLM's GPU-sized ones would make the CPU path compile too much
 CPU_DEFAULTS = {"max_num_seqs": 64, "max_num_batched_tokens": 512}
@@ -105,6 +106,22 @@ class EngineArgs:
             self.quantization,
         )
 
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(
+            self.tensor_parallel_size,
+            self.data_parallel_size,
+            self.pipeline_parallel_size,
+            self.nnodes,
+            self.distributed_timeout,
+        )
+
+    def check(self) -> None:
+        """Every setting that needs no model, alone and together: what can fail before a node joins the others
+        or anything loads (the rest is checked against the model by `create_engine_config`)."""
+        check_combinations(
+            self.model_config(), self.parallel_config(), self.async_scheduling, self.speculative(), self.kv_transfer()
+        )
+
     def create_engine_config(self, model_max_len: int, platform: str) -> EngineConfig:
         defaults = CPU_DEFAULTS if platform == "cpu" else ACCELERATOR_DEFAULTS
         max_model_len = self.max_model_len or model_max_len
@@ -129,12 +146,7 @@ class EngineArgs:
                 self.async_scheduling,
                 max_concurrent_batches=self.pipeline_parallel_size,
             ),
-            parallel=ParallelConfig(
-                self.tensor_parallel_size,
-                self.data_parallel_size,
-                self.pipeline_parallel_size,
-                self.distributed_timeout,
-            ),
+            parallel=self.parallel_config(),
             compilation_cache_dir=self.compilation_cache_dir,
             speculative=self.speculative(),
             kv_transfer=self.kv_transfer(),

@@ -29,7 +29,7 @@ from jaxllm.engine.detokenizer import IncrementalDetokenizer
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.request import Request, RequestStatus
 from jaxllm.engine.scheduler import ScheduledRequest, Scheduler
-from jaxllm.kv_transfer.factory import CONNECTORS, KVConnector, check_kv_connector, make_kv_connector
+from jaxllm.kv_transfer.factory import KVConnector, check_kv_connector, make_kv_connector
 from jaxllm.kv_transfer.scope import KVScope
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxllm.parallel.mesh import make_mesh
@@ -69,46 +69,14 @@ def check_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: in
         raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
 
 
-def check_pipeline(args: EngineArgs, speculative) -> None:
-    """Pipeline parallelism's refusals, before anything loads: what it does not combine with yet."""
-    pp = args.pipeline_parallel_size
-    if not isinstance(pp, int) or isinstance(pp, bool) or pp < 1:
-        raise ValueError(f"pipeline_parallel_size must be a positive integer, got {pp!r}")
-    if pp == 1:
-        return
-    refused = {
-        "async_scheduling (pipeline stages keep batches in flight already)": args.async_scheduling,
-        "kv_transfer_config": args.kv_transfer_config is not None or args.kv_offloading_size is not None,
-        "a draft model (speculative_config method draft_model)": speculative is not None
-        and speculative.method == "draft_model",
-        "scan_layers=False": not args.scan_layers,
-    }
-    for what, given in refused.items():
-        if given:
-            raise ValueError(f"pipeline_parallel_size > 1 is not supported with {what} yet")
-
-
 class EngineCore:
     def __init__(self, args: EngineArgs, *, progress: bool = True):
         started = time.perf_counter()
-        args.model_config()  # validate the cheap settings before loading anything
-        speculative = args.speculative()
+        args.check()  # every setting that needs no model, before anything loads
+        speculative, kv_transfer = args.speculative(), args.kv_transfer()
         cache_folder = enable_compilation_cache(args.compilation_cache_dir)
-        if args.data_parallel_size != 1:
+        if args.data_parallel_size != 1:  # LLM and the server run replicas through a DP client instead
             raise ValueError("data_parallel_size > 1 is not supported yet")
-        if args.async_scheduling and args.nnodes > 1:  # followers wait for each step before the next broadcast
-            raise ValueError(
-                "async_scheduling is not supported with nnodes > 1: the multi-host step broadcast runs one step "
-                "at a time (drop --async-scheduling, or run one node per data-parallel replica)"
-            )
-        check_pipeline(args, speculative)
-        kv_transfer = args.kv_transfer()
-        if kv_transfer is not None and (args.async_scheduling or args.nnodes > 1):
-            raise ValueError(
-                "kv_transfer_config is not supported with "
-                + ("async_scheduling" if args.async_scheduling else "nnodes > 1")
-                + " yet: a connector copies blocks between whole steps of one process"
-            )
         initialize_from_args(args)  # multi-host: join the other nodes first (the mesh spans them all)
         mesh = make_mesh(args.tensor_parallel_size, args.data_parallel_size)
         source = open_model(
@@ -149,7 +117,7 @@ class EngineCore:
             block_size,
             self.config.cache.enable_prefix_caching,
             root=self.kv_scope.root,
-            record_evictions=kv_transfer is not None and CONNECTORS[kv_transfer.kv_connector].RECORDS_EVICTIONS,
+            record_evictions=kv_transfer is not None and kv_transfer.records_evictions,
         )
         capacity = self.kv.num_usable_blocks * block_size
         self.kv_connector: KVConnector | None = None

@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from jaxllm.config import KVTransferConfig
 from jaxllm.engine.block_hash import BlockHash
-from jaxllm.kv_transfer.config import KVTransferConfig
 from jaxllm.kv_transfer.scope import KVScope
 from jaxllm.kv_transfer.stats import KVTransferStats
 
@@ -65,9 +65,6 @@ class FinishedTransfers:
 
 
 class KVConnectorScheduler:
-    ROLES: tuple[str, ...] = ("kv_producer", "kv_consumer", "kv_both")
-    RECORDS_EVICTIONS = False  # the block manager reports the cached blocks it evicts (offloading)
-
     def __init__(self, config: KVTransferConfig, scope: KVScope, kv: KVCacheManager, stats: KVTransferStats):
         self.config, self.scope, self.kv, self.stats = config, scope, kv, stats
         self.block_size = kv.block_size

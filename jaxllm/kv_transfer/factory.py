@@ -6,8 +6,8 @@ import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from jaxllm.config import KVTransferConfig
 from jaxllm.kv_transfer.base import HostCopyWorker, KVConnectorScheduler, KVConnectorWorker
-from jaxllm.kv_transfer.config import KVTransferConfig
 from jaxllm.kv_transfer.offloading import HostBlockStore, OffloadingScheduler
 from jaxllm.kv_transfer.scope import KVScope
 from jaxllm.kv_transfer.stats import KVTransferStats
@@ -17,12 +17,6 @@ from jaxllm.kv_transfer.transfer import TransferScheduler, TransferWorker
 if TYPE_CHECKING:
     from jaxllm.engine.kv_cache_manager import KVCacheManager
     from jaxllm.runner.kv_blocks import KVBlockMover
-
-CONNECTORS: dict[str, type[KVConnectorScheduler]] = {
-    "OffloadingConnector": OffloadingScheduler,
-    "SharedStorageConnector": SharedStorageScheduler,
-    "TransferConnector": TransferScheduler,
-}
 
 
 @dataclass
@@ -34,22 +28,38 @@ class KVConnector:
 
 def make_kv_connector(config: KVTransferConfig, scope: KVScope, kv: KVCacheManager, mover: KVBlockMover) -> KVConnector:
     stats = KVTransferStats()
-    args = (config, scope, kv, stats)
-    scheduler: KVConnectorScheduler
-    worker: KVConnectorWorker
-    if config.kv_connector == "OffloadingConnector":
-        store = HostBlockStore(_num_cpu_blocks(config, mover.nbytes(1)))
-        scheduler = OffloadingScheduler(*args, store=store)
-        worker = HostCopyWorker(mover, stats, store.put)
-    elif config.kv_connector == "SharedStorageConnector":
-        files = BlockFiles(_storage_path(config), scope.key, scope.digest)
-        block_shape = tuple(d for i, d in enumerate(mover.block_shape(1)) if i != 1)
-        scheduler = SharedStorageScheduler(*args, files=files, block_shape=block_shape, dtype=mover.dtype)
-        worker = SharedStorageWorker(mover, stats, files)
-    else:
-        worker = TransferWorker(mover, stats, host=config.extra("transfer_host", "127.0.0.1"))
-        scheduler = TransferScheduler(*args, address=worker.address, bucket=mover.bucket)
+    scheduler, worker = BUILDERS[config.kv_connector](config, scope, kv, stats, mover)
     return KVConnector(scheduler, worker, stats)
+
+
+Halves = tuple[KVConnectorScheduler, KVConnectorWorker]
+
+
+def _offloading(config, scope, kv, stats: KVTransferStats, mover: KVBlockMover) -> Halves:
+    store = HostBlockStore(_num_cpu_blocks(config, mover.nbytes(1)))
+    return OffloadingScheduler(config, scope, kv, stats, store=store), HostCopyWorker(mover, stats, store.put)
+
+
+def _shared_storage(config, scope, kv, stats: KVTransferStats, mover: KVBlockMover) -> Halves:
+    files = BlockFiles(_storage_path(config), scope.key, scope.digest)
+    block_shape = tuple(d for i, d in enumerate(mover.block_shape(1)) if i != 1)
+    scheduler = SharedStorageScheduler(
+        config, scope, kv, stats, files=files, block_shape=block_shape, dtype=mover.dtype
+    )
+    return scheduler, SharedStorageWorker(mover, stats, files)
+
+
+def _transfer(config, scope, kv, stats: KVTransferStats, mover: KVBlockMover) -> Halves:
+    worker = TransferWorker(mover, stats, host=config.extra("transfer_host", "127.0.0.1"))
+    return TransferScheduler(config, scope, kv, stats, address=worker.address, bucket=mover.bucket), worker
+
+
+# one builder per connector the config knows (config/kv_transfer.py's CONNECTORS: what each takes)
+BUILDERS = {
+    "OffloadingConnector": _offloading,
+    "SharedStorageConnector": _shared_storage,
+    "TransferConnector": _transfer,
+}
 
 
 def check_kv_connector(config: KVTransferConfig, bytes_per_block: int) -> None:

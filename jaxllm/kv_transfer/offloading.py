@@ -52,9 +52,6 @@ class HostBlockStore:
 
 
 class OffloadingScheduler(KVConnectorScheduler):
-    ROLES = ("kv_both",)
-    RECORDS_EVICTIONS = True
-
     def __init__(self, *args, store: HostBlockStore):
         super().__init__(*args)
         self.store = store

@@ -10,11 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from jaxllm.config import SchedulerConfig
+from jaxllm.config import SchedulerConfig, SpeculativeConfig
 from jaxllm.sim.costmodel import CostModel
 from jaxllm.sim.simulator import SimConfig, SimResult, cost_model_step_time, simulate, stage_layers
 from jaxllm.sim.trace import TraceRequest
-from jaxllm.spec_decode.config import SpeculativeConfig
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from jaxllm.bench.results import RequestRecord, summarize
-from jaxllm.config import SchedulerConfig
+from jaxllm.config import SchedulerConfig, SpeculativeConfig
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.request import Request
 from jaxllm.engine.scheduler import Scheduler, SchedulerOutput
@@ -64,7 +64,6 @@ from jaxllm.sim.costmodel import (
     bucket_tokens,
 )
 from jaxllm.sim.trace import TOKEN_RANGE, TraceRequest, prompt_token_ids
-from jaxllm.spec_decode.config import SpeculativeConfig
 from jaxllm.spec_decode.stats import SpecDecodingStats
 
 DUMMY_TOKEN = TOKEN_RANGE[0]  # what every simulated step "samples"; lengths are forced, values never matter

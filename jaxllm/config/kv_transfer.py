@@ -1,9 +1,10 @@
 """`kv_transfer_config`: vLLM's name and JSON fields, validated before anything loads.
 
-`kv_connector` names the connector (kv_transfer/factory.py), `kv_role` what this engine does with KV
-(`kv_producer` saves or offers it, `kv_consumer` loads it, `kv_both` does both), `kv_connector_extra_config`
-the connector's own settings, `kv_load_failure_policy` what a failed load does to its request: `recompute`
-(compute from the first bad block, the default) or `fail` (finish it with an error).
+`kv_connector` names the connector (kv_transfer/factory.py builds it; `CONNECTORS` says what each takes),
+`kv_role` what this engine does with KV (`kv_producer` saves or offers it, `kv_consumer` loads it, `kv_both`
+does both), `kv_connector_extra_config` the connector's own settings, `kv_load_failure_policy` what a failed load
+does to its request: `recompute` (compute from the first bad block, the default) or `fail` (finish it with an
+error).
 """
 
 from __future__ import annotations
@@ -17,6 +18,19 @@ FAILURE_POLICIES = ("recompute", "fail")
 
 
 @dataclass(frozen=True)
+class ConnectorKind:
+    roles: tuple[str, ...] = ROLES  # the kv_roles it takes
+    records_evictions: bool = False  # the block manager reports the cached blocks it evicts (offloading)
+
+
+CONNECTORS = {
+    "OffloadingConnector": ConnectorKind(roles=("kv_both",), records_evictions=True),
+    "SharedStorageConnector": ConnectorKind(),
+    "TransferConnector": ConnectorKind(),
+}
+
+
+@dataclass(frozen=True)
 class KVTransferConfig:
     kv_connector: str
     kv_role: str = "kv_both"
@@ -24,15 +38,13 @@ class KVTransferConfig:
     kv_load_failure_policy: str = "recompute"
 
     def __post_init__(self):
-        from jaxllm.kv_transfer.factory import CONNECTORS  # lazily: the factory imports the connectors
-
         if self.kv_connector not in CONNECTORS:
             raise ValueError(
                 f"kv_transfer_config: unknown kv_connector {self.kv_connector!r}; known: {', '.join(CONNECTORS)}"
             )
         if self.kv_role not in ROLES:
             raise ValueError(f"kv_transfer_config: kv_role must be one of {', '.join(ROLES)}, got {self.kv_role!r}")
-        roles = CONNECTORS[self.kv_connector].ROLES
+        roles = CONNECTORS[self.kv_connector].roles
         if self.kv_role not in roles:
             raise ValueError(
                 f"kv_transfer_config: {self.kv_connector} takes kv_role {' or '.join(roles)}, not {self.kv_role!r}"
@@ -44,6 +56,10 @@ class KVTransferConfig:
                 f"kv_transfer_config: kv_load_failure_policy must be one of {', '.join(FAILURE_POLICIES)}, "
                 f"got {self.kv_load_failure_policy!r}"
             )
+
+    @property
+    def records_evictions(self) -> bool:
+        return CONNECTORS[self.kv_connector].records_evictions
 
     @property
     def is_producer(self) -> bool:

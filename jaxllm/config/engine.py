@@ -1,0 +1,61 @@
+"""The whole engine's configuration, and the settings that cannot go together."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jaxllm.config.cache import CacheConfig
+from jaxllm.config.kv_transfer import KVTransferConfig
+from jaxllm.config.model import ModelConfig
+from jaxllm.config.parallel import ParallelConfig
+from jaxllm.config.scheduler import SchedulerConfig
+from jaxllm.config.speculative import SpeculativeConfig
+
+
+def check_combinations(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    async_scheduling: bool,
+    speculative: SpeculativeConfig | None,
+    kv_transfer: KVTransferConfig | None,
+) -> None:
+    """Refuse settings each valid alone that the engine does not run together (before a node joins the others or
+    anything loads)."""
+    if async_scheduling and parallel.nnodes > 1:  # followers wait for each step before the next broadcast
+        raise ValueError(
+            "async_scheduling is not supported with nnodes > 1: the multi-host step broadcast runs one step "
+            "at a time (drop --async-scheduling, or run one node per data-parallel replica)"
+        )
+    if parallel.pipeline_parallel_size > 1:
+        refused = {
+            "async_scheduling (pipeline stages keep batches in flight already)": async_scheduling,
+            "kv_transfer_config": kv_transfer is not None,
+            "a draft model (speculative_config method draft_model)": speculative is not None
+            and speculative.method == "draft_model",
+            "scan_layers=False": not model.scan_layers,
+        }
+        for what, given in refused.items():
+            if given:
+                raise ValueError(f"pipeline_parallel_size > 1 is not supported with {what} yet")
+    if kv_transfer is not None and (async_scheduling or parallel.nnodes > 1):
+        raise ValueError(
+            "kv_transfer_config is not supported with "
+            + ("async_scheduling" if async_scheduling else "nnodes > 1")
+            + " yet: a connector copies blocks between whole steps of one process"
+        )
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    compilation_cache_dir: str | None = None  # None: jaxllm's cache folder; "" turns it off
+    speculative: SpeculativeConfig | None = None
+    kv_transfer: KVTransferConfig | None = None
+
+    def __post_init__(self):
+        check_combinations(
+            self.model, self.parallel, self.scheduler.async_scheduling, self.speculative, self.kv_transfer
+        )
