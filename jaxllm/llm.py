@@ -13,7 +13,7 @@ from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from jaxllm.distributed.dp_client import DataParallelEngine
+    from jaxllm.engine.dp_client import DataParallelEngine
     from jaxllm.metrics.reader import Metric
 
 PromptType = str | dict[str, Any]
@@ -31,7 +31,7 @@ class LLM:
         args = EngineArgs(model=model, **engine_args)
         self.engine: EngineCore | DataParallelEngine
         if args.data_parallel_size > 1:  # one engine-core process per replica
-            from jaxllm.distributed.dp_client import DataParallelEngine
+            from jaxllm.engine.dp_client import DataParallelEngine
 
             self.engine = DataParallelEngine(args, progress=progress)
             model_name = self.engine.client.info.model

@@ -19,9 +19,9 @@ from collections.abc import AsyncIterator
 from dataclasses import replace
 from typing import Any
 
-from jaxllm.distributed.dp_client import DataParallelClient
 from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.core_client import EngineCoreClient, InProcessClient
+from jaxllm.engine.dp_client import DataParallelClient
 from jaxllm.metrics.loggers import LOG_INTERVAL_S, LoggingStatLogger
 from jaxllm.metrics.prometheus import PrometheusStatLogger
 from jaxllm.metrics.stats import OutputStatsTracker

@@ -41,7 +41,7 @@ NUMERIC = (
 SPECULATION = "num_speculative_tokens"
 NOT_SIMULATED = {
     "data_parallel_size": "the simulator does not model data-parallel replicas and the front's routing between "
-    "them (jaxllm/distributed/dp_client.py); compare DP sizes on the real server (benchmarks/data_parallel.py)",
+    "them (jaxllm/engine/dp_client.py); compare DP sizes on the real server (benchmarks/data_parallel.py)",
 }
 
 Setting = dict  # searched engine argument -> value
