@@ -217,7 +217,7 @@ def _choose(
     # quantized layer: XLA dequantizes it whole per step, which pays only for hundreds of rows)
     row_counts = sorted({r for r in (1, 8, 64, 128, 256, max_rows) if r <= max_rows})
     built = ((stacked_matmul.SOURCE, matmul_ok), (attention_cpu.SOURCE, attention_ok))
-    libs = [cpu_ffi.build(source).name if ok else None for source, ok in built]  # each keyed by source and target
+    libs = [cpu_ffi.library(source).name if ok else None for source, ok in built]  # each keyed by source and target
     parts = [FORMAT, libs, matmul_shapes, dtype, row_counts, dataclasses.astuple(attention) if attention else None]
     parts += [os.environ.get("XLA_FLAGS", ""), jax.__version__, os.cpu_count()]
     key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]

@@ -109,11 +109,13 @@ def sources(source: Path) -> list[Path]:
     return found
 
 
-def library(source: Path, compiler: str) -> Path:
-    """Where the build of `source` with `compiler` for this target lives: named by a hash of every file in
-    `sources(source)`, the flags and target, jaxlib's version, the CPU and the compiler."""
+def library(source: Path, compiler: str | None = None) -> Path:
+    """Where the build of `source` with `compiler` (default: the one `build` runs) for this target lives, built or
+    not: named by a hash of every file in `sources(source)`, the flags and target, jaxlib's version, the CPU and
+    the compiler."""
     import jaxlib
 
+    compiler = compiler or _compiler() or ""
     key = hashlib.sha256(
         b"\0".join(
             [
@@ -129,7 +131,7 @@ def library(source: Path, compiler: str) -> Path:
 
 
 _lock = threading.Lock()
-_builds: dict[Path, Future] = {}  # library -> its compiler run in this process (done or not; failed: its error)
+_builds: dict[Path, Future[Path]] = {}  # library -> its compiler run in this process (done or not; failed: its error)
 
 
 def build(source: Path) -> Path:
@@ -142,12 +144,12 @@ def build(source: Path) -> Path:
     if lib.exists():
         return lib
     with _lock:
-        run = _builds.get(lib)
-        mine = run is None
-        if mine:
-            run = _builds[lib] = Future()
-    if not mine:
-        return run.result()
+        under_way = _builds.get(lib)
+        if under_way is None:
+            run: Future[Path] = Future()
+            _builds[lib] = run
+    if under_way is not None:
+        return under_way.result()
     try:
         _compile(compiler, source, lib)
     except BaseException as e:
@@ -181,8 +183,12 @@ def prebuild(*sources: Path) -> None:
     """Start building each of `sources` that this machine lacks, each in a thread of its own, and return: a cold
     start's compiler runs (~5-10 s each) then overlap, instead of running one after the other as each kernel is
     first registered (the compiler is a subprocess: the threads hold no GIL while it runs). `build` and
-    `register` of a source being built wait for its run; a failed one is reported by them, not here."""
+    `register` of a source being built wait for its run; a failed one is reported by them, not here. A source
+    this process has registered already is skipped: `register` builds once per process, so nothing would
+    wait for such a run."""
     for source in sources:
+        if source in _registered:
+            continue
         threading.Thread(target=_build_quietly, args=(source,), name=f"build-{source.parent.name}", daemon=True).start()
 
 
@@ -193,9 +199,13 @@ def _build_quietly(source: Path) -> None:
         logger.debug("prebuild of %s failed: %s", source, e)
 
 
+_registered: set[Path] = set()  # sources `register` was called for (prebuild leaves them be)
+
+
 @functools.cache
 def register(source: Path, symbol: str, target: str) -> bool:
     """Build `source` (once per machine) and register its handler `symbol` as FFI `target`; False if that fails."""
+    _registered.add(source)
     try:
         lib = ctypes.cdll.LoadLibrary(str(build(source)))
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")

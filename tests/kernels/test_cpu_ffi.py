@@ -125,3 +125,14 @@ def test_a_failed_prebuild_is_reported_by_build_without_a_second_run(tmp_path, f
         with pytest.raises(RuntimeError, match="does not compile"):
             cpu_ffi.build(source)
     assert len(fake_compiler) == 1
+
+
+def test_prebuild_leaves_a_registered_source_be(tmp_path, fake_compiler, monkeypatch):
+    """`register` builds once per process: a source it was called for is never built again by `prebuild` (in a
+    later cache directory, say), since nothing would wait for that run."""
+    source = tmp_path / "kernel.cc"
+    source.write_text("// registered\n")
+    monkeypatch.setattr(cpu_ffi, "_registered", {source})
+    cpu_ffi.prebuild(source)
+    time.sleep(0.5)
+    assert fake_compiler == []
