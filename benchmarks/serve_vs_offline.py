@@ -182,7 +182,7 @@ class Served:
         self.timer, self.front = StepTimer(self.engine.client.core), FrontTimer(self.engine)
 
     def run(self, prompts) -> dict:
-        from jaxllm.runner.model_runner import compilation_count
+        from jaxllm.runner.compilations import compilation_count
 
         self.timer.reset()
         self.front.reset()

@@ -92,7 +92,7 @@ def weights_child() -> None:
 
     from jaxllm.engine.args import EngineArgs
     from jaxllm.parallel.mesh import make_mesh
-    from jaxllm.runner.model_runner import weight_layout
+    from jaxllm.runner.cpu_kernels import weight_layout
     from jaxllm.weights import converted, open_model
 
     mesh = make_mesh()

@@ -96,8 +96,8 @@ def main() -> None:
 
     from jaxllm.engine.args import EngineArgs
     from jaxllm.parallel.mesh import make_mesh
+    from jaxllm.runner.cpu_kernels import step_model
     from jaxllm.runner.kv_cache import allocate_kv_cache
-    from jaxllm.runner.model_runner import step_model
     from jaxllm.weights import load_model
     from jaxllm.weights.params import unstack_layers
 

@@ -10,7 +10,7 @@ import pytest
 
 from jaxllm import LLM, SamplingParams, StructuredOutputsParams
 from jaxllm.engine.scheduler import Scheduler
-from jaxllm.runner.model_runner import compilation_count
+from jaxllm.runner.compilations import compilation_count
 from tests.conftest import TEST_ENGINE, TEST_KV_BLOCKS, kv_bytes
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxllm import LLM, SamplingParams
-from jaxllm.runner.model_runner import compilation_count
+from jaxllm.runner.compilations import compilation_count
 from tests.conftest import TEST_ENGINE, kv_bytes
 from tests.hf_reference import hf_greedy, hf_log_softmax
 

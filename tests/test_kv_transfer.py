@@ -20,8 +20,8 @@ from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.request import Request
 from jaxllm.model import KVCache
 from jaxllm.parallel.mesh import kv_cache_sharding, make_mesh
+from jaxllm.runner.compilations import compilation_count
 from jaxllm.runner.kv_blocks import KVBlockMover
-from jaxllm.runner.model_runner import compilation_count
 from tests.conftest import TEST_ENGINE, kv_bytes
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0)

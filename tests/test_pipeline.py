@@ -14,7 +14,7 @@ import pytest
 from jaxllm import LLM, SamplingParams
 from jaxllm.bench.server_process import ServerProcess
 from jaxllm.parallel.pipeline import layer_ranges
-from jaxllm.runner.model_runner import compilation_count
+from jaxllm.runner.compilations import compilation_count
 from tests.conftest import TEST_ENGINE, kv_bytes, serve_flags
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)

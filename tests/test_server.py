@@ -17,7 +17,7 @@ import pytest
 
 from jaxllm import RequestOutputKind, SamplingParams
 from jaxllm.bench.server_process import free_port
-from jaxllm.runner.model_runner import compilation_count
+from jaxllm.runner.compilations import compilation_count
 from tests.conftest import TEST_ENGINE
 from tests.inprocess_server import MODEL
 from tests.test_cli_and_examples import ENGINE_FLAGS

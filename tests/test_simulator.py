@@ -519,7 +519,7 @@ def test_calibration_sweeps_verification_steps_within_the_engines_limits():
 
 def test_calibration_times_verification_steps_on_the_real_runner(llm):
     """The hand-built SchedulerOutput of a verification step runs in the compiled buckets (nothing compiles)."""
-    from jaxllm.runner.model_runner import compilation_count
+    from jaxllm.runner.compilations import compilation_count
 
     core = llm.engine
     free = core.kv.num_free_blocks

@@ -26,8 +26,8 @@ from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.request import Request
 from jaxllm.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, max_logits_rows
 from jaxllm.runner.buckets import Bucket, make_buckets, pick_bucket
+from jaxllm.runner.compilations import compilation_count
 from jaxllm.runner.input_batch import InputBatch
-from jaxllm.runner.model_runner import compilation_count
 from jaxllm.runner.sampler import allowed_token_ids, neutral_inputs, sample
 from jaxllm.spec_decode.budget import DraftBudget
 from jaxllm.spec_decode.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig

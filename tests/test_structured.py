@@ -425,7 +425,7 @@ def test_json_object_gives_any_json_object(llm):
 
 
 def test_no_compilation_with_constraints(llm, generated):
-    from jaxllm.runner.model_runner import compilation_count
+    from jaxllm.runner.compilations import compilation_count
 
     before = compilation_count()
     llm.generate(["Pick:"], constrained(choice=CHOICES), use_tqdm=False)

@@ -1,4 +1,5 @@
-"""The CPU kernels a model's step runs: `pallas_kernels.cpu_choice`'s self-check on this model's shapes."""
+"""The CPU kernels a model's step runs (`pallas_kernels.cpu_choice`'s self-check on this model's shapes), and the
+model the step runs with them: its attention and matmul backends, and how the loader lays the weights out."""
 
 from __future__ import annotations
 
@@ -6,11 +7,15 @@ import logging
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 from jaxllm.config import EngineConfig
+from jaxllm.model import CausalLM
 from jaxllm.model.quant import NO_QUANT, QuantPlan, packs_quantized
 from jaxllm.model.registry import ModelArch
+from jaxllm.weights import Layout
 from pallas_kernels import cpu_choice, stacked_matmul
+from pallas_kernels.cpu_choice import KernelChoice
 
 logger = logging.getLogger(__name__)
 
@@ -53,3 +58,48 @@ def kernel_choice(
 
 
 _logged: set[cpu_choice.KernelChoice] = set()
+
+
+def cpu_kernel_choice(arch, config: EngineConfig, dtype, mesh: Mesh, quant: QuantPlan) -> KernelChoice | None:
+    """Which C++ kernels a step on this platform runs, where they beat XLA (the machine's self-check,
+    `JAXLLM_CPU_KERNELS`); None off the CPU, and on a CPU mesh (the kernels have no partitioning rules)."""
+    if jax.default_backend() != "cpu" or mesh.size > 1:
+        return None
+    packable = config.model.scan_layers and jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16)
+    return kernel_choice(arch, config, dtype, quant, matmul=packable)
+
+
+def step_model(arch, config: EngineConfig, dtype, mesh: Mesh, quant: QuantPlan = NO_QUANT) -> CausalLM:
+    """The model the step runs: attention and matmul backends, and the dtype it computes in, for this platform."""
+    scan, attention = config.model.scan_layers, config.model.attention_backend
+    matmul, compute_dtype, kernel_max_rows = "auto", dtype, None
+    choice = cpu_kernel_choice(arch, config, dtype, mesh, quant)
+    if mesh.size > 1 and jax.default_backend() == "cpu":  # the C++ kernels have no partitioning rules:
+        attention = "reference" if attention == "auto" else attention  # XLA would all-gather the cache
+        matmul = "reference"  # and the weights
+    elif choice is not None:
+        if attention == "auto":  # an explicit attention_backend wins over the choice
+            attention = "cpu" if choice.attention else "reference"
+        if choice.matmul:
+            # the loader (`weight_layout`) or set_params packs the matmul weights for it. bfloat16 weights: the
+            # kernel rounds x to bfloat16 for its dot product, and the rest of the step (norms, rotary, residual,
+            # SwiGLU) runs in float32, which XLA's CPU backend runs 3-4x faster than bfloat16 (benchmarks/NOTES.md
+            # lever 13) and which is the more accurate
+            matmul, compute_dtype, kernel_max_rows = "cpu_packed", jnp.float32, choice.matmul_max_rows
+        else:
+            matmul = "reference"  # XLA's dot ("auto" would take the unpacked kernel)
+    return CausalLM(
+        arch,
+        compute_dtype,
+        attention,
+        scan_layers=scan,
+        matmul_backend=matmul,
+        matmul_kernel_max_rows=kernel_max_rows,
+        quant=quant,
+    )
+
+
+def weight_layout(arch, config: EngineConfig, dtype, mesh: Mesh, quant: QuantPlan = NO_QUANT) -> Layout | None:
+    """How the step wants the loaded weights rearranged (the loader may keep the result on disk), or None."""
+    model = step_model(arch, config, dtype, mesh, quant)
+    return Layout(model.matmul_backend, model.pack_leaf) if model.matmul_backend == "cpu_packed" else None

@@ -23,11 +23,12 @@ import logging
 import os
 import pickle
 import tempfile
-import threading
 from pathlib import Path
 
 import jax
 from jax.experimental import serialize_executable
+
+from jaxllm.runner.compilations import served_by_jax_cache
 
 logger = logging.getLogger(__name__)
 
@@ -49,16 +50,6 @@ _HOST_ONLY = {
     "integrations",
 }
 _FORMAT = b"jaxllm-executable-1"
-
-_served_by_jax_cache = threading.local()  # per compiling thread: did JAX's persistent cache answer?
-
-
-def _on_event(event: str, **kwargs) -> None:
-    if event == "/jax/compilation_cache/cache_hits":
-        _served_by_jax_cache.hit = True
-
-
-jax.monitoring.register_event_listener(_on_event)
 
 
 # XLA CPU compiles a step's ~200-270 elementwise fusions through its MLIR fusion emitters and LLVM at -O2. The
@@ -146,9 +137,9 @@ class ExecutableCache:
 
     def compile_and_store(self, key: str, lowered):
         """Compile `lowered`; store the executable when it was compiled here (not served by JAX's cache)."""
-        _served_by_jax_cache.hit = False
+        served_by_jax_cache.hit = False
         compiled = lowered.compile(compiler_options())
-        if self.folder is not None and not _served_by_jax_cache.hit:
+        if self.folder is not None and not served_by_jax_cache.hit:
             self.store(key, compiled)
         return compiled
 

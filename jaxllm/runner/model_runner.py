@@ -34,37 +34,20 @@ from jax.sharding import Mesh
 
 from jaxllm.config import EngineConfig
 from jaxllm.engine.scheduler import SchedulerOutput, max_logits_rows, request_rows
-from jaxllm.model import CausalLM, KVCache, StepInputs
-from jaxllm.model.quant import NO_QUANT, QuantPlan
+from jaxllm.model import KVCache, StepInputs
 from jaxllm.parallel.mesh import replicated
 from jaxllm.runner.buckets import Bucket, make_buckets, pick_bucket
-from jaxllm.runner.cpu_kernels import kernel_choice
+from jaxllm.runner.compilations import watch_compilations
+from jaxllm.runner.cpu_kernels import cpu_kernel_choice, step_model
 from jaxllm.runner.executable_cache import ExecutableCache, abstract_signature, environment_fingerprint, fingerprint
 from jaxllm.runner.input_batch import InputBatch
 from jaxllm.runner.kv_cache import allocate_kv_cache, num_kv_blocks
 from jaxllm.runner.sampler import SamplerOutput, SamplingInputs, sample
-from jaxllm.weights import Layout, LoadedModel
+from jaxllm.weights import LoadedModel
 from jaxllm.weights.params import unstack_layers
 from pallas_kernels import cpu_ffi, stacked_matmul
-from pallas_kernels.cpu_choice import KernelChoice
 
 logger = logging.getLogger(__name__)
-
-_compilations = 0
-
-
-def _count_compilation(event: str, duration_secs: float, **kwargs: str | int) -> None:
-    global _compilations
-    if event == "/jax/core/compile/jaxpr_to_mlir_module_duration":
-        _compilations += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_count_compilation)
-
-
-def compilation_count() -> int:
-    """How many XLA computations this process has lowered so far (each is a compilation or a cache load)."""
-    return _compilations
 
 
 @dataclass
@@ -92,51 +75,6 @@ class StepStats:
         return self.steps, self.device_s, self.pack_s
 
 
-def cpu_kernel_choice(arch, config: EngineConfig, dtype, mesh: Mesh, quant: QuantPlan) -> KernelChoice | None:
-    """Which C++ kernels a step on this platform runs, where they beat XLA (the machine's self-check,
-    `JAXLLM_CPU_KERNELS`); None off the CPU, and on a CPU mesh (the kernels have no partitioning rules)."""
-    if jax.default_backend() != "cpu" or mesh.size > 1:
-        return None
-    packable = config.model.scan_layers and jnp.dtype(dtype) in (jnp.float32, jnp.bfloat16)
-    return kernel_choice(arch, config, dtype, quant, matmul=packable)
-
-
-def step_model(arch, config: EngineConfig, dtype, mesh: Mesh, quant: QuantPlan = NO_QUANT) -> CausalLM:
-    """The model the step runs: attention and matmul backends, and the dtype it computes in, for this platform."""
-    scan, attention = config.model.scan_layers, config.model.attention_backend
-    matmul, compute_dtype, kernel_max_rows = "auto", dtype, None
-    choice = cpu_kernel_choice(arch, config, dtype, mesh, quant)
-    if mesh.size > 1 and jax.default_backend() == "cpu":  # the C++ kernels have no partitioning rules:
-        attention = "reference" if attention == "auto" else attention  # XLA would all-gather the cache
-        matmul = "reference"  # and the weights
-    elif choice is not None:
-        if attention == "auto":  # an explicit attention_backend wins over the choice
-            attention = "cpu" if choice.attention else "reference"
-        if choice.matmul:
-            # the loader (`weight_layout`) or set_params packs the matmul weights for it. bfloat16 weights: the
-            # kernel rounds x to bfloat16 for its dot product, and the rest of the step (norms, rotary, residual,
-            # SwiGLU) runs in float32, which XLA's CPU backend runs 3-4x faster than bfloat16 (benchmarks/NOTES.md
-            # lever 13) and which is the more accurate
-            matmul, compute_dtype, kernel_max_rows = "cpu_packed", jnp.float32, choice.matmul_max_rows
-        else:
-            matmul = "reference"  # XLA's dot ("auto" would take the unpacked kernel)
-    return CausalLM(
-        arch,
-        compute_dtype,
-        attention,
-        scan_layers=scan,
-        matmul_backend=matmul,
-        matmul_kernel_max_rows=kernel_max_rows,
-        quant=quant,
-    )
-
-
-def weight_layout(arch, config: EngineConfig, dtype, mesh: Mesh, quant: QuantPlan = NO_QUANT) -> Layout | None:
-    """How the step wants the loaded weights rearranged (the loader may keep the result on disk), or None."""
-    model = step_model(arch, config, dtype, mesh, quant)
-    return Layout(model.matmul_backend, model.pack_leaf) if model.matmul_backend == "cpu_packed" else None
-
-
 def _job_name(job: tuple) -> str:
     """A warm-up job for its progress bar: "forward 64 tokens x 4 rows", "sample 4 rows"."""
     kind, shape = job
@@ -149,6 +87,7 @@ class ModelRunner:
     """`executable_dir`: where compiled steps are stored and found (None: compile every bucket each start)."""
 
     def __init__(self, loaded: LoadedModel, config: EngineConfig, mesh: Mesh, executable_dir: str | None = None):
+        watch_compilations()  # the count behind "no compile while serving"
         self.loaded = loaded
         self.config = config
         self.mesh = mesh

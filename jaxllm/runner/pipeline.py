@@ -28,8 +28,9 @@ from jaxllm.model import KVCache, StepInputs
 from jaxllm.parallel.mesh import replicated
 from jaxllm.parallel.pipeline import layer_ranges, local_stages
 from jaxllm.runner.buckets import Bucket
+from jaxllm.runner.cpu_kernels import step_model
 from jaxllm.runner.kv_cache import allocate_kv_cache, num_kv_blocks
-from jaxllm.runner.model_runner import ModelRunner, step_model
+from jaxllm.runner.model_runner import ModelRunner
 from jaxllm.weights import LoadedModel
 
 

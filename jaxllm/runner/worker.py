@@ -16,7 +16,8 @@ from jax.sharding import Mesh
 
 from jaxllm.config import EngineConfig
 from jaxllm.parallel.pipeline import local_stages, stage_meshes
-from jaxllm.runner.model_runner import ModelRunner, weight_layout
+from jaxllm.runner.cpu_kernels import weight_layout
+from jaxllm.runner.model_runner import ModelRunner
 from jaxllm.runner.pipeline import PipelineRunner
 from jaxllm.runner.pipeline_hosts import HostsPipelineRunner
 from jaxllm.weights import LoadedModel, ModelSource
