@@ -11,9 +11,11 @@ starts at the engine's and moves to what its verifications show (`OWN_WEIGHT`), 
 request's rejected drafts turn speculation down for it alone; cost from the
 measured time of earlier steps of the same size (token counts rounded up to a power of two, as the buckets
 are), and `draft` the measured time proposing takes per draft position (a draft model's step; ~0 for
-n-gram). Every size a cap could run is measured `EXPLORE` times before the rule decides (full speculation
-first, then none, then the rest), so it never rests on a guess: the buckets' costs are not smooth (on a CPU,
-5 rows of quantized weights cost twice 4). A size's estimate is the median of its last `WINDOW` measurements,
+n-gram). Full speculation and none are measured first; a size that might be the best (within
+`REFRESH_MARGIN` of it, by its measurements or, until it has `EXPLORE` of them, by interpolation between the
+others) is measured before the rule trusts it, since the buckets' costs are not smooth (on a CPU, 5 rows of
+quantized weights cost twice 4), while sizes that cannot win cost no exploring. A size's estimate is the
+median of its last `WINDOW` measurements,
 so one step slowed (or sped up) by a busy machine neither hides a size nor sticks to it; a size that might be
 the best (within `REFRESH_MARGIN` of it) is measured again once its last measurement is `STALE_STEPS` steps
 old. Drafts are verified only when they promise `GAIN_MARGIN` times the rate of none: where the gain is
@@ -100,8 +102,10 @@ class DraftBudget:
         """Seconds a step of `num_tokens` takes: measured for its size, else interpolated (log-linearly in the
         size) between the nearest measured sizes, else the nearest measured size's."""
         size = _pow2_at_least(num_tokens)
-        if size in self.step_seconds:
-            return self.step_seconds[size]
+        return self.step_seconds[size] if size in self.step_seconds else self._interpolated(size)
+
+    def _interpolated(self, size: int) -> float:
+        """The cost of `size` from the other measured sizes alone."""
         below = [s for s in self.step_seconds if s < size]
         above = [s for s in self.step_seconds if s > size]
         if not below or not above:
@@ -115,9 +119,10 @@ class DraftBudget:
     ) -> int:
         """The drafts per request to verify this step; `drafts`: how many each decode has, `other_tokens`:
         the step's prefill tokens, `limit`: the most tokens a step takes, `requests`: the decodes' request ids
-        (their own acceptance; None: the engine's). A size not yet measured `EXPLORE`
-        times is tried first (full speculation, then none, then the others), then a stale one that
-        might be the best; otherwise the best by measured costs."""
+        (their own acceptance; None: the engine's). Full speculation and none are measured first; then the best
+        by the costs, unless a size that might be the best is measured again first: one measured fewer than
+        `EXPLORE` times (judged by the lesser of its measurements' median and the other sizes' interpolation, so
+        one slow first step does not hide it), or one not measured for `STALE_STEPS` steps."""
         if not drafts or not any(drafts):
             return 0
         if self.disable_by_batch_size is not None and len(drafts) >= self.disable_by_batch_size:
@@ -126,22 +131,29 @@ class DraftBudget:
         if limit is not None:
             tokens = [min(t, limit) for t in tokens]
         sizes = [_pow2_at_least(t) for t in tokens]
-        for k in (self.k, 0, *range(1, self.k)):
-            if self.samples.get(sizes[k], 0) < EXPLORE:
+        for k in (self.k, 0):
+            if sizes[k] not in self.samples:
                 return k
         ids = requests if requests is not None else [None] * len(drafts)
-        rates = [
-            sum(self.expected_tokens(min(d, k), r) for d, r in zip(drafts, ids, strict=True))
-            / (self.cost(tokens[k]) + k * self.draft_seconds)
-            for k in range(self.k + 1)
+        gains = [
+            sum(self.expected_tokens(min(d, k), r) for d, r in zip(drafts, ids, strict=True)) for k in range(self.k + 1)
         ]
+        rates = [gains[k] / (self.cost(tokens[k]) + k * self.draft_seconds) for k in range(self.k + 1)]
         best = 0
         for k in range(1, self.k + 1):
             if rates[k] > rates[best] * (GAIN_MARGIN if best == 0 else 1.0001):
                 best = k
-        stale = [
-            k
-            for k in range(self.k + 1)
-            if self.steps - self.measured_at[sizes[k]] >= STALE_STEPS and rates[k] >= REFRESH_MARGIN * rates[best]
-        ]
-        return min(stale, key=lambda k: self.measured_at[sizes[k]]) if stale else best
+
+        def pending(k: int) -> bool:
+            size, count = sizes[k], self.samples.get(sizes[k], 0)
+            if count >= EXPLORE and self.steps - self.measured_at[size] < STALE_STEPS:
+                return False
+            seconds = self.cost(tokens[k])
+            if count < EXPLORE and len(self.step_seconds) > (size in self.step_seconds):
+                seconds = min(seconds, self._interpolated(size))  # optimistic: a slow first step must not hide it
+            return gains[k] / (seconds + k * self.draft_seconds) >= REFRESH_MARGIN * rates[best]
+
+        due = [k for k in range(self.k + 1) if pending(k)]
+        return (
+            min(due, key=lambda k: (self.samples.get(sizes[k], 0), self.measured_at.get(sizes[k], -1))) if due else best
+        )
