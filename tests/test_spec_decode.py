@@ -21,7 +21,7 @@ import pytest
 from scipy import stats as scipy_stats
 
 from jaxllm import LLM, SamplingParams, StructuredOutputsParams
-from jaxllm.config import SchedulerConfig
+from jaxllm.config import MAX_SPECULATIVE_TOKENS, SchedulerConfig, SpeculativeConfig
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.request import Request
 from jaxllm.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, max_logits_rows
@@ -30,7 +30,6 @@ from jaxllm.runner.compilations import compilation_count
 from jaxllm.runner.input_batch import InputBatch
 from jaxllm.runner.sampler import allowed_token_ids, neutral_inputs, sample
 from jaxllm.spec_decode.budget import DraftBudget
-from jaxllm.spec_decode.config import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 from jaxllm.spec_decode.ngram import NgramIndex, NgramProposer
 from tests.conftest import TEST_ENGINE, TEST_KV_BLOCKS, kv_bytes
 
@@ -345,9 +344,9 @@ def test_draft_budget_disable_by_batch_size():
 
 def test_draft_budget_measures_every_size_it_may_choose_and_shrugs_off_a_slow_step():
     """Batch 1 on a CPU with quantized weights: 5 rows (k = 4) cost twice 4 (k' = 3), which no interpolation
-    between 1 and 8 tokens shows. The rule measures every size first (the first step of 4 tokens here was slowed
-    6x by a busy machine: the median of its measurements ignores it), then picks k' = 3; a later step slowed
-    60x does not move the estimate."""
+    between 1 and 8 tokens shows. The rule measures each size that might be the best (the first step of 4 tokens
+    here was slowed 6x by a busy machine: judged by interpolation until measured three times, and then by the
+    median, it is not hidden), then picks k' = 3; a later step slowed 60x does not move the estimate."""
     from jaxllm.spec_decode import budget as budget_module
 
     cost = {1: 0.010, 2: 0.0105, 4: 0.016, 8: 0.035}
@@ -363,7 +362,7 @@ def test_draft_budget_measures_every_size_it_may_choose_and_shrugs_off_a_slow_st
         seconds = cost[size] * (6 if size == 4 and not slowed else 1)
         slowed = slowed or size == 4
         budget.observe_step(1 + k, seconds)
-    assert set(tried) == {1, 2, 4, 8}  # each size measured before the rule trusts it
+    assert {1, 4, 8} <= set(tried)  # each size that might be the best measured before the rule trusts it
     assert budget.cap([4], 0) == 3
     budget.observe_step(4, 1.0)  # one step slowed 60x
     assert budget.step_seconds[4] == cost[4]

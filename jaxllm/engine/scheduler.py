@@ -19,12 +19,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from jaxllm.config import SchedulerConfig
+from jaxllm.config import SchedulerConfig, SpeculativeConfig
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.policy import make_waiting_queue
 from jaxllm.engine.request import Request, RequestStatus
 from jaxllm.spec_decode.budget import DraftBudget
-from jaxllm.spec_decode.config import SpeculativeConfig
 from jaxllm.spec_decode.stats import SpecDecodingStats
 
 if TYPE_CHECKING:
