@@ -236,7 +236,7 @@ def test_a_failing_request_does_not_take_down_the_others(llm):
     tok = llm.get_tokenizer()
     engine.add_request("good", tok.encode("Hello there"), SamplingParams(temperature=0, max_tokens=6))
     engine.add_request("bad", tok.encode("Hello again"), SamplingParams(temperature=0, max_tokens=6))
-    engine._detok["bad"].update = lambda ids: 1 / 0  # a post-processing bug hits one request
+    engine.output_processor.detokenizers["bad"].update = lambda ids: 1 / 0  # a post-processing bug hits one request
     finished = {}
     while engine.has_unfinished_requests():
         for out in engine.step():

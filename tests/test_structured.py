@@ -296,7 +296,7 @@ def test_unconstrained_requests_run_while_a_grammar_compiles(llm):
         finished = {}
         while "plain" not in finished:
             finished.update({o.request_id: o for o in engine.step() if o.finished})
-            assert engine._groups["slow-grammar"][0].status.value == "waiting_for_fsm"
+            assert engine.output_processor.groups["slow-grammar"][0].status.value == "waiting_for_fsm"
         assert engine.stats()["num_waiting_for_grammar"] == 1
         release.set()
         while engine.has_unfinished_requests():

@@ -25,13 +25,14 @@ from jaxllm.distributed.runtime import initialize_from_args
 from jaxllm.distributed.step_sync import StepLeader
 from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.batch_queue import BatchQueue, InFlightStep
-from jaxllm.engine.detokenizer import IncrementalDetokenizer
 from jaxllm.engine.kv_cache_manager import KVCacheManager
+from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.request import Request, RequestStatus
-from jaxllm.engine.scheduler import ScheduledRequest, Scheduler
+from jaxllm.engine.scheduler import Scheduler
+from jaxllm.engine.startup import check_prompt, enable_compilation_cache, log_ready
 from jaxllm.kv_transfer.factory import KVConnector, check_kv_connector, make_kv_connector
 from jaxllm.kv_transfer.scope import KVScope
-from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxllm.outputs import RequestOutput
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.parallel.pipeline import layer_ranges
 from jaxllm.runner.kv_blocks import KVBlockMover
@@ -43,30 +44,8 @@ from jaxllm.sampling_params import SamplingParams
 from jaxllm.spec_decode.drafter import make_drafter
 from jaxllm.structured.manager import StructuredOutputManager
 from jaxllm.weights import LoadedModel, open_model
-from jaxllm.weights.default import cache_dir
 
 logger = logging.getLogger("jaxllm")
-
-
-def enable_compilation_cache(folder: str | None) -> str | None:
-    """JAX's persistent compilation cache, on by default in jaxllm's cache folder ("" turns it off)."""
-    if folder == "":
-        return None
-    folder = folder or os.path.join(cache_dir(), "xla")
-    jax.config.update("jax_compilation_cache_dir", folder)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
-    return folder
-
-
-def check_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: int) -> None:
-    """Raise ValueError unless the prompt is 1..max_model_len token ids in [0, vocab_size)."""
-    n = len(prompt_token_ids)
-    if n == 0:
-        raise ValueError("the prompt is empty")
-    if n > max_model_len:
-        raise ValueError(f"the prompt has {n} tokens, more than max_model_len={max_model_len}")
-    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in prompt_token_ids):
-        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
 
 
 class EngineCore:
@@ -119,7 +98,6 @@ class EngineCore:
             root=self.kv_scope.root,
             record_evictions=kv_transfer is not None and kv_transfer.records_evictions,
         )
-        capacity = self.kv.num_usable_blocks * block_size
         self.kv_connector: KVConnector | None = None
         if kv_transfer is not None:
             mover = KVBlockMover(self.runner)
@@ -136,43 +114,19 @@ class EngineCore:
         # multi-host: node 0 broadcasts every step to the followers (which run `distributed.follow` instead)
         multi_host_leader = jax.process_count() > 1 and jax.process_index() == 0
         self.step_leader = StepLeader(self.runner, args.distributed_timeout) if multi_host_leader else None
-        self._groups: dict[str, list[Request]] = {}  # user request id → its samples
         self.async_scheduling = self.config.scheduler.async_scheduling
         self.pipelined = args.pipeline_parallel_size > 1  # a batch in flight per stage
         depth = args.pipeline_parallel_size if self.pipelined else 2 if self.async_scheduling else 1
         self.batch_queue = BatchQueue(depth)  # launched, not yet applied
-        self._detok: dict[str, IncrementalDetokenizer] = {}
         self._next_seed = 0
         self.structured = StructuredOutputManager(self.tokenizer, arch.vocab_size, self.eos_token_ids)
         self.drafter = make_drafter(
             speculative, self.scheduler, self.config, arch.vocab_size, mesh, executables, progress
         )
+        self.output_processor = OutputProcessor(self.tokenizer, self.scheduler, self.structured, self.drafter)
         self.startup_seconds = time.perf_counter() - started
         self.startup_phases = {**self.worker.startup_phases, "total": self.startup_seconds}
-        sched = self.config.scheduler
-        logger.info(
-            "model %s (%s, %s; quantized: %s) loaded in %.1fs; KV cache %d blocks x %d = %d tokens; max_model_len %d, "
-            "max_num_seqs %d, max_num_batched_tokens %d; %d buckets (%d executables) ready in %.1fs (%d loaded "
-            "compiled; cache: %s); "
-            "ready in %.1fs",
-            self.loaded.name,
-            arch.architecture,
-            self.loaded.dtype.name,
-            self.loaded.quant.describe(),
-            sum(self.loaded.load_seconds.values()),
-            self.kv.num_usable_blocks,
-            block_size,
-            capacity,
-            sched.max_model_len,
-            sched.max_num_seqs,
-            sched.max_num_batched_tokens,
-            len(self.runner.buckets),
-            self.runner.num_executables,
-            self.runner.compile_seconds,
-            self.runner.loaded_executables,
-            cache_folder or "off",
-            self.startup_seconds,
-        )
+        log_ready(self, cache_folder)
 
     @property
     def runner(self) -> ModelRunner:
@@ -216,7 +170,7 @@ class EngineCore:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        if request_id in self._groups:
+        if request_id in self.output_processor.groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_token_ids = [int(t) if hasattr(t, "__index__") else t for t in prompt_token_ids]
         self.validate_prompt(prompt_token_ids)
@@ -246,16 +200,8 @@ class EngineCore:
                 parent_id=request_id if params.n > 1 else None,
                 sample_seed=child.seed if child.seed is not None else self._fresh_seed(),
             )
-            if self.tokenizer is not None and child.detokenize:
-                self._detok[request.request_id] = IncrementalDetokenizer(
-                    self.tokenizer,
-                    request.prompt_token_ids,
-                    skip_special_tokens=child.skip_special_tokens,
-                    stop=child.stop_strings,
-                    include_stop_str_in_output=child.include_stop_str_in_output,
-                )
             samples.append(request)
-        self._groups[request_id] = samples
+        self.output_processor.add(request_id, samples)
         if params.structured_outputs is not None:  # waits outside the scheduler until its grammar compiled
             for request in samples:
                 request.status = RequestStatus.WAITING_FOR_FSM
@@ -276,9 +222,9 @@ class EngineCore:
                 self._schedule_group(samples)
                 continue
             for request in samples:
-                self._fail(request, error)
+                self.output_processor.fail(request, error)
             failed.append(samples[0].output_key)
-        return self._outputs(failed)
+        return self.output_processor.outputs(failed)
 
     def _fresh_seed(self) -> int:
         """Unseeded requests still get a stream of their own, derived from the engine seed: reproducible runs."""
@@ -286,17 +232,17 @@ class EngineCore:
         return (self.seed * 1_000_003 + self._next_seed) & 0x7FFFFFFF
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        samples = self._groups.get(request_id)
+        samples = self.output_processor.groups.get(request_id)
         if samples is None:
             return None
         for request in samples:
             self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
-        return self._output(request_id)
+        return self.output_processor.output(request_id)
 
     def has_unfinished_requests(self) -> bool:
         """Requests not finished, (async scheduling) a launched step not yet applied, or blocks held for a KV
         transfer that has not ended (its end is polled by `step`): keep stepping."""
-        return bool(self._groups) or len(self.batch_queue) > 0 or self.scheduler.has_pending_transfers
+        return bool(self.output_processor.groups) or len(self.batch_queue) > 0 or self.scheduler.has_pending_transfers
 
     def drain(self) -> list[RequestOutput]:
         """Apply every launched step, scheduling nothing new (async scheduling; a no-op otherwise)."""
@@ -324,7 +270,7 @@ class EngineCore:
         if connector is not None:  # loads that ended resume (or fail) their requests before scheduling
             self.scheduler.finish_transfers(connector.worker.get_finished())
         out = self.scheduler.schedule()
-        failed += self._outputs({r.output_key for r in self.scheduler.take_failed() if r.output_key in self._groups})
+        failed += self.output_processor.outputs_of(self.scheduler.take_failed())
         if connector is not None:  # evicted blocks out, loads in: before the step's forward overwrites or reads them
             connector.worker.start_load_kv(connector.scheduler.build_connector_meta(self.kv.take_evicted()))
         if out.is_empty:
@@ -390,8 +336,8 @@ class EngineCore:
         self.scheduler.release(out)
         failed = [s.request for s in out.scheduled if not s.request.is_finished]  # (async: not aborted since)
         for request in failed:
-            self._fail(request, f"engine step failed: {error}", uncache=True)
-        return self._outputs({r.output_key for r in failed if r.output_key in self._groups})
+            self.output_processor.fail(request, f"engine step failed: {error}", uncache=True)
+        return self.output_processor.outputs_of(failed)
 
     def _apply(self, step: InFlightStep) -> list[RequestOutput]:
         """Bring a launched step's results to the host and apply them: tokens, stop rules, outputs, drafts.
@@ -413,135 +359,17 @@ class EngineCore:
         progressed = set()
         for scheduled in out.scheduled:
             if scheduled.scores_prompt and not scheduled.request.is_finished:
-                self._record_prompt_logprobs(scheduled, result)
+                self.output_processor.record_prompt_logprobs(scheduled, result)
         for request, row, count in self.scheduler.update(out, result.token_ids):
             progressed.add(request.output_key)
             try:
-                self._post_process(request, result, row, count, now)
+                self.output_processor.process(request, result, row, count, now)
             except Exception as e:
                 logger.exception("request %s failed in post-processing", request.request_id)
-                self._fail(request, f"{type(e).__name__}: {e}")
+                self.output_processor.fail(request, f"{type(e).__name__}: {e}")
         if self.drafter is not None:
             self.drafter.propose(self.scheduler.running, self.structured, self.scheduler)
-        return self._outputs(progressed)
-
-    def _post_process(self, request: Request, result: RunnerOutput, row: int, count: int, now: float) -> None:
-        """The request's `count` new tokens (from logits row `row` on): grammar, logprobs, text, stop strings. A
-        stop found at one of them drops the tokens after it."""
-        metrics = request.metrics
-        if metrics.first_token_time is None:
-            metrics.first_token_time = now
-        metrics.last_token_time = now
-        first = request.num_output_tokens - count
-        params = request.sampling_params
-        detok = self._detok.get(request.request_id)
-        ended = request.is_finished  # the scheduler's stop (EOS, stop token, length) is at the last token
-        for i in range(count):
-            token, last = request.output_token_ids[first + i], i == count - 1
-            done = last and ended
-            stop = None
-            if not done and self.structured.advance(request, token):
-                stop = ""  # the grammar is complete
-            if params.logprobs is not None:
-                request.cumulative_logprob += float(result.logprobs[row + i])
-                request.logprobs.append(self._logprob_dict(token, result, row + i, params.logprobs))
-            if detok is not None and (text_stop := detok.update([token])) is not None and not done:
-                stop = request.stop_reason = text_stop
-            if stop is not None:
-                if request.is_finished:  # by the scheduler at a later token: it ends here instead
-                    request.status = RequestStatus.FINISHED_STOPPED
-                else:
-                    self.scheduler.finish_request(request, RequestStatus.FINISHED_STOPPED)
-                del request.output_token_ids[first + i + 1 :]  # tokens verified after the stop are not output
-                break
-        if detok is None:
-            return
-        if request.is_finished:
-            detok.finish()
-        request.output_text += detok.get_delta()
-
-    def _record_prompt_logprobs(self, scheduled: ScheduledRequest, result: RunnerOutput) -> None:
-        """The entries of the prompt tokens this chunk scored (row j: token start + j + 1), each once (a
-        request recomputed after preemption scores its prompt again)."""
-        request, k = scheduled.request, scheduled.request.sampling_params.prompt_logprobs
-        assert k is not None, "only requests asking for prompt_logprobs score their prompt"
-        entries = request.prompt_logprobs
-        if not entries:
-            entries.append(None)  # the first prompt token has nothing before it
-        for j in range(scheduled.num_new_tokens):
-            position, row = scheduled.start + j + 1, scheduled.logits_row + j
-            if position != len(entries) or position >= request.num_prompt_tokens:
-                continue
-            token = request.prompt_token_ids[position]
-            lp, rank = float(result.target_logprobs[row]), int(result.target_ranks[row])
-            entries.append(self._logprob_dict(token, result, row, k, (lp, rank)))
-
-    def _logprob_dict(
-        self, token: int, result: RunnerOutput, row: int, k: int, own: tuple[float, int] | None = None
-    ) -> dict[int, Logprob]:
-        """`token`'s logprob and rank (`own`, else the row's sampled token's) and the row's top k."""
-        entries = {
-            int(t): (float(lp), rank)
-            for rank, (t, lp) in enumerate(
-                zip(result.top_token_ids[row][:k], result.top_logprobs[row][:k], strict=True), 1
-            )
-        }
-        entries.setdefault(token, own or (float(result.logprobs[row]), int(result.ranks[row])))
-        decode = (lambda t: self.tokenizer.decode([t])) if self.tokenizer is not None else (lambda t: None)
-        return {t: Logprob(lp, rank, decode(t)) for t, (lp, rank) in entries.items()}
-
-    def _fail(self, request: Request, message: str, *, uncache: bool = False) -> None:
-        request.error = message
-        if request.is_finished:  # by the same step (EOS, length): its blocks are back, the error is what it ended in
-            request.status = RequestStatus.FINISHED_ERROR
-        self.scheduler.finish_request(request, RequestStatus.FINISHED_ERROR, uncache=uncache)
-        if (detok := self._detok.get(request.request_id)) is not None:
-            detok.finish()
-            request.output_text += detok.get_delta()
-
-    # ---- outputs ---------------------------------------------------------------------
-
-    def _outputs(self, request_ids) -> list[RequestOutput]:
-        return [self._output(rid) for rid in request_ids]
-
-    def _output(self, request_id: str) -> RequestOutput:
-        samples = self._groups[request_id]
-        finished = all(r.is_finished for r in samples)
-        completions = []
-        for r in samples:
-            completions.append(
-                CompletionOutput(
-                    index=r.index,
-                    text=r.output_text,
-                    token_ids=list(r.output_token_ids),
-                    cumulative_logprob=r.cumulative_logprob if r.sampling_params.logprobs is not None else None,
-                    logprobs=list(r.logprobs) if r.sampling_params.logprobs is not None else None,
-                    finish_reason=r.status.finish_reason,
-                    stop_reason=r.stop_reason,
-                )
-            )
-        first = samples[0]
-        errors = [r.error for r in samples if r.error]
-        output = RequestOutput(
-            request_id=request_id,
-            prompt=first.prompt,
-            prompt_token_ids=first.prompt_token_ids,
-            outputs=completions,
-            finished=finished,
-            metrics=first.metrics,
-            error="; ".join(errors) or None,
-            num_cached_tokens=first.num_cached_tokens,
-            prompt_logprobs=list(first.prompt_logprobs) if first.sampling_params.prompt_logprobs is not None else None,
-            kv_transfer_params=first.kv_transfer_params,
-        )
-        if finished:
-            del self._groups[request_id]
-            for r in samples:
-                self._detok.pop(r.request_id, None)
-                self.structured.free(r)
-                if self.drafter is not None:
-                    self.drafter.free(r.request_id)
-        return output
+        return self.output_processor.outputs(progressed)
 
     # ---- introspection ---------------------------------------------------------------
 

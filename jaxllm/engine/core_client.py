@@ -56,7 +56,7 @@ class EngineInfo:
     vocab_size: int
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
-        from jaxllm.engine.core import check_prompt
+        from jaxllm.engine.startup import check_prompt
 
         check_prompt(prompt_token_ids, self.max_model_len, self.vocab_size)
 

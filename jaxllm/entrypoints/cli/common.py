@@ -72,7 +72,7 @@ def encoded_prompts(args, texts: list[str], *, chat: bool) -> tuple[list[dict], 
     """The prompts as token ids (chat-templated when `chat` and the model has a template), each checked against
     max_model_len before the weights load: the config and the tokenizer take about a second, the start tens of
     seconds. Returns the prompts as `LLM.generate` takes them, and whether the template applied."""
-    from jaxllm.engine.core import check_prompt
+    from jaxllm.engine.startup import check_prompt
     from jaxllm.weights import open_model
 
     engine_args = EngineArgs.from_cli_args(args)
