@@ -820,7 +820,7 @@ def test_a_request_failing_in_post_processing_at_its_last_step_reports_an_error(
     "stop" answer)."""
     engine, tok = spec_llm.engine, spec_llm.get_tokenizer()
     engine.add_request("fails-late", tok.encode("Hello there"), SamplingParams(temperature=0, max_tokens=1))
-    engine._detok["fails-late"].update = lambda ids: 1 / 0
+    engine.output_processor.detokenizers["fails-late"].update = lambda ids: 1 / 0
     finished = {}
     while engine.has_unfinished_requests():
         finished.update({o.request_id: o for o in engine.step() if o.finished})
