@@ -31,9 +31,9 @@ def node(rank: int, args) -> None:
     from jax.experimental.multihost_utils import broadcast_one_to_all
 
     from jaxllm.distributed.step_sync import HEADER_SIZE, Payloads
-    from jaxllm.engine.scheduler import SchedulerOutput
     from jaxllm.runner.buckets import make_buckets
     from jaxllm.runner.input_batch import InputBatch
+    from jaxllm.scheduler_output import SchedulerOutput
 
     rows = []
     for num_seqs in args.num_seqs:

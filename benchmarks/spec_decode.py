@@ -263,7 +263,7 @@ def simulate_full_batch(spec: dict, batch: int, input_len: int, output_len: int,
     the simulator (the engine's own Scheduler and load-aware rule), on each cost model: output tokens per
     simulated second, the ratio, and what the rule chose (speculated fraction, drafts per verification)."""
     from jaxllm.config import SchedulerConfig, SpeculativeConfig
-    from jaxllm.engine.scheduler import max_logits_rows
+    from jaxllm.scheduler_output import max_logits_rows
     from jaxllm.sim.costmodel import CostModel
     from jaxllm.sim.simulator import SimConfig, cost_model_step_time, simulate
     from jaxllm.sim.trace import TraceRequest

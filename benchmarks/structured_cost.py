@@ -118,7 +118,7 @@ def mask_fill_replay(batch: int, steps: int, repeats: int = 5) -> dict:
     import numpy as np
 
     from jaxllm import SamplingParams, StructuredOutputsParams
-    from jaxllm.runner.sampler import all_allowed
+    from jaxllm.runner.token_masks import all_allowed
     from jaxllm.structured.manager import StructuredOutputManager
     from jaxllm.weights.default import default_model_path
     from jaxllm.weights.gguf import GGUFFile

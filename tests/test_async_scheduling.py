@@ -112,7 +112,7 @@ def fake_step(out, prev_sampled) -> list[int]:
 def run_scheduler(async_scheduling: bool, num_blocks: int, abort_at: int | None = None):
     from jaxllm.config import SchedulerConfig
     from jaxllm.engine.kv_cache_manager import KVCacheManager
-    from jaxllm.engine.request import Request, RequestStatus
+    from jaxllm.request import Request, RequestStatus
 
     kv = KVCacheManager(num_blocks, 4)
     config = SchedulerConfig(4, 16, 128, async_scheduling=async_scheduling)

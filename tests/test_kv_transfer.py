@@ -17,9 +17,9 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.config import KVTransferConfig
 from jaxllm.engine.block_hash import root_hash
 from jaxllm.engine.kv_cache_manager import KVCacheManager
-from jaxllm.engine.request import Request
 from jaxllm.model import KVCache
 from jaxllm.parallel.mesh import kv_cache_sharding, make_mesh
+from jaxllm.request import Request
 from jaxllm.runner.compilations import compilation_count
 from jaxllm.runner.kv_blocks import KVBlockMover
 from tests.conftest import TEST_ENGINE, kv_bytes
@@ -57,7 +57,7 @@ HASHES_SCRIPT = """
 import sys
 from jaxllm.engine.block_hash import root_hash
 from jaxllm.engine.kv_cache_manager import KVCacheManager
-from jaxllm.engine.request import Request
+from jaxllm.request import Request
 from jaxllm.sampling_params import SamplingParams
 kv = KVCacheManager(8, 4, root=root_hash(sys.argv[1]))
 request = Request("r", list(range(100, 113)), SamplingParams())

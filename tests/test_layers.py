@@ -100,3 +100,14 @@ def test_config_imports_no_feature_code():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert json.loads(out.stdout.splitlines()[-1]) == []
+
+
+def test_the_device_side_reads_the_step_contract_not_the_scheduler():
+    """runner/ imports nothing from engine/, and the step broadcast and a draft model's runner reach the scheduler's
+    data through the contract (scheduler_output.py, request.py) alone."""
+    found = []
+    for package, banned in (("runner", "jaxllm.engine"), ("distributed", "jaxllm.engine.scheduler")):
+        for path in sorted((ROOT / package).glob("*.py")):
+            found += [f"{package}/{path.name}: {n}" for n in imports_of(path) if n.startswith(banned)]
+    found += [n for n in imports_of(ROOT / "spec_decode" / "draft_model.py") if n.startswith("jaxllm.engine.scheduler")]
+    assert found == []

@@ -9,8 +9,8 @@ import pytest
 from jaxllm.config import SchedulerConfig
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.policy import POLICIES, FCFSQueue, WaitingQueue, make_waiting_queue, resolve_policy
-from jaxllm.engine.request import Request
 from jaxllm.engine.scheduler import Scheduler
+from jaxllm.request import Request
 from jaxllm.sampling_params import SamplingParams
 
 

@@ -6,17 +6,8 @@ import numpy as np
 import pytest
 
 from jaxllm.runner import sampler as sm
-from jaxllm.runner.sampler import (
-    SamplingInputs,
-    all_allowed,
-    allow_only,
-    allowed_token_ids,
-    ban_tokens,
-    mask_words,
-    neutral_inputs,
-    processed_logits,
-    sample,
-)
+from jaxllm.runner.sampler import SamplingInputs, neutral_inputs, processed_logits, sample
+from jaxllm.runner.token_masks import all_allowed, allow_only, allowed_token_ids, ban_tokens, mask_words
 from jaxllm.sampling_params import MAX_LOGPROBS, SamplingParams
 
 V = 1000  # not a multiple of 32 (mask padding) nor of the CDF block (draw padding)

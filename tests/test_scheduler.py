@@ -8,8 +8,8 @@ import pytest
 
 from jaxllm.config import SchedulerConfig
 from jaxllm.engine.kv_cache_manager import KVCacheManager
-from jaxllm.engine.request import Request, RequestStatus
 from jaxllm.engine.scheduler import Scheduler
+from jaxllm.request import Request, RequestStatus
 from jaxllm.sampling_params import SamplingParams
 
 EOS = 0
@@ -44,8 +44,9 @@ def drain(sched, limit=1000):
     return outs
 
 
-def test_scheduler_imports_no_jax():
-    code = "import sys, jaxllm.engine.scheduler, jaxllm.engine.kv_cache_manager; print('jax' in sys.modules)"
+def test_scheduler_and_the_step_contract_import_no_jax():
+    modules = "jaxllm.engine.scheduler, jaxllm.engine.kv_cache_manager, jaxllm.scheduler_output, jaxllm.request"
+    code = f"import sys, {modules}; print('jax' in sys.modules)"
     assert subprocess.check_output([sys.executable, "-c", code], text=True).strip() == "False"
 
 

@@ -16,8 +16,8 @@ import jaxllm.sim.calibrate as calibrate
 import jaxllm.sim.simulator as simulator
 from jaxllm.config import SchedulerConfig, SpeculativeConfig
 from jaxllm.engine.kv_cache_manager import KVCacheManager
-from jaxllm.engine.request import Request
 from jaxllm.engine.scheduler import Scheduler
+from jaxllm.request import Request
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sim.calibrate import BUSY_SEED, fit_event_costs, fit_host_overhead, fit_idle_wake
 from jaxllm.sim.costmodel import CostModel, StepShape, fit_cost_model
@@ -498,7 +498,7 @@ def test_disable_by_batch_size_turns_drafts_off_in_large_batches():
 
 def test_verification_steps_are_priced_by_their_rows():
     """A verification of d drafts: d + 1 tokens and d + 1 rows of logits of one sequence, not a prefill."""
-    from jaxllm.engine.scheduler import ScheduledRequest, SchedulerOutput
+    from jaxllm.scheduler_output import ScheduledRequest, SchedulerOutput
 
     request = Request("r", list(range(100, 140)), SamplingParams())
     out = SchedulerOutput(0, [ScheduledRequest(request, 4, 39, [0, 1, 2], [7, 8, 9])])

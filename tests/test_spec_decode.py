@@ -23,12 +23,14 @@ from scipy import stats as scipy_stats
 from jaxllm import LLM, SamplingParams, StructuredOutputsParams
 from jaxllm.config import MAX_SPECULATIVE_TOKENS, SchedulerConfig, SpeculativeConfig
 from jaxllm.engine.kv_cache_manager import KVCacheManager
-from jaxllm.engine.request import Request
-from jaxllm.engine.scheduler import ScheduledRequest, Scheduler, SchedulerOutput, max_logits_rows
+from jaxllm.engine.scheduler import Scheduler
+from jaxllm.request import Request
 from jaxllm.runner.buckets import Bucket, make_buckets, pick_bucket
 from jaxllm.runner.compilations import compilation_count
 from jaxllm.runner.input_batch import InputBatch
-from jaxllm.runner.sampler import allowed_token_ids, neutral_inputs, sample
+from jaxllm.runner.sampler import neutral_inputs, sample
+from jaxllm.runner.token_masks import allowed_token_ids
+from jaxllm.scheduler_output import ScheduledRequest, SchedulerOutput, max_logits_rows
 from jaxllm.spec_decode.budget import DraftBudget
 from jaxllm.spec_decode.ngram import NgramIndex, NgramProposer
 from tests.conftest import TEST_ENGINE, TEST_KV_BLOCKS, kv_bytes

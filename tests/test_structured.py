@@ -12,7 +12,7 @@ import lark
 import pytest
 
 from jaxllm import SamplingParams, StructuredOutputsParams
-from jaxllm.runner.sampler import all_allowed, allowed_token_ids
+from jaxllm.runner.token_masks import all_allowed, allowed_token_ids
 
 OBJ = {"type": "object", "additionalProperties": False}
 SCHEMAS = {
@@ -327,8 +327,8 @@ def test_aborting_a_request_whose_grammar_compiles_forgets_it(llm):
 
 def test_bitmask_rows_match_the_matcher_and_allow_eos_only_at_the_end(llm):
     """fill_bitmask writes llguidance's mask in the sampler's packed layout (bit t%32 of word t//32)."""
-    from jaxllm.engine.request import Request
-    from jaxllm.engine.scheduler import ScheduledRequest, SchedulerOutput
+    from jaxllm.request import Request
+    from jaxllm.scheduler_output import ScheduledRequest, SchedulerOutput
 
     engine = llm.engine
     manager, vocab = engine.structured, engine.loaded.arch.vocab_size

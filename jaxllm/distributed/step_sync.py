@@ -29,10 +29,10 @@ import numpy as np
 from jax.experimental.multihost_utils import broadcast_one_to_all
 
 from jaxllm.distributed.watchdog import Watchdog, die
-from jaxllm.engine.scheduler import SchedulerOutput
 from jaxllm.runner.model_runner import ModelRunner, RunnerOutput
 from jaxllm.runner.pipeline_hosts import HostsPipelineRunner
 from jaxllm.runner.sampler import SamplerOutput
+from jaxllm.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from jaxllm.engine.scheduler import SchedulerOutput
+from jaxllm.scheduler_output import SchedulerOutput
 
 
 @dataclass

@@ -27,7 +27,6 @@ from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.batch_queue import BatchQueue, InFlightStep
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.output_processor import OutputProcessor
-from jaxllm.engine.request import Request, RequestStatus
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.startup import check_prompt, enable_compilation_cache, log_ready
 from jaxllm.kv_transfer.factory import KVConnector, check_kv_connector, make_kv_connector
@@ -35,6 +34,7 @@ from jaxllm.kv_transfer.scope import KVScope
 from jaxllm.outputs import RequestOutput
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.parallel.pipeline import layer_ranges
+from jaxllm.request import Request, RequestStatus
 from jaxllm.runner.kv_blocks import KVBlockMover
 from jaxllm.runner.kv_cache import bytes_per_block
 from jaxllm.runner.model_runner import ModelRunner, RunnerOutput

@@ -14,9 +14,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from jaxllm.engine.block_hash import NO_SCOPE, BlockHash, hash_block
-from jaxllm.engine.request import Request
-
-SCRATCH_BLOCK = 0
+from jaxllm.request import Request
 
 
 class KVBlock:

@@ -9,10 +9,11 @@ detokenizers, grammar matchers and drafter state.
 from __future__ import annotations
 
 from jaxllm.engine.detokenizer import IncrementalDetokenizer
-from jaxllm.engine.request import Request, RequestStatus
-from jaxllm.engine.scheduler import ScheduledRequest, Scheduler
+from jaxllm.engine.scheduler import Scheduler
 from jaxllm.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxllm.request import Request, RequestStatus
 from jaxllm.runner.model_runner import RunnerOutput
+from jaxllm.scheduler_output import ScheduledRequest
 from jaxllm.structured.manager import StructuredOutputManager
 
 

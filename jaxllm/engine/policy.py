@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from jaxllm.engine.request import Request
+from jaxllm.request import Request
 
 if TYPE_CHECKING:
     from jaxllm.engine.kv_cache_manager import KVCacheManager

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     import numpy as np
 
     from jaxllm.engine.kv_cache_manager import KVCacheManager
-    from jaxllm.engine.request import Request
+    from jaxllm.request import Request
     from jaxllm.runner.kv_blocks import KVBlockMover
 
 # a sink for blocks copied out of the device: their keys and host K/V, each [num_layers, n, block, heads, dim]

@@ -18,7 +18,7 @@ from jaxllm.engine.block_hash import BlockHash
 from jaxllm.kv_transfer.base import HostLoad, KVConnectorMetadata, KVConnectorScheduler
 
 if TYPE_CHECKING:
-    from jaxllm.engine.request import Request
+    from jaxllm.request import Request
 
 
 class HostBlockStore:

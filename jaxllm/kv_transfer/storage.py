@@ -23,7 +23,7 @@ from jaxllm.engine.block_hash import BlockHash
 from jaxllm.kv_transfer.base import HostCopyWorker, HostLoad, KVConnectorScheduler
 
 if TYPE_CHECKING:
-    from jaxllm.engine.request import Request
+    from jaxllm.request import Request
 
 logger = logging.getLogger("jaxllm")
 

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 from jaxllm.kv_transfer.base import FinishedTransfers, KVConnectorMetadata, KVConnectorScheduler, KVConnectorWorker
 
 if TYPE_CHECKING:
-    from jaxllm.engine.request import Request
+    from jaxllm.request import Request
 
 logger = logging.getLogger("jaxllm")
 

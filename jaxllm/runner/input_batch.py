@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxllm.engine.kv_cache_manager import SCRATCH_BLOCK
-from jaxllm.engine.scheduler import SchedulerOutput
 from jaxllm.model import StepInputs
 from jaxllm.runner.buckets import Bucket
-from jaxllm.runner.sampler import SamplingInputs, ban_tokens
+from jaxllm.runner.sampler import SamplingInputs
+from jaxllm.runner.token_masks import ban_tokens
 from jaxllm.sampling_params import MAX_LOGIT_BIAS
+from jaxllm.scheduler_output import SCRATCH_BLOCK, SchedulerOutput
 
 
 class InputBatch:

@@ -20,8 +20,7 @@ import numpy as np
 
 from jaxllm.model import KVCache
 from jaxllm.parallel.mesh import kv_cache_sharding, replicated
-
-SCRATCH_BLOCK = 0
+from jaxllm.scheduler_output import SCRATCH_BLOCK
 
 
 def block_count_buckets(max_blocks: int) -> list[int]:

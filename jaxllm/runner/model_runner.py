@@ -33,7 +33,6 @@ from jax import Array
 from jax.sharding import Mesh
 
 from jaxllm.config import EngineConfig
-from jaxllm.engine.scheduler import SchedulerOutput, max_logits_rows, request_rows
 from jaxllm.model import KVCache, StepInputs
 from jaxllm.parallel.mesh import replicated
 from jaxllm.runner.buckets import Bucket, make_buckets, pick_bucket
@@ -43,6 +42,7 @@ from jaxllm.runner.executable_cache import ExecutableCache, abstract_signature, 
 from jaxllm.runner.input_batch import InputBatch
 from jaxllm.runner.kv_cache import allocate_kv_cache, num_kv_blocks
 from jaxllm.runner.sampler import SamplerOutput, SamplingInputs, sample
+from jaxllm.scheduler_output import SchedulerOutput, max_logits_rows, request_rows
 from jaxllm.weights import LoadedModel
 from jaxllm.weights.params import unstack_layers
 from pallas_kernels import cpu_ffi, stacked_matmul

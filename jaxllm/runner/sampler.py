@@ -40,7 +40,6 @@ noise to every logit (a random number per vocabulary entry: ~70 ms at [64, 49152
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
 from typing import Generic, NamedTuple, TypeVar
 
 import jax
@@ -48,9 +47,9 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int, UInt32
 
+from jaxllm.runner.token_masks import ALL_ALLOWED, all_allowed
 from jaxllm.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
-ALL_ALLOWED = np.uint32(0xFFFFFFFF)  # a mask word with every token allowed
 TOPK_CANDIDATES = 128  # candidates tried before the exact bisection for top_k / top_p
 CDF_BLOCK = 256  # vocabulary entries per block of the inverse-CDF draw (and of the argmax)
 BISECT_UNROLL = 2  # bisection steps per loop iteration: full unrolling compiles slowly, none runs ~2x slower
@@ -92,45 +91,6 @@ class SamplerOutput(NamedTuple):
 
 
 # ---------------------------------------------------------------- host-side helpers (numpy)
-
-
-def mask_words(vocab_size: int) -> int:
-    """Words of 32 token bits in one row of `allowed`: ceil(vocab_size / 32)."""
-    return -(-vocab_size // 32)
-
-
-def all_allowed(vocab_size: int, num_rows: int | None = None) -> np.ndarray:
-    """A fresh `allowed` row [W] (or rows [num_rows, W]) with every token allowed."""
-    shape = (mask_words(vocab_size),) if num_rows is None else (num_rows, mask_words(vocab_size))
-    return np.full(shape, ALL_ALLOWED, np.uint32)
-
-
-def ban_tokens(row_words: np.ndarray, token_ids: Iterable[int]) -> np.ndarray:
-    """Clear the bits of `token_ids` in one `allowed` row, in place (a view into a batch works); returns it."""
-    ids = np.asarray(list(token_ids), np.int64)
-    if ids.size:
-        if ids.min() < 0 or ids.max() >= 32 * row_words.shape[-1]:
-            raise ValueError(f"token ids must be in [0, {32 * row_words.shape[-1]}), got {ids.tolist()}")
-        clear = ~(np.uint32(1) << (ids % 32).astype(np.uint32))
-        np.bitwise_and.at(row_words, ids // 32, clear)
-    return row_words
-
-
-def allow_only(vocab_size: int, token_ids: Iterable[int]) -> np.ndarray:
-    """An `allowed` row [W] in which only `token_ids` may be sampled (e.g. from a grammar)."""
-    row = np.zeros(mask_words(vocab_size), np.uint32)
-    ids = np.asarray(list(token_ids), np.int64)
-    if ids.size:
-        if ids.min() < 0 or ids.max() >= vocab_size:
-            raise ValueError(f"token ids must be in [0, {vocab_size}), got {ids.tolist()}")
-        np.bitwise_or.at(row, ids // 32, np.uint32(1) << (ids % 32).astype(np.uint32))
-    return row
-
-
-def allowed_token_ids(row_words: np.ndarray, vocab_size: int) -> np.ndarray:
-    """The token ids an `allowed` row permits (for checks and debugging)."""
-    bits = (row_words[:, None] >> np.arange(32, dtype=np.uint32)) & 1
-    return np.flatnonzero(bits.reshape(-1)[:vocab_size])
 
 
 def neutral_inputs(num_seqs: int, vocab_size: int, history_len: int = 1) -> SamplingInputs[np.ndarray]:

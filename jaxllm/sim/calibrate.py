@@ -45,9 +45,9 @@ import numpy as np
 
 from jaxllm.config import SchedulerConfig
 from jaxllm.engine.args import EngineArgs
-from jaxllm.engine.request import Request
-from jaxllm.engine.scheduler import ScheduledRequest, SchedulerOutput
+from jaxllm.request import Request
 from jaxllm.runner.kv_cache import bytes_per_block
+from jaxllm.scheduler_output import ScheduledRequest, SchedulerOutput
 from jaxllm.sim.costmodel import CostModel, StepShape, fit_cost_model
 from jaxllm.sim.engine_run import forced_params, run_trace_on_engine
 from jaxllm.sim.progress import Progress, last_line

@@ -52,9 +52,10 @@ import numpy as np
 from jaxllm.bench.results import RequestRecord, summarize
 from jaxllm.config import SchedulerConfig, SpeculativeConfig
 from jaxllm.engine.kv_cache_manager import KVCacheManager
-from jaxllm.engine.request import Request
-from jaxllm.engine.scheduler import Scheduler, SchedulerOutput
+from jaxllm.engine.scheduler import Scheduler
+from jaxllm.request import Request
 from jaxllm.sampling_params import SamplingParams
+from jaxllm.scheduler_output import SchedulerOutput
 from jaxllm.sim.costmodel import (
     DEFAULT_PP_TRANSFER_LATENCY_S,
     DEFAULT_PP_TRANSFER_S_PER_TOKEN,

@@ -16,11 +16,11 @@ from jax.sharding import Mesh
 
 from jaxllm.config import CacheConfig, EngineConfig, ModelConfig, SpeculativeConfig
 from jaxllm.engine.kv_cache_manager import KVCacheManager
-from jaxllm.engine.request import Request
-from jaxllm.engine.scheduler import ScheduledRequest, SchedulerOutput
+from jaxllm.request import Request
 from jaxllm.runner.kv_cache import bytes_per_block
 from jaxllm.runner.worker import Worker
 from jaxllm.sampling_params import SamplingParams
+from jaxllm.scheduler_output import ScheduledRequest, SchedulerOutput
 from jaxllm.weights import open_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=None)

@@ -6,9 +6,9 @@ import time
 from collections.abc import Iterable
 from typing import Protocol
 
-from jaxllm.engine.request import Request
+from jaxllm.config import SpeculativeConfig
+from jaxllm.request import Request
 from jaxllm.spec_decode.budget import DraftBudget
-from jaxllm.spec_decode.config import SpeculativeConfig
 from jaxllm.spec_decode.ngram import NgramProposer
 from jaxllm.spec_decode.stats import SpecDecodingStats
 

@@ -7,7 +7,7 @@ context's length, where a rescan would cost the whole context (vLLM #16883).
 
 from __future__ import annotations
 
-from jaxllm.engine.request import Request
+from jaxllm.request import Request
 
 
 class NgramIndex:
