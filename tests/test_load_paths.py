@@ -24,17 +24,8 @@ import transformers
 from jaxllm import LLM, SamplingParams
 from jaxllm.entrypoints.convert import convert
 from tests.conftest import TEST_ENGINE, kv_bytes, serve_flags
+from tests.tiny_models import PANEL_LLAMA, random_model
 
-TINY = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-    tie_word_embeddings=True,
-)
 # few buckets (1-8 tokens, prompts prefill in chunks) and a small cache (sized from free memory, a tiny model's
 # would hold millions of tokens)
 TINY_ENGINE = dict(
@@ -55,12 +46,8 @@ RUNS = ("kernels", "tp2")  # each compared with the same weights through XLA alo
 @pytest.fixture(scope="module")
 def tiny_sources(tmp_path_factory):
     """source name → what `LLM` takes: a saved tiny Llama, its `jaxllm convert` checkpoint, its bare config."""
-    config = transformers.LlamaConfig(**TINY)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(0.1 * torch.randn_like(p))
+    config = transformers.LlamaConfig(**PANEL_LLAMA)
+    model = random_model(transformers.LlamaForCausalLM, config)
     root = tmp_path_factory.mktemp("load_paths")
     model.save_pretrained(root / "hf")
     convert(str(root / "hf"), str(root / "orbax"), dtype="float32")

@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 import transformers
 
 from jaxllm.model import CausalLM, KVCache
@@ -20,29 +19,14 @@ from jaxllm.weights.quant.plan import make_plan
 from pallas_kernels.stacked_matmul import quantized
 from tests.conftest import TEST_ENGINE, kv_bytes
 from tests.paged_batch import make_step
+from tests.tiny_models import PANEL_LLAMA, random_model
 
-# a tiny Llama whose every input size (64 hidden, 64 = 4 heads x 16, 128 intermediate) is whole groups of 32
-TINY = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=64,
-    tie_word_embeddings=True,
-)
 QUANT_MODULES = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
-    config = transformers.LlamaConfig(**TINY)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(0.1 * torch.randn_like(p))
+    model = random_model(transformers.LlamaForCausalLM, transformers.LlamaConfig(**PANEL_LLAMA))
     path = tmp_path_factory.mktemp("llama")
     model.save_pretrained(path)
     return path
@@ -86,11 +70,11 @@ def test_the_default_gguf_keeps_its_own_formats_and_int8_int4_none_say_what_they
 
 
 def test_a_quantization_the_model_cannot_take_fails_naming_the_tensor_and_the_rule(caplog):
-    arch = arch_from_hf_config({**TINY, "architectures": ["LlamaForCausalLM"], "intermediate_size": 48})
+    arch = arch_from_hf_config({**PANEL_LLAMA, "architectures": ["LlamaForCausalLM"], "intermediate_size": 48})
     with pytest.raises(ValueError, match="down_proj has 48 inputs, not a multiple of the group size 32"):
         make_plan(arch, "int4", None)
     make_plan(arch, "int8", None)  # per channel: any size
-    wide = arch_from_hf_config({**TINY, "architectures": ["LlamaForCausalLM"]})
+    wide = arch_from_hf_config({**PANEL_LLAMA, "architectures": ["LlamaForCausalLM"]})
     with pytest.raises(
         ValueError,
         match="tensor_parallel_size=4 splits down_proj's 128 inputs into shards of 32|"

@@ -6,7 +6,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 import transformers
 
 from jaxllm.config import resolve_dtype
@@ -14,6 +13,7 @@ from jaxllm.entrypoints.convert import convert
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.weights import load_model
 from jaxllm.weights.params import abstract_params
+from tests.tiny_models import random_model
 
 TINY = dict(
     vocab_size=64,
@@ -29,12 +29,7 @@ TINY = dict(
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
     """A tiny random Qwen2 model saved by transformers as sharded safetensors."""
-    config = transformers.Qwen2Config(**TINY)
-    torch.manual_seed(0)
-    model = transformers.Qwen2ForCausalLM(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(0.1 * torch.randn_like(p))
+    model = random_model(transformers.Qwen2ForCausalLM, transformers.Qwen2Config(**TINY))
     path = tmp_path_factory.mktemp("qwen2")
     model.save_pretrained(path, max_shard_size="20KB")
     return path, {k: v.detach().numpy() for k, v in model.state_dict().items()}

@@ -1,0 +1,27 @@
+"""Tiny random transformers models, for tests that run jaxllm and PyTorch on the same weights."""
+
+import torch
+
+# a tiny Llama whose every input size (64 hidden, 64 = 4 heads x 16, 128 intermediate) is whole groups of 32 and
+# whose every projection is whole panels of 32 columns: the quantized formats and the CPU kernels serve all of it
+PANEL_LLAMA = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+    tie_word_embeddings=True,
+)
+
+
+def random_model(model_class, config, std: float = 0.1, seed: int = 0):
+    """`model_class(config)` with N(0, std) weights: its own initialisation is too small for a layout or rounding
+    mistake to show in the outputs."""
+    torch.manual_seed(seed)
+    model = model_class(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(std * torch.randn_like(p))
+    return model
