@@ -41,8 +41,8 @@ import time
 from pathlib import Path
 
 DEFAULT_SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-GOALS = {"copy": 2.0, "chat": 1.0}  # batch workloads: BATCH_GOAL
-BATCH_GOAL = 0.95
+GOALS = {"copy": 2.0, "chat": 0.95}  # issue 44's; batch workloads: BATCH_GOAL (where the rule may rightly decline)
+BATCH_GOAL = 0.98
 
 # a few typos each, so that "fix" has something to do; ~100-200 tokens each
 PARAGRAPHS = [
@@ -339,9 +339,9 @@ def main() -> None:
         "--max-num-seqs",
         type=int,
         default=None,
-        help="both engines' max_num_seqs (default: the engine's). A step's rows of logits, one per request and one "
-        "per draft, stay within max(max_num_seqs, k + 1): at batch = max_num_seqs no draft can be verified, so give "
-        "room above the largest batch to let the load-aware rule decide (the committed run: 128)",
+        help="both engines' max_num_seqs (default: the engine's). A step has rows of logits for k + 1 per sequence "
+        "(within max_num_batched_tokens), so a batch of max_num_seqs still gets rows for its drafts and the "
+        "load-aware rule decides how many to use",
     )
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
