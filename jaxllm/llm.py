@@ -19,6 +19,15 @@ if TYPE_CHECKING:
 PromptType = str | dict[str, Any]
 
 
+def chat_prompt(tokenizer, conversation, chat_template: str | None = None, add_generation_prompt=True):
+    """One conversation as a prompt: the chat template's text and its token ids (the template writes the special
+    tokens itself, so the tokenizer adds none)."""
+    text = tokenizer.apply_chat_template(
+        conversation, tokenize=False, chat_template=chat_template, add_generation_prompt=add_generation_prompt
+    )
+    return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+
 class LLM:
     """An engine for offline batch generation. `model=None` is the embedded default model.
 
@@ -96,11 +105,7 @@ class LLM:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conversation in conversations:
-            text = tokenizer.apply_chat_template(
-                conversation, tokenize=False, chat_template=chat_template, add_generation_prompt=add_generation_prompt
-            )
-            ids = tokenizer.encode(text, add_special_tokens=False)
-            prompts.append({"prompt": text, "prompt_token_ids": ids})
+            prompts.append(chat_prompt(tokenizer, conversation, chat_template, add_generation_prompt))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     # ---- helpers ---------------------------------------------------------------------

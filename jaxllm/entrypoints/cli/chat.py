@@ -22,6 +22,8 @@ def run(args) -> None:
     params = sampling_params(args)
     announce_start(args)
     llm = make_llm(args)
+    from jaxllm.llm import chat_prompt  # after the start line: importing the engine takes seconds
+
     tokenizer = llm.get_tokenizer()
     if tokenizer is None or not tokenizer.chat_template:
         raise ValueError("this model has no chat template")
@@ -45,9 +47,8 @@ def run(args) -> None:
             print(f"unknown command {command}: /reset or /exit", file=sys.stderr)
             continue
         messages.append({"role": "user", "content": line})
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         request_id = f"chat-{next(ids)}"
-        llm.engine.add_request(request_id, tokenizer.encode(text, add_special_tokens=False), params)
+        llm.engine.add_request(request_id, chat_prompt(tokenizer, messages)["prompt_token_ids"], params)
         printed, reply = 0, ""
         while llm.engine.has_unfinished_requests():
             for output in llm.engine.step():

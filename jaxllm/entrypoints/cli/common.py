@@ -73,6 +73,7 @@ def encoded_prompts(args, texts: list[str], *, chat: bool) -> tuple[list[dict], 
     max_model_len before the weights load: the config and the tokenizer take about a second, the start tens of
     seconds. Returns the prompts as `LLM.generate` takes them, and whether the template applied."""
     from jaxllm.engine.startup import check_prompt
+    from jaxllm.llm import chat_prompt
     from jaxllm.weights import open_model
 
     engine_args = EngineArgs.from_cli_args(args)
@@ -85,17 +86,16 @@ def encoded_prompts(args, texts: list[str], *, chat: bool) -> tuple[list[dict], 
     max_model_len = engine_args.max_model_len or source.arch.max_position_embeddings
     prompts = []
     for i, text in enumerate(texts):
-        if templated:
-            conversation = [{"role": "user", "content": text}]
-            text = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-            ids = tokenizer.encode(text, add_special_tokens=False)
-        else:
-            ids = tokenizer.encode(text)
+        prompt = (
+            chat_prompt(tokenizer, [{"role": "user", "content": text}])
+            if templated
+            else {"prompt": text, "prompt_token_ids": tokenizer.encode(text)}
+        )
         try:
-            check_prompt(ids, max_model_len, source.arch.vocab_size)
+            check_prompt(prompt["prompt_token_ids"], max_model_len, source.arch.vocab_size)
         except ValueError as e:
             raise ValueError(f"prompt {i}: {e}") from None
-        prompts.append({"prompt": text, "prompt_token_ids": ids})
+        prompts.append(prompt)
     return prompts, templated
 
 
