@@ -32,12 +32,11 @@ import numpy as np  # noqa: E402
 
 from jaxllm import LLM, SamplingParams  # noqa: E402
 from jaxllm.bench.offline import machine_info  # noqa: E402
-from jaxllm.engine.batch_queue import BatchQueue  # noqa: E402
 
 
 def set_in_flight(llm: LLM, batches: int, max_num_seqs: int) -> None:
     """The PP engine with `batches` in flight at most, each with its share of the rows."""
-    llm.engine.batch_queue = BatchQueue(batches)
+    llm.engine.loop.max_in_flight = batches
     llm.engine.scheduler.max_num_rows = -(-max_num_seqs // batches)
 
 

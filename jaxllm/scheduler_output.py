@@ -9,6 +9,7 @@ Python: no JAX.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from jaxllm.config import SchedulerConfig, SpeculativeConfig
 from jaxllm.request import Request
@@ -53,6 +54,9 @@ class SchedulerOutput:
     step: int
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)  # request ids preempted in this step
+    # a KV connector's instructions for the runner side before the forward (kv_transfer/base.py's
+    # KVConnectorMetadata: evicted blocks to copy out, loads to scatter or start); None without a connector
+    kv_connector_metadata: Any = None
     num_rows: int = field(init=False, default=0)  # rows of logits: one per scheduled request, one per draft
 
     def __post_init__(self):

@@ -67,9 +67,9 @@ def count_overlap(llm):
 
 def assert_idle(llm):
     engine = llm.engine
-    assert not engine.has_unfinished_requests() and len(engine.batch_queue) == 0
+    assert not engine.has_unfinished_requests() and len(engine.loop) == 0
     assert engine.kv.num_free_blocks == engine.kv.num_usable_blocks
-    assert not engine.scheduler._in_flight and engine.scheduler.num_unapplied_steps == 0
+    assert not engine.scheduler.in_flight._pending and engine.scheduler.in_flight.num_steps == 0
 
 
 def mixed_params() -> list[SamplingParams]:
@@ -139,7 +139,7 @@ def run_scheduler(async_scheduling: bool, num_blocks: int, abort_at: int | None 
             if async_scheduling and not out.scheduled and (out := sched.schedule()).scheduled:
                 queue.append((out, fake_step(out, None)))
         assert len(queue) <= 1 and steps < 2000
-    assert kv.num_free_blocks == kv.num_usable_blocks and not sched._in_flight
+    assert kv.num_free_blocks == kv.num_usable_blocks and not sched.in_flight._pending
     return [(r.output_token_ids, r.status) for r in requests], placeholders, sched.num_preemptions
 
 
@@ -235,7 +235,7 @@ def test_abort_mid_generation(llm, on):
                 finished[output.request_id] = output
         steps += 1
         if steps == 6:  # mid-generation, with a step in flight
-            assert len(engine.batch_queue) == 1
+            assert len(engine.loop) == 1
             aborted = engine.abort_request("abort-1")
             assert aborted is not None and aborted.finished
             assert aborted.outputs[0].finish_reason == "abort"

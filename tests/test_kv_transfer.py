@@ -156,17 +156,17 @@ def test_bad_connector_settings_fail_at_start_up(tmp_path):
             _engine(kv_transfer_config=config)
     with pytest.raises(ValueError, match="more than this machine's"):
         _engine(kv_offloading_size=1 << 20)
-    with pytest.raises(ValueError, match="not supported with async_scheduling"):
-        _engine(kv_transfer_config={"kv_connector": "TransferConnector"}, async_scheduling=True)
 
 
 # ---- offloading -----------------------------------------------------------------------------------------------
 
 
-def test_offloading_brings_evicted_prefixes_back_from_host_memory():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_offloading_brings_evicted_prefixes_back_from_host_memory(async_scheduling):
     """A device pool too small for the three long prompts: each evicts the one before, whose blocks go to host
-    memory and come back for its second run, with the same tokens."""
-    llm = _engine(num_blocks=33, kv_offloading_size=0.05)  # 32 usable blocks: one prompt's and a bit
+    memory and come back for its second run, with the same tokens; with a step in flight too (the connector's
+    work rides on each step in every step loop)."""
+    llm = _engine(num_blocks=33, kv_offloading_size=0.05, async_scheduling=async_scheduling)
     tokenizer = llm.get_tokenizer()
     long_prompts = [{"prompt_token_ids": tokenizer.encode(p * 4)[:360]} for p in PROMPTS]  # 23 blocks each
     expected = _tokens(_engine().generate(long_prompts, GREEDY, use_tqdm=False))
@@ -271,7 +271,8 @@ def _decode(consumer: LLM, prompts: list[str], params: list[dict]):
 @pytest.fixture(scope="module")
 def pd():
     transfer = {"kv_connector": "TransferConnector"}
-    producer = _engine(kv_transfer_config={**transfer, "kv_role": "kv_producer"})
+    # the producer schedules asynchronously (its offers follow each applied step), the consumer one step at a time
+    producer = _engine(kv_transfer_config={**transfer, "kv_role": "kv_producer"}, async_scheduling=True)
     consumer = _engine(
         kv_transfer_config={
             **transfer,

@@ -53,23 +53,24 @@ def test_layers_split_as_vllm_splits_them(monkeypatch):
 def test_two_stages_give_one_devices_tokens_with_batches_in_flight(pp2, reference):
     """Several batches in flight (no request in two of them), chunked prefill (prompts over 64 tokens)."""
     engine = pp2.engine
-    assert engine.batch_queue.max_depth == 2
-    launch, in_flight_overlaps, depths = engine._launch, [], []
+    loop = engine.loop
+    assert loop.max_in_flight == 2
+    launch, in_flight_overlaps, depths = loop.launch, [], []
 
     def checked_launch(out, previous):
-        flying = [s.request.request_id for step in list(engine.batch_queue._steps) for s in step.out.scheduled]
+        flying = [s.request.request_id for step in loop.in_flight for s in step.out.scheduled]
         in_flight_overlaps.extend(set(flying) & {s.request.request_id for s in out.scheduled})
         result = launch(out, previous)
-        depths.append(len(engine.batch_queue))
+        depths.append(len(loop) + (result[0] is not None))
         return result
 
-    engine._launch = checked_launch
+    loop.launch = checked_launch
     try:
         before = compilation_count()
         outputs = pp2.generate(PROMPTS, GREEDY, use_tqdm=False)
         assert compilation_count() == before
     finally:
-        del engine._launch
+        loop.launch = launch
     assert _tokens(outputs) == reference
     assert in_flight_overlaps == []
     assert max(depths) == 2  # the pipeline was full at times

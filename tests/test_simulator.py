@@ -14,9 +14,11 @@ import pytest
 
 import jaxllm.sim.calibrate as calibrate
 import jaxllm.sim.simulator as simulator
+import jaxllm.sim.sweep as sweep
 from jaxllm.config import SchedulerConfig, SpeculativeConfig
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.scheduler import Scheduler
+from jaxllm.engine.step_loop import StepLoop
 from jaxllm.request import Request
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.sim.calibrate import BUSY_SEED, fit_event_costs, fit_host_overhead, fit_idle_wake
@@ -60,6 +62,7 @@ def busy_trace(n=60, seed=0):
 
 def test_the_simulator_runs_the_engines_own_classes(monkeypatch):
     assert simulator.Scheduler is Scheduler and simulator.KVCacheManager is KVCacheManager
+    assert simulator.StepLoop is StepLoop  # the engine's one step loop, on the virtual clock
     calls = {"schedule": 0, "update": 0, "allocate_slots": 0}
     for cls, name in ((Scheduler, "schedule"), (Scheduler, "update"), (KVCacheManager, "allocate_slots")):
         original = getattr(cls, name)
@@ -178,8 +181,8 @@ def test_the_sweep_keeps_each_points_median_over_rounds(monkeypatch):
         warm_rounds.append(warm)
         return StepShape(1, 1, 1, 1), next(rounds[layout[0][0]])
 
-    monkeypatch.setattr(calibrate, "_time_step", fake_time_step)
-    result = calibrate.time_sweep(None, [[("a", 1)], [("b", 1)]], repeats=5, progress=False)
+    monkeypatch.setattr(sweep, "_time_step", fake_time_step)
+    result = sweep.time_sweep(None, [[("a", 1)], [("b", 1)]], repeats=5, progress=False)
     assert [t for _, t in result] == [pytest.approx(0.050), pytest.approx(0.012)]
     assert warm_rounds == [True, True] + [False] * 8  # each point's first use is run once untimed
 
@@ -511,7 +514,7 @@ def test_verification_steps_are_priced_by_their_rows():
 
 
 def test_calibration_sweeps_verification_steps_within_the_engines_limits():
-    points = calibrate.sweep_points(8, 64, 512, 4000)
+    points = sweep.sweep_points(8, 64, 512, 4000)
     verify = [p for p in points if any(len(seq) == 3 for seq in p)]
     assert len(verify) >= 10
     for layout in verify:
@@ -528,7 +531,7 @@ def test_calibration_times_verification_steps_on_the_real_runner(llm):
     free = core.kv.num_free_blocks
     before = compilation_count()
     for layout in ([(16, 4, 3)], [(256, 2, 1)] * 2 + [(0, 59)], [(64, 8, 7)]):
-        shape, seconds = calibrate._time_step(core, layout, warm=True)
+        shape, seconds = sweep._time_step(core, layout, warm=True)
         assert shape.num_rows == sum(1 + (seq[2] if len(seq) == 3 else 0) for seq in layout)
         assert shape.num_tokens == sum(seq[1] for seq in layout) and seconds > 0
     assert compilation_count() == before

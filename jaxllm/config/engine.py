@@ -37,11 +37,10 @@ def check_combinations(
         for what, given in refused.items():
             if given:
                 raise ValueError(f"pipeline_parallel_size > 1 is not supported with {what} yet")
-    if kv_transfer is not None and (async_scheduling or parallel.nnodes > 1):
+    if kv_transfer is not None and parallel.nnodes > 1:
         raise ValueError(
-            "kv_transfer_config is not supported with "
-            + ("async_scheduling" if async_scheduling else "nnodes > 1")
-            + " yet: a connector copies blocks between whole steps of one process"
+            "kv_transfer_config is not supported with nnodes > 1 yet: a connector copies blocks of one process's "
+            "cache (run one node per prefill or decode instance)"
         )
 
 

@@ -18,6 +18,12 @@ class SchedulerConfig:
     # pipeline parallelism: batches in flight at once (one per stage), a request in at most one of them
     max_concurrent_batches: int = 1
 
+    @property
+    def max_steps_in_flight(self) -> int:
+        """Steps launched and not yet applied at once (engine/step_loop.py): a batch per pipeline stage, one
+        more with async scheduling."""
+        return self.max_concurrent_batches + (1 if self.async_scheduling else 0)
+
     def __post_init__(self):
         positive("max_num_seqs", self.max_num_seqs)
         positive("max_num_batched_tokens", self.max_num_batched_tokens)

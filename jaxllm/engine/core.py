@@ -6,9 +6,9 @@ returns a `RequestOutput` for every request that progressed. A failure inside on
 request's post-processing finishes only that request (finish_reason "error"); a failed
 device step finishes only the requests it carried. Their blocks always return to the pool.
 
-With async scheduling (`EngineArgs.async_scheduling`) `step()` schedules and launches step N+1
-before it applies step N (engine/batch_queue.py holds the launched steps); a call may return the
-outputs of the step before the one it launched, and `has_unfinished_requests()` stays true until
+With async scheduling (`EngineArgs.async_scheduling`) or pipeline stages, `step()` schedules and launches
+step N+1 before it applies step N (engine/step_loop.py: one loop, its depth the steps in flight); a call may
+return the outputs of the step before the one it launched, and `has_unfinished_requests()` stays true until
 the last launched step is applied.
 """
 
@@ -22,13 +22,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxllm.distributed.runtime import initialize_from_args
-from jaxllm.distributed.step_sync import StepLeader
 from jaxllm.engine.args import EngineArgs
-from jaxllm.engine.batch_queue import BatchQueue, InFlightStep
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.startup import check_prompt, enable_compilation_cache, log_ready
+from jaxllm.engine.step_loop import InFlightStep, StepLoop
 from jaxllm.kv_transfer.factory import KVConnector, check_kv_connector, make_kv_connector
 from jaxllm.kv_transfer.scope import KVScope
 from jaxllm.outputs import RequestOutput
@@ -37,10 +36,10 @@ from jaxllm.parallel.pipeline import layer_ranges
 from jaxllm.request import Request, RequestStatus
 from jaxllm.runner.kv_blocks import KVBlockMover
 from jaxllm.runner.kv_cache import bytes_per_block
-from jaxllm.runner.model_runner import ModelRunner, RunnerOutput
-from jaxllm.runner.sampler import SamplerOutput
+from jaxllm.runner.model_runner import ModelRunner
 from jaxllm.runner.worker import Worker
 from jaxllm.sampling_params import SamplingParams
+from jaxllm.scheduler_output import SchedulerOutput
 from jaxllm.spec_decode.drafter import make_drafter
 from jaxllm.structured.manager import StructuredOutputManager
 from jaxllm.weights import LoadedModel, open_model
@@ -103,6 +102,7 @@ class EngineCore:
             mover = KVBlockMover(self.runner)
             mover.warm_up()
             self.kv_connector = make_kv_connector(kv_transfer, self.kv_scope, self.kv, mover)
+            self.worker.attach_kv_connector(self.kv_connector.worker)
             logger.info("KV connector %s (%s) ready", kv_transfer.kv_connector, kv_transfer.kv_role)
         connector = self.kv_connector.scheduler if self.kv_connector is not None else None
         self.scheduler = Scheduler(self.config.scheduler, self.kv, speculative, connector)
@@ -111,13 +111,10 @@ class EngineCore:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = tuple(sorted(eos))
-        # multi-host: node 0 broadcasts every step to the followers (which run `distributed.follow` instead)
-        multi_host_leader = jax.process_count() > 1 and jax.process_index() == 0
-        self.step_leader = StepLeader(self.runner, args.distributed_timeout) if multi_host_leader else None
-        self.async_scheduling = self.config.scheduler.async_scheduling
-        self.pipelined = args.pipeline_parallel_size > 1  # a batch in flight per stage
-        depth = args.pipeline_parallel_size if self.pipelined else 2 if self.async_scheduling else 1
-        self.batch_queue = BatchQueue(depth)  # launched, not yet applied
+        if jax.process_count() > 1 and jax.process_index() == 0:  # multi-host: node 0 drives the followers
+            self.worker.lead_followers(args.distributed_timeout)
+        depth = self.config.scheduler.max_steps_in_flight
+        self.loop = StepLoop(self.scheduler, self._launch, self._apply, depth)
         self._next_seed = 0
         self.structured = StructuredOutputManager(self.tokenizer, arch.vocab_size, self.eos_token_ids)
         self.drafter = make_drafter(
@@ -242,14 +239,11 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         """Requests not finished, (async scheduling) a launched step not yet applied, or blocks held for a KV
         transfer that has not ended (its end is polled by `step`): keep stepping."""
-        return bool(self.output_processor.groups) or len(self.batch_queue) > 0 or self.scheduler.has_pending_transfers
+        return bool(self.output_processor.groups) or len(self.loop) > 0 or self.scheduler.has_pending_transfers
 
     def drain(self) -> list[RequestOutput]:
-        """Apply every launched step, scheduling nothing new (async scheduling; a no-op otherwise)."""
-        outputs = []
-        while len(self.batch_queue):
-            outputs += self._apply(self.batch_queue.pop())
-        return outputs
+        """Apply every launched step, scheduling nothing new (async scheduling, pipeline stages; else a no-op)."""
+        return self.loop.drain()
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (vLLM's name); False, doing nothing, while requests are in flight."""
@@ -261,77 +255,25 @@ class EngineCore:
     # ---- one step --------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        failed = self._admit_compiled()
-        if self.async_scheduling:
-            return failed + self._step_async(bool(failed))
-        if self.pipelined:
-            return failed + self._step_pipelined(bool(failed))
-        connector = self.kv_connector
-        if connector is not None:  # loads that ended resume (or fail) their requests before scheduling
-            self.scheduler.finish_transfers(connector.worker.get_finished())
-        out = self.scheduler.schedule()
-        failed += self.output_processor.outputs_of(self.scheduler.take_failed())
-        if connector is not None:  # evicted blocks out, loads in: before the step's forward overwrites or reads them
-            connector.worker.start_load_kv(connector.scheduler.build_connector_meta(self.kv.take_evicted()))
-        if out.is_empty:
-            if not failed:
-                self.structured.wait(timeout=0.05)  # idle but for compiling grammars (or KV loads): wait, never spin
-            return failed
-        outputs = self._launch(out, None)
-        if len(self.batch_queue):
-            outputs += self._apply(self.batch_queue.pop())
-        if connector is not None:  # what the step completed or finished: saved or offered before anything reuses it
-            connector.worker.save_kv(connector.scheduler.build_connector_meta([]))
-            self.scheduler.finish_transfers(connector.worker.get_finished())  # offered: held blocks go back now
-        return failed + outputs
-
-    def _step_async(self, busy: bool) -> list[RequestOutput]:
-        """Schedule and launch step N+1 while step N (if any) runs, then apply step N. A request whose next
-        input needs step N's result sits out step N+1 (`Scheduler._may_follow`); when nobody can follow,
-        step N is applied first and the next step launched right after, without overlap."""
-        previous = self.batch_queue.oldest()
-        out = self.scheduler.schedule()
-        if out.is_empty and previous is None:
-            if not busy:
-                self.structured.wait(timeout=0.05)  # idle but for compiling grammars: wait, never spin
-            return []
-        outputs = [] if out.is_empty else self._launch(out, previous)
-        if previous is not None:
-            outputs += self._apply(self.batch_queue.pop())
-            if out.is_empty and (out := self.scheduler.schedule()).scheduled:
-                outputs += self._launch(out, None)
+        """Schedule, launch and apply through the one step loop (engine/step_loop.py): with async scheduling or
+        pipeline stages, a call may return the outputs of a step launched before the one it launched."""
+        outputs = self._admit_compiled()
+        self._finish_transfers()  # loads that ended resume (or fail) their requests before scheduling
+        out, applied = self.loop.step()
+        outputs += self.output_processor.outputs_of(self.scheduler.take_failed()) + applied
+        if out.is_empty and not outputs and not len(self.loop):
+            self.structured.wait(timeout=0.05)  # idle but for compiling grammars (or KV loads): wait, never spin
         return outputs
 
-    def _step_pipelined(self, busy: bool) -> list[RequestOutput]:
-        """Pipeline parallelism: launch a new batch while up to PP - 1 earlier ones are still in the stages (its
-        requests are none of theirs: `Scheduler._may_follow`); apply the oldest when the queue is full, or when
-        nothing new can start."""
-        outputs = self._apply(self.batch_queue.pop()) if self.batch_queue.full else []
-        out = self.scheduler.schedule()
-        if not out.is_empty:
-            return outputs + self._launch(out, None)
-        if len(self.batch_queue):
-            return outputs + self._apply(self.batch_queue.pop())
-        if not busy and not outputs:
-            self.structured.wait(timeout=0.05)  # idle but for compiling grammars: wait, never spin
-        return outputs
-
-    def _launch(self, out, previous: InFlightStep | None) -> list[RequestOutput]:
-        """Launch `out` on the device and queue it; if that fails, fail the requests it carried."""
+    def _launch(self, out: SchedulerOutput, previous: InFlightStep | None) -> tuple[object | None, list]:
+        """Launch `out` on the device (its KV connector instructions first); if that fails, fail its requests."""
         try:
-            started = time.perf_counter()
-            result: RunnerOutput | SamplerOutput
-            if self.step_leader is not None:  # multi-host (never async: refused at start-up)
-                result = self.step_leader.execute(out, grammar=self.structured)
-            else:
-                prev = previous.result if previous is not None else None
-                result = self.runner.launch(out, self.structured, prev)
-            self.batch_queue.push(InFlightStep(out, result, started))
+            grammar = self.structured
+            return self.worker.launch(out, grammar, previous.result if previous is not None else None), []
         except Exception as e:  # the device step failed: fail the requests it carried, keep serving
-            return self._failed_step(out, e)
-        return []
+            return None, self._failed_step(out, e)
 
-    def _failed_step(self, out, error: Exception) -> list[RequestOutput]:
+    def _failed_step(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         logger.exception("engine step %d failed", out.step)
         self.scheduler.release(out)
         failed = [s.request for s in out.scheduled if not s.request.is_finished]  # (async: not aborted since)
@@ -340,17 +282,17 @@ class EngineCore:
         return self.output_processor.outputs_of(failed)
 
     def _apply(self, step: InFlightStep) -> list[RequestOutput]:
-        """Bring a launched step's results to the host and apply them: tokens, stop rules, outputs, drafts.
+        """Bring a launched step's results to the host and apply them: tokens, stop rules, outputs, drafts, then
+        the KV connector's saves of what it completed.
 
         Async scheduling: a request this step finishes (EOS, stop token or string, abort) may have a row in the
         step launched after it, computed in vain: `update` skips finished requests, so that row gives no output.
         Its blocks are freed now and may go to another request in the next schedule; the vain row's K/V write
         into them still lands first (every step takes the cache the one before it returned), so it is harmless.
         """
-        out, result = step.out, step.result
+        out = step.out
         try:
-            if not isinstance(result, RunnerOutput):
-                result = self.runner.collect(result, out.num_rows)
+            result = self.worker.collect(step.result, out.num_rows)
             if self.scheduler.draft_budget is not None:
                 self.scheduler.draft_budget.observe_step(out.num_tokens, time.perf_counter() - step.launched)
         except Exception as e:
@@ -369,7 +311,14 @@ class EngineCore:
                 self.output_processor.fail(request, f"{type(e).__name__}: {e}")
         if self.drafter is not None:
             self.drafter.propose(self.scheduler.running, self.structured, self.scheduler)
+        if self.kv_connector is not None:  # what the step completed or finished: saved or offered before reuse
+            self.kv_connector.worker.save_kv(self.kv_connector.scheduler.build_connector_meta([]))
+            self._finish_transfers()  # offered: held blocks go back now
         return self.output_processor.outputs(progressed)
+
+    def _finish_transfers(self) -> None:
+        if self.kv_connector is not None:
+            self.scheduler.finish_transfers(self.kv_connector.worker.get_finished())
 
     # ---- introspection ---------------------------------------------------------------
 

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from jaxllm.config import SchedulerConfig, SpeculativeConfig
+from jaxllm.engine.in_flight import InFlightRequests, Pending
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.policy import make_waiting_queue
 from jaxllm.request import Request, RequestStatus
@@ -33,16 +33,6 @@ if TYPE_CHECKING:
     from jaxllm.kv_transfer.base import FinishedTransfers, KVConnectorScheduler
 
 
-@dataclass
-class _InFlight:
-    """A request's part in the steps scheduled and not yet applied (async scheduling)."""
-
-    last: ScheduledRequest  # its entry in the newest of them
-    steps: int = 0
-    tokens: int = 0  # positions they compute (num_computed_tokens advances by these once applied)
-    placeholders: int = 0  # output tokens they sample (unknown to the host until applied)
-
-
 class Scheduler:
     """With `speculative`, a running request's `draft_token_ids` (proposed after its last step) are verified as
     extra query rows, within a per-step cap (spec_decode/budget.py), the token budget, and `max_num_rows`
@@ -52,8 +42,8 @@ class Scheduler:
 
     With `config.async_scheduling`, `schedule()` may run again before the previous step's `update()`: the
     engine launches step N+1 while step N is on the device. A request in step N follows it into step N+1
-    only when its next input is known without step N's result (`_may_follow`): the next chunk of its prompt,
-    or, when step N samples its next token, that token as a placeholder the device fills in (positions,
+    only when its next input is known without step N's result (`InFlightRequests.may_follow`): the next chunk
+    of its prompt, or, when step N samples its next token, that token as a placeholder the device fills in (positions,
     slots, kv_lens, seeds' step indices and the max_tokens / max_model_len checks all count it). Every
     other request in step N waits for it to be applied. While a step is unapplied nobody is preempted (a
     request that does not fit waits, and no new request starts this step).
@@ -89,8 +79,7 @@ class Scheduler:
         if config.max_concurrent_batches > 1:  # each batch takes its share of the requests: the stages stay busy
             self.max_num_rows = -(-self.max_num_rows // config.max_concurrent_batches)
             self.max_request_rows = -(-self.max_request_rows // config.max_concurrent_batches)
-        self._in_flight: dict[str, _InFlight] = {}  # request id → its unapplied steps (async scheduling)
-        self.num_unapplied_steps = 0
+        self.in_flight = InFlightRequests(config, speculative is not None)  # requests in unapplied steps
 
     # ---- requests in and out -------------------------------------------------------------
 
@@ -195,22 +184,34 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """One step, in three phases: running requests, then waiting ones, then drafts in what is left."""
         out = SchedulerOutput(step=self.num_steps)
         self.num_steps += 1
-        budget = self.config.max_num_batched_tokens
         now = time.monotonic()
+        budget, starved = self._schedule_running(out, self.config.max_num_batched_tokens, now)
+        if not out.preempted and not starved:  # not while preempting (the pool is full), nor while one waits
+            budget = self._schedule_waiting(out, budget, now)
+        if self.draft_budget is not None and not out.preempted:  # never displacing a request
+            self._add_drafts(out, budget)
+        if self.async_scheduling and out.scheduled:
+            self.in_flight.launched(out)
+        if self.connector is not None:  # evicted blocks out, loads in: before the step's forward
+            out.kv_connector_metadata = self.connector.build_connector_meta(self.kv.take_evicted())
+        return out
 
-        # running: decodes first, then unfinished prefills
+    def _schedule_running(self, out: SchedulerOutput, budget: int, now: float) -> tuple[int, bool]:
+        """Running requests, decodes first, then unfinished prefills; preempts the policy's victims when the pool
+        runs dry. Returns the token budget left, and whether a request waits for an unapplied step's blocks."""
         order = sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1)
-        overlapping = self.num_unapplied_steps > 0  # async: the previous step is still on the device
+        overlapping = self.in_flight.num_steps > 0  # async: the previous step is still on the device
         starved = False  # overlapping, a running request did not fit: it waits, and so do new requests
         for i, request in enumerate(order):
             if budget == 0 or out.num_rows >= self.max_request_rows:
                 break
             if request.status is not RequestStatus.RUNNING:  # preempted earlier in this loop
                 continue
-            pending = self._in_flight.get(request.request_id) if overlapping else None
-            if pending is not None and not self._may_follow(request, pending):
+            pending = self.in_flight.get(request) if overlapping else None
+            if pending is not None and not self.in_flight.may_follow(request, pending):
                 continue  # waits for its step's output
             done, placeholders = request.num_computed_tokens, 0
             if pending is not None:
@@ -221,13 +222,11 @@ class Scheduler:
             num_new = min(request.num_tokens + placeholders - done, budget)
             if _scores_prompt(request, done):
                 num_new = min(num_new, rows + 1)
-            in_flight = done - request.num_computed_tokens
             if overlapping:  # no preemption while a step is unapplied: the request waits for the next step
-                if not self.kv.allocate_slots(request, in_flight + num_new):
+                if not self.kv.allocate_slots(request, done - request.num_computed_tokens + num_new):
                     starved = True
                     continue
-                prev_row = pending.last.sample_row if pending is not None and placeholders else -1
-                self._schedule(out, request, num_new, now, done, placeholders, prev_row)
+                self._schedule(out, request, num_new, now, done, placeholders, _prev_row(pending, placeholders))
                 budget -= num_new
                 continue
             while not self.kv.allocate_slots(request, num_new):
@@ -241,18 +240,18 @@ class Scheduler:
             if request.status is RequestStatus.RUNNING:
                 self._schedule(out, request, num_new, now)
                 budget -= num_new
+        return budget, starved
 
-        # waiting, in policy order — not while preempting: the pool is full
-        admit = not out.preempted and not starved
-        if admit and budget > 0 and len(self.waiting) and len(self.running) < self.config.max_num_seqs:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> int:
+        """Waiting requests in policy order, each after its prefix-cache hits and what a KV connector loads.
+        Returns the token budget left."""
+
+        def room() -> bool:
+            return budget > 0 and len(self.waiting) > 0 and len(self.running) < self.config.max_num_seqs
+
+        if room():
             self.waiting.begin_step(self.kv)  # only when a request can start: lpm ranks by cache lookups
-        while (
-            admit
-            and budget > 0
-            and len(self.waiting)
-            and len(self.running) < self.config.max_num_seqs
-            and out.num_rows < self.max_request_rows
-        ):
+        while room() and out.num_rows < self.max_request_rows:
             request = self.waiting.peek()
             if not self.waiting.can_admit(request, self.running, self.kv):
                 break
@@ -278,23 +277,16 @@ class Scheduler:
             if request.num_computed_tokens == 0 and request.num_preemptions == 0:
                 request.num_cached_tokens = num_computed + num_external
             request.num_computed_tokens = num_computed
-            if num_external:
+            if num_external:  # (the connector reads the device cache's hits off num_computed_tokens)
                 assert self.connector is not None
                 self.connector.update_state_after_alloc(request, self.kv.block_ids(request.request_id), num_external)
                 self.connector.stats.external_prefix_cache_hits += num_external
-                num_computed += num_external
-            request.num_computed_tokens = num_computed
+                request.num_computed_tokens += num_external
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             self._schedule(out, request, num_new, now)
             budget -= num_new
-
-        # drafts: in the rows and tokens left once every request has its place (never displacing one)
-        if self.draft_budget is not None and not out.preempted:
-            self._add_drafts(out, budget)
-        if self.async_scheduling and out.scheduled:
-            self._launched(out)
-        return out
+        return budget
 
     def _wait_for_remote(self, request: Request, num_computed: int, num_external: int) -> None:
         """The request's blocks are allocated; it waits, scheduling nothing, until its load ends."""
@@ -310,67 +302,13 @@ class Scheduler:
 
     # ---- async scheduling: steps scheduled and not yet applied ---------------------------------
 
-    def _launched(self, out: SchedulerOutput) -> None:
-        """Count `out` in flight until `update` (or `release`) applies it."""
-        self.num_unapplied_steps += 1
-        for s in out.scheduled:
-            pending = self._in_flight.get(s.request.request_id)
-            if pending is None:
-                pending = self._in_flight[s.request.request_id] = _InFlight(s)
-            pending.last = s
-            pending.steps += 1
-            pending.tokens += s.num_new_tokens - len(s.draft_token_ids)
-            pending.placeholders += s.samples and s.request.sampling_params.max_tokens != 0
-
     def release(self, out: SchedulerOutput) -> None:
         """`out` is no longer in flight: applied (`update` calls this), or failed on the device."""
-        if not self.async_scheduling or not out.scheduled:
-            return
-        self.num_unapplied_steps -= 1
-        for s in out.scheduled:
-            pending = self._in_flight[s.request.request_id]
-            pending.steps -= 1
-            pending.tokens -= s.num_new_tokens - len(s.draft_token_ids)
-            pending.placeholders -= s.samples and s.request.sampling_params.max_tokens != 0
-            if pending.steps == 0:
-                del self._in_flight[s.request.request_id]
+        if self.async_scheduling and out.scheduled:
+            self.in_flight.released(out)
 
     def has_step_in_flight(self, request: Request) -> bool:
-        return request.request_id in self._in_flight
-
-    def _may_follow(self, request: Request, pending: _InFlight) -> bool:
-        """Whether a request with a step in flight may be in the next step too: only when the host knows its
-        next input and what the sampler needs for it. Per input of the step (runner/input_batch.py):
-
-        - token ids: the prompt's next chunk, or (the unapplied step samples) its sampled token, gathered on the
-          device from that step's results; after drafts the number accepted, and so the next position, is
-          unknown: a request that verified drafts waits (so, with speculation, does every decoding request:
-          its drafts for the next step would follow the unknown token);
-        - positions, slot mapping, block table, kv_lens: counts, the placeholder included;
-        - temperature, top_k/p, min_p, seeds, logit_bias, logprobs: the request's fixed parameters;
-        - steps (the seed's stream index) and min_tokens' bans: the output count, placeholder included;
-        - history and prompt_lens (repetition / frequency / presence penalties): filled from the host's tokens,
-          which lack the placeholder: such a request waits;
-        - allowed (structured outputs): the grammar's next mask needs the token: a constrained request waits;
-        - prompt_logprobs rows (target_ids): a request scoring its prompt waits;
-        - a token that would end the request by max_tokens or max_model_len: it finishes, nothing to follow.
-        A request whose unapplied step stops it (EOS, stop token or string) had its next row computed in
-        vain: its result is dropped (the request is finished when that step is applied).
-        """
-        last, params = pending.last, request.sampling_params
-        if self.config.max_concurrent_batches > 1:  # pipeline: a request is in one batch in flight at most
-            return False
-        if pending.steps != 1 or last.draft_token_ids or last.scores_prompt:
-            return False
-        if not last.samples:
-            return True  # a prompt chunk: the next one is known
-        if params.max_tokens == 0 or self.draft_budget is not None:
-            return False
-        if params.uses_penalties or params.structured_outputs is not None:
-            return False
-        if params.max_tokens is not None and request.num_output_tokens + pending.placeholders >= params.max_tokens:
-            return False
-        return request.num_tokens + pending.placeholders < self.config.max_model_len
+        return request in self.in_flight
 
     def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
         """Give this step's decodes their drafts, up to the load-aware cap and what is left of the step."""
@@ -518,3 +456,8 @@ def _scores_prompt(request: Request, start: int) -> bool:
         and request.index == 0
         and start < request.num_prompt_tokens - 1
     )
+
+
+def _prev_row(pending: Pending | None, placeholders: int) -> int:
+    """The row of the unapplied step whose sampled token is the request's next input (-1: none)."""
+    return pending.last.sample_row if pending is not None and placeholders else -1

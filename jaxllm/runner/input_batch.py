@@ -9,7 +9,7 @@ previous, still unapplied step samples (`ScheduledRequest.num_placeholders`); it
 0 and `src` holds the previous step's sampler row, which the compiled step gathers on the device
 (`src` is -1 wherever the host knows the token). Its sampling row counts the placeholder among the
 outputs (the seed's step index, min_tokens). The scheduler keeps every request whose sampler inputs
-need the unknown token out of such a step (`Scheduler._may_follow` lists the rule per input).
+need the unknown token out of such a step (engine/in_flight.py, `may_follow`, lists the rule per input).
 """
 
 from __future__ import annotations

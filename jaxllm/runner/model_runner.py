@@ -115,7 +115,7 @@ class ModelRunner:
                 self.block_size,
             )
             # a launched step may still read its arrays: one per step in flight (async: +1, the one being filled)
-            for _ in range(sched_cfg.max_concurrent_batches + (1 if self.async_scheduling else 0))
+            for _ in range(sched_cfg.max_steps_in_flight)
         ]
         self.batch = self._filled = self._batches[0]
         self._turn = 0  # the batch the next step fills

@@ -7,7 +7,7 @@ and runs its layers, each later stage takes the previous stage's hidden states â
 devices, an asynchronous copy â€” and the last applies the norm and LM head; the sampler runs on the last
 stage's devices. Each stage's cache holds only its layers and is donated to its executable. JAX dispatches
 asynchronously, so once the host has queued a batch's stages it can queue the next batch's: while stage s+1
-runs batch i, stage s runs batch i+1 (the engine keeps up to PP batches in flight, engine/batch_queue.py).
+runs batch i, stage s runs batch i+1 (the engine keeps up to PP batches in flight, engine/step_loop.py).
 
 Over several processes (`--nnodes`) a runner holds only its own stages (`local`: those on this process's
 devices): their weights, caches and executables; runner/pipeline_hosts.py moves the hidden states between them.

@@ -10,18 +10,25 @@ from __future__ import annotations
 import contextvars
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import jax
 from jax.sharding import Mesh
 
 from jaxllm.config import EngineConfig
+from jaxllm.distributed.step_sync import StepLeader
 from jaxllm.parallel.pipeline import local_stages, stage_meshes
 from jaxllm.runner.cpu_kernels import weight_layout
-from jaxllm.runner.model_runner import ModelRunner
+from jaxllm.runner.model_runner import ModelRunner, RunnerOutput
 from jaxllm.runner.pipeline import PipelineRunner
 from jaxllm.runner.pipeline_hosts import HostsPipelineRunner
+from jaxllm.scheduler_output import SchedulerOutput
 from jaxllm.weights import LoadedModel, ModelSource
 from pallas_kernels import progress as kernel_progress
+
+if TYPE_CHECKING:
+    from jaxllm.kv_transfer.base import KVConnectorWorker
+    from jaxllm.runner.sampler import SamplerOutput
 
 
 class Worker:
@@ -80,6 +87,32 @@ class Worker:
                 self.runner.set_params(self.loaded.params, laid_out=self.loaded.laid_out)
                 self.loaded.params = None  # the runner owns the weights now
         self.waiting_for_weights = time.perf_counter() - waited  # seconds after the steps were ready
+        self.kv_connector: KVConnectorWorker | None = None  # a KV connector's runner half (`attach_kv_connector`)
+        self.step_leader: StepLeader | None = None  # multi-host node 0 (`lead_followers`)
+
+    def attach_kv_connector(self, connector: KVConnectorWorker) -> None:
+        """Each step's `kv_connector_metadata` goes to `connector` before the forward."""
+        self.kv_connector = connector
+
+    def lead_followers(self, timeout: float) -> None:
+        """Multi-host node 0: broadcast every step to the follower nodes (which run `distributed.follow`)."""
+        self.step_leader = StepLeader(self.runner, timeout)
+
+    def launch(self, out: SchedulerOutput, grammar=None, previous=None) -> RunnerOutput | SamplerOutput | None:
+        """Carry out the step's KV connector instructions (evicted blocks out, loads in), then launch its forward;
+        None when it schedules nothing. `previous`: the results of the step launched before (async scheduling)."""
+        if out.kv_connector_metadata is not None:
+            assert self.kv_connector is not None, "a step carries KV connector instructions, but none is attached"
+            self.kv_connector.start_load_kv(out.kv_connector_metadata)
+        if out.is_empty:
+            return None
+        if self.step_leader is not None:  # (never async: refused at start-up)
+            return self.step_leader.execute(out, grammar=grammar)
+        return self.runner.launch(out, grammar, previous)
+
+    def collect(self, result: RunnerOutput | SamplerOutput, num_rows: int) -> RunnerOutput:
+        """A launched step's results on the host."""
+        return result if isinstance(result, RunnerOutput) else self.runner.collect(result, num_rows)
 
     @property
     def startup_phases(self) -> dict[str, float]:

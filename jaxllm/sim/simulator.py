@@ -11,48 +11,26 @@ front-end's share (`CostModel.request_latency_s`); latencies count from the send
 random: the result depends on the trace and the seed (which fixes made-up prompt tokens, hence
 prefix-cache hits) only.
 
-Speculative decoding (`SimConfig.speculative`, n-gram): before each step every running request
-about to decode is given made-up drafts, as many as the engine's `Drafter` would propose (k, or the
-load-aware cap's fewer; n-gram proposing is host work, not priced, and finds a match every time
-here); the real scheduler decides how many it verifies (the cap again, the token budget, the rows
-of logits, max_tokens) and schedules them as extra query rows; the cost model prices that step's
-real shape;
-and the sampled row of each draft is made to equal the draft exactly as often as the acceptance
-model says, so the real `Scheduler.update` accepts that many and appends them plus one token. The
-acceptance model: a draft is accepted with probability `acceptance_rate` (the trace request's, else
-the run's) given the draft before it was. Whether the draft for a request's output position p is
-accepted is drawn once per (seed, request, p), from a generator seeded by the seed: reproducible,
-and the same positions are accepted whatever k, load or policy (common random numbers, so two
-configurations differ by their own effect, not by luck). The scheduler's `DraftBudget` is fed each
-step's simulated time, as the engine feeds it measured ones, so the load-aware rule acts as it would.
-
-Pipeline parallelism (`SimConfig.pipeline_parallel_size` P > 1): the engine's batch queue on the virtual clock.
-The scheduler is the engine's under PP (`max_concurrent_batches` = P: each batch takes at most
-ceil(max_num_seqs / P) rows, a request is in one batch in flight at most). The loop is the engine's
-`_step_pipelined`: when P batches are in flight the oldest is applied first; then a new batch is scheduled and
-launched at once (the host does not wait for the device); when none can be scheduled the oldest in flight is
-applied. Launching costs the host no time; applying waits for the batch's last stage. The stages are a
-pipeline: stage s of a batch starts when stage s - 1 of it and stage s of the batch before it have finished,
-and takes the time `PipelineCost` gives it (its layers' share of the step time the cost model prices for the
-batch's shape, plus the hidden states' copy into it). The result reports the bubble: the fraction of the
-stages' time idle while at least one batch was in flight, (P x busy time - sum of stage times) / (P x busy
-time), with the idle periods between requests left out; and the mean number of batches in flight over that busy
-time. With P = 1 it is the one-step-at-a-time loop exactly (one stage, the whole step time, nothing to copy).
+The loop is the engine's own (engine/step_loop.py), as deep as the pipeline has stages: the launch and apply
+callbacks price the step on the virtual device (sim/virtual_device.py: stages, bubble) instead of running it.
+Speculative decoding (`SimConfig.speculative`, n-gram): made-up drafts and an acceptance model
+(sim/speculation.py); the real scheduler decides how many drafts it verifies (the load-aware cap, the token
+budget, the rows of logits, max_tokens), the cost model prices that step's real shape, and the scheduler's
+`DraftBudget` is fed each step's simulated time, as the engine feeds it measured ones.
+Pipeline parallelism (`SimConfig.pipeline_parallel_size` P > 1): the scheduler is the engine's under PP
+(`max_concurrent_batches` = P: each batch takes at most ceil(max_num_seqs / P) rows, a request is in one
+batch in flight at most).
 """
 
 from __future__ import annotations
 
-import hashlib
-from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-
-import numpy as np
 
 from jaxllm.bench.results import RequestRecord, summarize
 from jaxllm.config import SchedulerConfig, SpeculativeConfig
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.scheduler import Scheduler
+from jaxllm.engine.step_loop import InFlightStep, StepLoop
 from jaxllm.request import Request
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.scheduler_output import SchedulerOutput
@@ -62,16 +40,12 @@ from jaxllm.sim.costmodel import (
     CostModel,
     PipelineCost,
     StepShape,
-    bucket_tokens,
 )
-from jaxllm.sim.trace import TOKEN_RANGE, TraceRequest, prompt_token_ids
-from jaxllm.spec_decode.stats import SpecDecodingStats
+from jaxllm.sim.speculation import DUMMY_TOKEN, SimulatedSpeculation
+from jaxllm.sim.trace import TraceRequest, prompt_token_ids
+from jaxllm.sim.virtual_device import StepTime, VirtualDevice
 
-DUMMY_TOKEN = TOKEN_RANGE[0]  # what every simulated step "samples"; lengths are forced, values never matter
-DRAFT_TOKEN = DUMMY_TOKEN + 1  # every made-up draft; a row that rejects its draft samples DUMMY_TOKEN instead
 MAX_SERIES_POINTS = 2000  # KV-usage samples kept in the JSON (evenly thinned)
-
-StepTime = Callable[[SchedulerOutput], float]
 
 
 @dataclass(frozen=True)
@@ -183,31 +157,6 @@ class SimResult:
         return result
 
 
-@dataclass
-class _Batch:
-    """A batch in flight (pipeline parallelism; with one stage, the step being run)."""
-
-    out: SchedulerOutput
-    finish: float  # when its last stage ends
-    elapsed: float  # from its launch to `finish`, as summed (the one-stage loop's step time exactly)
-
-
-def pipeline_summary(pipeline: PipelineCost, stage_busy: list[float], busy_time: float, batch_time: float) -> dict:
-    """The result JSON's pipeline figures (the module docstring): the bubble and batches in flight over the
-    time at least one batch was in flight, each stage's busy fraction of it, and the model's parameters."""
-    stages = pipeline.num_stages
-    return {
-        "pipeline_parallel_size": stages,
-        "pp_stage_shares": list(pipeline.stage_shares),
-        "pp_transfer_latency_s": pipeline.transfer_latency_s,
-        "pp_transfer_s_per_token": pipeline.transfer_s_per_token,
-        "pp_busy_s": busy_time,
-        "pp_bubble_fraction": 1 - sum(stage_busy) / (stages * busy_time) if busy_time else None,
-        "pp_mean_batches_in_flight": batch_time / busy_time if busy_time else None,
-        "pp_stage_utilization": [b / busy_time if busy_time else None for b in stage_busy],
-    }
-
-
 def record_token(record: RequestRecord, now: float, previous: float, count: int = 1) -> None:
     """`count` more tokens at `now` (a verification step brings several); `previous` is when the request's
     last one came. As `jaxllm bench serve` records a stream chunk of several tokens: the first chunk's extra
@@ -218,30 +167,6 @@ def record_token(record: RequestRecord, now: float, previous: float, count: int 
     else:
         record.itl.extend([(now - previous) / count] * count)
     record.output_len += count
-
-
-def acceptance_draws(seed: int) -> np.random.Generator:
-    """The generator of the acceptance model's draws (a stable digest of the seed, apart from the prompts')."""
-    key = hashlib.blake2b(f"{seed}/acceptance".encode(), digest_size=8).digest()
-    return np.random.default_rng(int.from_bytes(key, "little"))
-
-
-def spec_summary(stats: SpecDecodingStats, num_decodes: int) -> dict:
-    """Speculation's counters (vLLM's names) and derived figures for the result JSON. `num_decodes`: request
-    steps that computed one known token (with or without drafts to verify), i.e. could speculate; the
-    speculated fraction is how many did (the load-aware cap, the token budget and the rows of logits, or
-    max_tokens, left the others none)."""
-    return {
-        "spec_decode_num_drafts": stats.num_drafts,
-        "spec_decode_num_draft_tokens": stats.num_draft_tokens,
-        "spec_decode_num_accepted_tokens": stats.num_accepted_tokens,
-        "spec_decode_num_accepted_tokens_per_pos": list(stats.accepted_per_pos),
-        "spec_decode_acceptance_rate": stats.acceptance_rate,
-        "spec_decode_mean_acceptance_length": stats.mean_acceptance_length,
-        "spec_decode_num_decodes": num_decodes,
-        "spec_decode_speculated_fraction": stats.num_drafts / num_decodes if num_decodes else None,
-        "spec_decode_mean_draft_tokens": stats.num_draft_tokens / stats.num_drafts if stats.num_drafts else None,
-    }
 
 
 def simulate(
@@ -264,61 +189,99 @@ def simulate(
     that long after it was sent; the first step after the engine was idle takes that much longer (its
     first stage does, under PP).
     `acceptance_rate`: with `config.speculative`, the per-position acceptance rate of requests whose trace
-    record has none (see the module docstring).
+    record has none (sim/speculation.py).
     `pp_transfer_latency_s`, `pp_transfer_s_per_token`: with `config.pipeline_parallel_size` > 1, the copy of
     a batch's hidden states across each stage boundary (`PipelineCost`); unused with one stage.
     """
     for name, value in (("request_latency_s", request_latency_s), ("idle_wake_s", idle_wake_s)):
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
-    speculative = config.speculative
     if acceptance_rate is not None and not 0 <= acceptance_rate <= 1:
         raise ValueError(f"acceptance_rate must be in [0, 1], got {acceptance_rate}")
-    if speculative is not None and acceptance_rate is None:
+    if config.speculative is not None and acceptance_rate is None:
         missing = sum(1 for r in trace if r.acceptance_rate is None)
         if missing:
             raise ValueError(
                 f"speculation needs an acceptance rate: {missing} trace request(s) carry none and no global "
                 f"rate was given (--acceptance-rate)"
             )
-    sched_cfg = config.scheduler
-    kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
-    if kv.num_usable_blocks * config.block_size < sched_cfg.max_model_len:
-        raise ValueError(
-            f"the KV pool holds {kv.num_usable_blocks * config.block_size} tokens, fewer than "
-            f"max_model_len={sched_cfg.max_model_len}: raise the number of blocks"
-        )
-    scheduler = Scheduler(sched_cfg, kv, speculative)
     pipeline = config.pipeline_cost(pp_transfer_latency_s, pp_transfer_s_per_token)
-    num_stages = pipeline.num_stages
-    records = [RequestRecord(prompt_len=0, start=r.arrival_time) for r in trace]
-    index: dict[int, int] = {}  # id(Request) → trace index
-    last_token: list[float] = [0.0] * len(trace)
-    plain_sampled = [DUMMY_TOKEN] * sched_cfg.max_num_seqs
-    kv_usage: list[tuple[float, float]] = []
-    steps: list[list[str]] | None = [] if record_steps else None
-    draws = acceptance_draws(seed) if speculative is not None else None
-    accepts: dict[int, np.ndarray] = {}  # trace index → whether the draft for output position p is accepted
-    num_decodes = 0
-    drafted, accepted_total = [0] * len(trace), [0] * len(trace)
+    speculation = None
+    if config.speculative is not None:
+        speculation = SimulatedSpeculation(config.speculative, len(trace), acceptance_rate, seed)
+    run = _Simulation(trace, config, seed, oracle_output_len, request_latency_s, speculation, record_steps)
+    run.device = VirtualDevice(pipeline, step_time, config.scheduler.max_num_batched_tokens, idle_wake_s, run.clock)
+    return run.run()
 
-    def arrive(i: int) -> None:
-        r = trace[i]
-        if draws is not None:  # drawn for every request in trace order, refused ones too: the same draws per index
-            rate = r.acceptance_rate if r.acceptance_rate is not None else acceptance_rate
-            assert rate is not None  # checked above
-            accepts[i] = draws.random(r.output_len) < rate
-        tokens = prompt_token_ids(r, i, seed)
-        records[i].prompt_len = len(tokens)
-        limit = sched_cfg.max_model_len
-        # refused at the door, each as a server refuses it (a reason, then a colon: `coverage.failure_line` groups them)
+
+class _Simulation:
+    """One run: the trace's requests reach the real scheduler on the virtual clock; the engine's step loop
+    launches each step on the virtual device and applies its made-up tokens with the real `Scheduler.update`."""
+
+    device: VirtualDevice
+
+    def __init__(
+        self,
+        trace: list[TraceRequest],
+        config: SimConfig,
+        seed: int,
+        oracle_output_len: bool,
+        request_latency_s: float,
+        speculation: SimulatedSpeculation | None,
+        record_steps: bool,
+    ):
+        self.trace, self.config, self.seed = trace, config, seed
+        self.oracle_output_len, self.request_latency_s = oracle_output_len, request_latency_s
+        self.speculation = speculation
+        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        if self.kv.num_usable_blocks * config.block_size < config.scheduler.max_model_len:
+            raise ValueError(
+                f"the KV pool holds {self.kv.num_usable_blocks * config.block_size} tokens, fewer than "
+                f"max_model_len={config.scheduler.max_model_len}: raise the number of blocks"
+            )
+        self.scheduler = Scheduler(config.scheduler, self.kv, config.speculative)
+        depth = config.scheduler.max_concurrent_batches  # = the stages (SimConfig): a batch in flight per stage
+        self.loop = StepLoop(self.scheduler, self._launch, self._apply, depth)
+        self.records = [RequestRecord(prompt_len=0, start=r.arrival_time) for r in trace]
+        self.index: dict[int, int] = {}  # id(Request) → trace index
+        self.last_token = [0.0] * len(trace)
+        self.plain_sampled = [DUMMY_TOKEN] * config.scheduler.max_num_seqs
+        self.kv_usage: list[tuple[float, float]] = []
+        self.steps: list[list[str]] | None = [] if record_steps else None
+        self.clock = self.start = trace[0].arrival_time if trace else 0.0
+
+    def run(self) -> SimResult:
+        trace, scheduler, loop = self.trace, self.scheduler, self.loop
+        next_arrival = 0
+        while next_arrival < len(trace) or scheduler.num_unfinished or len(loop):
+            if not scheduler.num_unfinished and not len(loop):  # idle: jump to the next arrival
+                self.clock = max(self.clock, trace[next_arrival].arrival_time + self.request_latency_s)
+                self.device.idle = True
+            while next_arrival < len(trace) and trace[next_arrival].arrival_time + self.request_latency_s <= self.clock:
+                self._arrive(next_arrival)
+                next_arrival += 1
+            if self.speculation is not None:
+                self.speculation.propose(scheduler)
+            was_in_flight = len(loop)
+            out, _ = loop.step()
+            if out.is_empty and not was_in_flight and scheduler.num_unfinished and not scheduler.running:
+                raise RuntimeError(f"step {out.step}: requests wait but none can be scheduled")
+        return self._result()
+
+    def _arrive(self, i: int) -> None:
+        """Trace request i reaches the scheduler, or is refused at the door as a server refuses it (a reason,
+        then a colon: `coverage.failure_line` groups them)."""
+        r, record = self.trace[i], self.records[i]
+        if self.speculation is not None:
+            self.speculation.arrive(i, r)
+        tokens = prompt_token_ids(r, i, self.seed)
+        record.prompt_len = len(tokens)
+        limit = self.config.scheduler.max_model_len
         if len(tokens) > limit:
-            records[i].error = f"prompt longer than max_model_len={limit}: {len(tokens)} tokens"
+            record.error = f"prompt longer than max_model_len={limit}: {len(tokens)} tokens"
             return
         if len(tokens) + r.output_len > limit:  # vLLM's rule for max_tokens: prompt + completion must fit
-            records[
-                i
-            ].error = f"prompt + output longer than max_model_len={limit}: {len(tokens)} + {r.output_len} tokens"
+            record.error = f"prompt + output longer than max_model_len={limit}: {len(tokens)} + {r.output_len} tokens"
             return
         params = SamplingParams(max_tokens=r.output_len, min_tokens=r.output_len, ignore_eos=True, detokenize=False)
         request = Request(
@@ -329,134 +292,55 @@ def simulate(
             priority=r.priority,
             arrival_time=r.arrival_time,
             user=r.user,
-            expected_output_len=r.output_len if oracle_output_len else None,
+            expected_output_len=r.output_len if self.oracle_output_len else None,
         )
-        index[id(request)] = i
-        scheduler.add_request(request)
+        self.index[id(request)] = i
+        self.scheduler.add_request(request)
 
-    def propose() -> None:
-        """As the engine's `Drafter` between steps: each running request that decodes next gets drafts, as many
-        as the load-aware cap allows (none at all when it allows none). n-gram proposing costs no device time."""
-        assert speculative is not None and scheduler.draft_budget is not None
-        decoding = []
-        for request in scheduler.running:
-            request.draft_token_ids = []
-            # (a request in a batch still in flight, under PP, gets none: the engine's Drafter skips it)
-            if request.num_tokens - request.num_computed_tokens == 1 and not scheduler.has_step_in_flight(request):
-                decoding.append(request)
-        k = speculative.num_speculative_tokens
-        cap = scheduler.draft_budget.cap([k] * len(decoding), 0) if decoding else 0
-        drafts = [DRAFT_TOKEN] * cap  # one list for all: nothing mutates it
-        for request in decoding:
-            request.draft_token_ids = drafts
+    def _launch(self, out: SchedulerOutput, previous: InFlightStep | None) -> tuple[object | None, list]:
+        if out.is_empty:
+            return None, []
+        if self.steps is not None:
+            self.steps.append([s.request.request_id for s in out.scheduled])
+        return self.device.launch(out, self.clock, first_in_flight=previous is None), []
 
-    def verdicts(out: SchedulerOutput) -> list[int]:
-        """A token per row of logits: each verified draft's row equals it while the acceptance model accepts."""
-        nonlocal num_decodes
-        sampled = [DUMMY_TOKEN] * out.num_rows
-        for s in out.scheduled:
-            request, d = s.request, len(s.draft_token_ids)
-            if s.samples and s.num_new_tokens - d == 1:  # a decode: a step that may verify drafts
-                num_decodes += 1
-            if d:
-                i = index[id(request)]
-                first = request.num_output_tokens  # the output position the first draft stands for
-                n = 0
-                while n < d and accepts[i][first + n]:
-                    n += 1
-                sampled[s.logits_row : s.logits_row + n] = s.draft_token_ids[:n]
-                drafted[i] += d
-                accepted_total[i] += n
-        return sampled
-
-    def reaches_engine(i: int) -> float:
-        return trace[i].arrival_time + request_latency_s
-
-    clock = trace[0].arrival_time if trace else 0.0
-    start = clock
-    next_arrival = 0
-    idle = True  # the engine has nothing to do before the first arrival
-    in_flight: deque[_Batch] = deque()  # launched, not yet applied, oldest first (the engine's BatchQueue)
-    stage_free = [clock] * num_stages  # when each stage finishes the last batch given to it
-    stage_busy = [0.0] * num_stages
-    busy_since, busy_time, batch_time = clock, 0.0, 0.0  # time with a batch in flight; batches x time in flight
-
-    def launch(out: SchedulerOutput) -> None:
-        """Put `out` through the stages, each after the batch before it there (`_Batch` records when it ends)."""
-        nonlocal idle, busy_since
-        bucket = bucket_tokens(out.num_tokens, sched_cfg.max_num_batched_tokens)
-        durations = pipeline.stage_times(step_time(out), bucket)
-        durations[0] += idle_wake_s if idle else 0.0
-        idle = False
-        if not in_flight:
-            busy_since = clock
-        elapsed = 0.0  # from the launch to the end of the stage so far
-        for s, seconds in enumerate(durations):
-            elapsed = max(elapsed, stage_free[s] - clock) + seconds
-            stage_free[s] = clock + elapsed
-            stage_busy[s] += seconds
-        in_flight.append(_Batch(out, clock + elapsed, elapsed))
-
-    def apply(batch: _Batch) -> None:
+    def _apply(self, step: InFlightStep) -> list:
         """Wait for the batch's last stage, then apply its tokens (the real `Scheduler.update`)."""
-        nonlocal clock, busy_time, batch_time
-        out, seconds = batch.out, batch.elapsed  # launch to applied, as the engine measures it for the draft cap
-        clock = max(clock, batch.finish)  # (the host waits only for the oldest batch: never later than its end)
-        batch_time += seconds
-        if not in_flight:
-            busy_time += clock - busy_since
-        if scheduler.draft_budget is not None:  # as the engine feeds it each step's measured time
-            scheduler.draft_budget.observe_step(out.num_tokens, seconds)
-        sampled = plain_sampled if speculative is None else verdicts(out)
-        for request, _, count in scheduler.update(out, sampled):
-            i = index[id(request)]
-            record = records[i]
-            record_token(record, clock, last_token[i], count)
-            last_token[i] = clock
+        out, batch = step.out, step.result
+        self.clock = self.device.finish(batch, self.clock, last_in_flight=not len(self.loop))
+        if self.scheduler.draft_budget is not None:  # as the engine feeds it each step's measured time
+            self.scheduler.draft_budget.observe_step(out.num_tokens, batch.elapsed)
+        sampled = self.plain_sampled if self.speculation is None else self.speculation.verdicts(out, self.index)
+        for request, _, count in self.scheduler.update(out, sampled):
+            i = self.index[id(request)]
+            record = self.records[i]
+            record_token(record, self.clock, self.last_token[i], count)
+            self.last_token[i] = self.clock
             if request.is_finished:
-                record.latency = clock - record.start
+                record.latency = self.clock - record.start
                 record.success = True
-        kv_usage.append((clock - start, kv.usage))
+        self.kv_usage.append((self.clock - self.start, self.kv.usage))
+        return []
 
-    while next_arrival < len(trace) or scheduler.num_unfinished or in_flight:
-        if len(in_flight) >= num_stages:  # the queue is full: the oldest batch first
-            apply(in_flight.popleft())
-            continue
-        if not scheduler.num_unfinished and not in_flight:  # idle: jump to the next arrival
-            clock = max(clock, reaches_engine(next_arrival))
-            idle = True
-        while next_arrival < len(trace) and reaches_engine(next_arrival) <= clock:
-            arrive(next_arrival)
-            next_arrival += 1
-        if speculative is not None:
-            propose()
-        out = scheduler.schedule()
-        if not out.is_empty:
-            if steps is not None:
-                steps.append([s.request.request_id for s in out.scheduled])
-            launch(out)
-            continue
-        if in_flight:  # nothing new can start: the oldest batch in flight
-            apply(in_flight.popleft())
-            continue
-        if scheduler.num_unfinished and not scheduler.running:
-            raise RuntimeError(f"step {out.step}: requests wait but none can be scheduled")
-
-    extra = spec_summary(scheduler.spec_stats, num_decodes) if scheduler.spec_stats is not None else {}
-    if num_stages > 1:
-        extra.update(pipeline_summary(pipeline, stage_busy, busy_time, batch_time))
-    return SimResult(
-        records=records,
-        duration=clock - start,
-        num_steps=len(kv_usage),
-        num_preemptions=scheduler.num_preemptions,
-        prefix_cache_queries=kv.prefix_cache_queries,
-        prefix_cache_hits=kv.prefix_cache_hits,
-        kv_usage=kv_usage,
-        free_blocks_at_end=kv.num_free_blocks,
-        num_usable_blocks=kv.num_usable_blocks,
-        steps=steps,
-        extra=extra,
-        draft_tokens=drafted if speculative is not None else None,
-        accepted_tokens=accepted_total if speculative is not None else None,
-    )
+    def _result(self) -> SimResult:
+        scheduler, kv, speculation = self.scheduler, self.kv, self.speculation
+        extra = {}
+        if speculation is not None and scheduler.spec_stats is not None:
+            extra = speculation.summary(scheduler.spec_stats)
+        if self.device.pipeline.num_stages > 1:
+            extra.update(self.device.summary())
+        return SimResult(
+            records=self.records,
+            duration=self.clock - self.start,
+            num_steps=len(self.kv_usage),
+            num_preemptions=scheduler.num_preemptions,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            kv_usage=self.kv_usage,
+            free_blocks_at_end=kv.num_free_blocks,
+            num_usable_blocks=kv.num_usable_blocks,
+            steps=self.steps,
+            extra=extra,
+            draft_tokens=speculation.drafted if speculation is not None else None,
+            accepted_tokens=speculation.accepted if speculation is not None else None,
+        )
