@@ -184,15 +184,18 @@ class Embed(nn.Module):
 
 
 class GatedMLP(nn.Module):
-    """SwiGLU MLP: down(silu(gate(x)) * up(x)), gate and up as one `[H, 2, I]` matmul."""
+    """SwiGLU MLP: down(silu(gate(x)) * up(x)), gate and up as one `[H, 2, I]` matmul. `intermediate_size`: I when
+    not the arch's (a mixture of experts' shared expert)."""
 
     arch: ModelArch
     dtype: Dtype
     stacking: Stacking = Stacking()
+    intermediate_size: int | None = None
 
     @nn.compact
     def __call__(self, x: Float[Array, "T H"], layer=None) -> Float[Array, "T H"]:
-        inner, bias, st = self.arch.intermediate_size, self.arch.mlp_bias, self.stacking
+        inner = self.intermediate_size or self.arch.intermediate_size
+        bias, st = self.arch.mlp_bias, self.stacking
         gate_up = Linear((2, inner), shard_axis=1, dtype=self.dtype, bias=bias, stacking=st, name="gate_up_proj")(
             x, layer
         )

@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
+"""The Llama-family decoder (Llama, Mistral, Qwen2, Qwen3; with experts: Mixtral, Qwen2/3-MoE, OLMoE) over a
+paged KV cache.
 
 A pure function of (params, KV cache, step inputs): `CausalLM.apply` writes the step's
 keys and values into the cache by slot and attends through
@@ -26,6 +27,7 @@ from jaxtyping import Array, Float, Int
 
 import pallas_kernels
 from jaxllm.model.layers import Dtype, Embed, GatedMLP, Linear, RMSNorm, Stacking, apply_rotary, rotary_cos_sin
+from jaxllm.model.moe import SparseMoE
 from jaxllm.model.quant import QUANT_LEAVES, QuantPlan, packs_quantized
 from jaxllm.model.registry import ModelArch
 from pallas_kernels import stacked_matmul
@@ -74,7 +76,11 @@ class Attention(nn.Module):
         )(x, layer)
         q = qkv[:, :, :group].reshape(num_tokens, a.num_heads, a.head_dim)
         k, v = qkv[:, :, group], qkv[:, :, group + 1]
-        if a.qk_norm:
+        if a.qk_norm_whole:  # OLMoE: each norm over the whole projection, all heads at once
+            q = RMSNorm(a.rms_norm_eps, self.dtype, st, name="q_norm")(q.reshape(num_tokens, -1), layer)
+            k = RMSNorm(a.rms_norm_eps, self.dtype, st, name="k_norm")(k.reshape(num_tokens, -1), layer)
+            q, k = q.reshape(num_tokens, a.num_heads, a.head_dim), k.reshape(num_tokens, a.num_kv_heads, a.head_dim)
+        elif a.qk_norm:
             q = RMSNorm(a.rms_norm_eps, self.dtype, st, name="q_norm")(q, layer)
             k = RMSNorm(a.rms_norm_eps, self.dtype, st, name="k_norm")(k, layer)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
@@ -118,7 +124,8 @@ class DecoderLayer(nn.Module):
         )
         hidden = hidden + attn_out
         mlp_in = RMSNorm(eps, self.dtype, st, name="post_attention_layernorm")(hidden, layer)
-        hidden = hidden + GatedMLP(self.arch, self.dtype, st, name="mlp")(mlp_in, layer)
+        mlp = SparseMoE if self.arch.moe is not None else GatedMLP
+        hidden = hidden + mlp(self.arch, self.dtype, st, name="mlp")(mlp_in, layer)
         return (hidden, cache, layer + 1), None
 
 

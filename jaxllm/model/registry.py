@@ -12,8 +12,20 @@ from typing import Any
 
 import numpy as np
 
-# architecture → what differs from plain Llama
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+# mixtures of experts: every layer's MLP is a routed set of experts (model/moe.py)
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
+MODEL_TYPES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+}
 
 
 @dataclass(frozen=True)
@@ -95,6 +107,17 @@ def _yarn_inv_freq_and_scale(rope: RopeConfig, max_position_embeddings: int) -> 
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """A sparse MLP: each token's `top_k` of `num_experts` SwiGLU experts, weighted by the router's softmax."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # each expert's
+    norm_topk_prob: bool  # renormalise the chosen experts' weights to sum to one
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a dense expert every token takes, gated by a sigmoid
+
+
+@dataclass(frozen=True)
 class ModelArch:
     architecture: str
     vocab_size: int
@@ -114,6 +137,8 @@ class ModelArch:
     qk_norm: bool = False
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoEConfig | None = None  # every layer's MLP is a mixture of experts
+    qk_norm_whole: bool = False  # OLMoE: q/k norms over the whole projection, not per head
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -162,12 +187,7 @@ def arch_from_hf_config(config: Any) -> ModelArch:
     architecture = architectures[0] if architectures else None
     if architecture is None:
         model_type = _get(config, "model_type")
-        architecture = {
-            "llama": "LlamaForCausalLM",
-            "mistral": "MistralForCausalLM",
-            "qwen2": "Qwen2ForCausalLM",
-            "qwen3": "Qwen3ForCausalLM",
-        }.get(model_type, str(model_type))
+        architecture = MODEL_TYPES.get(model_type, str(model_type))
     if architecture not in SUPPORTED_ARCHITECTURES:
         raise ValueError(
             f"unsupported architecture {architecture!r}; jaxllm supports {', '.join(SUPPORTED_ARCHITECTURES)}"
@@ -221,10 +241,40 @@ def arch_from_hf_config(config: Any) -> ModelArch:
         rope=rope_cfg,
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(_get(config, "tie_word_embeddings", False)),
-        qkv_bias=attention_bias or architecture == "Qwen2ForCausalLM",
-        o_bias=attention_bias and architecture != "Qwen2ForCausalLM",
+        qkv_bias=attention_bias or architecture in QWEN2_FAMILY,
+        o_bias=attention_bias and architecture not in QWEN2_FAMILY,
         mlp_bias=bool(_get(config, "mlp_bias", False)),
-        qk_norm=architecture == "Qwen3ForCausalLM",
+        qk_norm=architecture in QK_NORM,
         sliding_window=_sliding_window(config, architecture),
         eos_token_ids=eos_ids,
+        moe=_moe(config, architecture) if architecture in MOE_ARCHITECTURES else None,
+        qk_norm_whole=architecture == "OlmoeForCausalLM",
     )
+
+
+QWEN2_FAMILY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")  # q/k/v biases, none on o_proj
+QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+
+
+def _moe(config: Any, architecture: str) -> MoEConfig:
+    """The routing fields as transformers reads them for `architecture`; a layout jaxllm cannot run is refused."""
+    num_experts = _get(config, "num_experts") or _get(config, "num_local_experts")  # Qwen3-MoE saves the latter
+    top_k = _get(config, "num_experts_per_tok")
+    if not num_experts or not top_k:
+        raise ValueError(f"{architecture}: the config has no num_experts / num_experts_per_tok")
+    mlp_only = list(_get(config, "mlp_only_layers") or [])
+    step = _get(config, "decoder_sparse_step") or 1
+    if mlp_only or step != 1:
+        raise NotImplementedError(
+            f"{architecture}: dense MLP layers between the sparse ones (mlp_only_layers={mlp_only}, "
+            f"decoder_sparse_step={step}) are not supported yet: every layer must be a mixture of experts"
+        )
+    if _get(config, "topk_group") or _get(config, "n_group"):
+        raise NotImplementedError(f"{architecture}: grouped top-k routing (n_group, topk_group) is not supported")
+    # Mixtral always renormalises; the others say so in norm_topk_prob (OLMoE and Qwen2-MoE default False)
+    norm = architecture == "MixtralForCausalLM" or bool(_get(config, "norm_topk_prob", False))
+    size = _get(config, "moe_intermediate_size") or _get(config, "intermediate_size")
+    shared = (_get(config, "shared_expert_intermediate_size") or 0) if architecture == "Qwen2MoeForCausalLM" else 0
+    if top_k > num_experts:
+        raise ValueError(f"{architecture}: num_experts_per_tok={top_k} exceeds num_experts={num_experts}")
+    return MoEConfig(int(num_experts), int(top_k), int(size), norm, int(shared))

@@ -21,15 +21,17 @@ logger = logging.getLogger(__name__)
 
 
 def layer_matmul_shapes(arch: ModelArch, dtype, quant: QuantPlan = NO_QUANT) -> tuple[tuple, ...]:
-    """A decoder layer's projections that "cpu_packed" packs (qkv, o, gate_up, down): (K, N) in `dtype`, or
+    """A decoder layer's projections that "cpu_packed" packs (qkv, o, gate_up, down; a mixture of experts' router
+    and shared expert, not its experts): (K, N) in `dtype`, or
     (K, N, format) for those `quant` keeps quantized."""
     a = arch
     group = a.num_heads // a.num_kv_heads
+    mlp = a.intermediate_size if a.moe is None else a.moe.shared_expert_intermediate_size  # experts: not packed
     shapes = {
         "qkv_proj": (a.hidden_size, a.num_kv_heads * (group + 2) * a.head_dim),
         "o_proj": (a.num_heads * a.head_dim, a.hidden_size),
-        "gate_up_proj": (a.hidden_size, 2 * a.intermediate_size),
-        "down_proj": (a.intermediate_size, a.hidden_size),
+        **({"gate_up_proj": (a.hidden_size, 2 * mlp), "down_proj": (mlp, a.hidden_size)} if mlp else {}),
+        **({"router": (a.hidden_size, a.moe.num_experts)} if a.moe is not None else {}),
     }
     out: list[tuple] = []
     for name, (k, n) in shapes.items():

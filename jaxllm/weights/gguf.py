@@ -187,6 +187,11 @@ class GGUFFile:
             raise ValueError(
                 f"{self.path}: unsupported GGUF architecture {arch!r}; jaxllm reads {', '.join(GGUF_ARCHITECTURES)}"
             )
+        if md.get(f"{arch}.expert_count"):  # (a Mixtral GGUF says "llama")
+            raise NotImplementedError(
+                f"{self.path}: a mixture of experts ({md[f'{arch}.expert_count']} experts) in GGUF is not supported "
+                f"yet; load the model's HF safetensors directory instead"
+            )
         if "rope_freqs.weight" in self._tensors:
             raise NotImplementedError(f"{self.path}: GGUF rope frequency tensors (llama3 scaling) are not supported")
 

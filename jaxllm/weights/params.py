@@ -67,8 +67,24 @@ def param_shardings(specs: Params, mesh: Mesh) -> Params:
 FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
-def hf_tensor_names_of(path: tuple[str, ...], layer: int | None) -> list[str]:
-    """The transformers names of the tensors behind one leaf of the parameter tree."""
+# a mixture of experts' stacked weights → each expert's transformers modules (Mixtral's names, the others')
+EXPERT_LEAVES = {"experts_gate_up": (("w1", "w3"), ("gate_proj", "up_proj")), "experts_down": (("w2",), ("down_proj",))}
+# the same weights as transformers 5 keeps them in memory (and saves them with save_original_format=False)
+FUSED_EXPERTS = {"experts_gate_up": "gate_up_proj", "experts_down": "down_proj"}
+
+
+def _hf_module(module: str, arch: ModelArch | None) -> str:
+    """A module's transformers name where it differs from jaxllm's (the router, Mixtral's sparse block)."""
+    if module == "router":
+        return "gate"
+    if module == "mlp" and arch is not None and arch.architecture == "MixtralForCausalLM":
+        return "block_sparse_moe"
+    return module
+
+
+def hf_tensor_names_of(path: tuple[str, ...], layer: int | None, arch: ModelArch | None = None) -> list[str]:
+    """The transformers names of the tensors behind one leaf of the parameter tree (experts: each expert's, as
+    checkpoints are saved; `fused_expert_name` gives the fused form)."""
     *modules, leaf = path
     kind = "bias" if leaf == "bias" else "weight"
     if modules == ["embed_tokens"]:
@@ -77,9 +93,51 @@ def hf_tensor_names_of(path: tuple[str, ...], layer: int | None) -> list[str]:
         return ["lm_head.weight"]
     if modules[0] != "layers":
         return [f"model.{'.'.join(modules)}.{kind}"]
-    *parents, module = modules[1:]
+    parents = [_hf_module(m, arch) for m in modules[1:]]
+    if leaf in EXPERT_LEAVES:
+        assert arch is not None and arch.moe is not None, path
+        mixtral, other = EXPERT_LEAVES[leaf]
+        parts = mixtral if arch.architecture == "MixtralForCausalLM" else other
+        prefix = ".".join([f"model.layers.{layer}", *parents, "experts"])
+        return [f"{prefix}.{e}.{part}.weight" for e in range(arch.moe.num_experts) for part in parts]
+    *parents, module = parents
     prefix = ".".join([f"model.layers.{layer}", *parents])
     return [f"{prefix}.{part}.{kind}" for part in FUSED_MODULES.get(module, (module,))]
+
+
+def fused_expert_name(path: tuple[str, ...], layer: int, arch: ModelArch) -> str:
+    """transformers 5's fused tensor behind an expert leaf: gate_up_proj `[E, 2I, H]`, down_proj `[E, H, I]`."""
+    parents = [_hf_module(m, arch) for m in path[1:-1]]
+    return ".".join([f"model.layers.{layer}", *parents, "experts", FUSED_EXPERTS[path[-1]]])
+
+
+def _mixtral_aliases(get_tensor: GetTensor) -> GetTensor:
+    """Mixtral's sparse block is `block_sparse_moe` on disk and `mlp` in transformers 5's fused form: try both."""
+
+    def get(name: str) -> np.ndarray:
+        try:
+            return get_tensor(name)
+        except KeyError:
+            if ".block_sparse_moe." not in name:
+                raise
+            return get_tensor(name.replace(".block_sparse_moe.", ".mlp."))
+
+    return get
+
+
+def _expert_leaf(path: tuple[str, ...], layer: int, arch: ModelArch, get_tensor: GetTensor) -> np.ndarray:
+    """A layer's stacked experts, `[E, H, 2, I]` (gate_up) or `[E, I, H]` (down), from either saved form."""
+    try:
+        fused = np.asarray(get_tensor(fused_expert_name(path, layer, arch)))
+    except KeyError:  # each expert's own tensors, [out, in]
+        parts = [np.asarray(get_tensor(name)).T for name in hf_tensor_names_of(path, layer, arch)]
+        if path[-1] == "experts_down":
+            return np.stack(parts)
+        return np.stack([np.stack(parts[i : i + 2], axis=-2) for i in range(0, len(parts), 2)])
+    if path[-1] == "experts_down":
+        return fused.transpose(0, 2, 1)
+    e, two_i, h = fused.shape
+    return fused.transpose(0, 2, 1).reshape(e, h, 2, two_i // 2)
 
 
 def leaf_path(key_path) -> tuple[str, ...]:
@@ -139,6 +197,7 @@ def host_params_from_hf_tensors(
     one layer at a time (no second copy of the tree). Projections in `quant` are quantized from the float
     tensors ("int8", "int4"), or taken in their bits from `get_blocks` (a GGUF's kept formats)."""
     shapes, _ = abstract_params(arch, dtype, quant)
+    get_tensor = _mixtral_aliases(get_tensor) if arch.architecture == "MixtralForCausalLM" else get_tensor
     quantized: dict[tuple, Parts] = {}  # the current module's quantized arrays, per layer (three leaves share them)
 
     def assembled(path, shape, names, is_kernel: bool) -> np.ndarray:
@@ -180,8 +239,15 @@ def host_params_from_hf_tensors(
         layer_shape = shape.shape[1:] if stacked else shape.shape
         host = allocate(path, shape.shape, np.dtype(shape.dtype))
         for i, layer in enumerate(range(arch.num_layers) if stacked else [None]):
-            names = hf_tensor_names_of(path, layer)
-            if path[-1] in QUANT_LEAVES:
+            names = hf_tensor_names_of(path, layer, arch)
+            if path[-1] in EXPERT_LEAVES:
+                assert layer is not None
+                value = _expert_leaf(path, layer, arch, get_tensor)
+                if value.shape != layer_shape:
+                    raise ValueError(
+                        f"{source}: layer {layer}'s experts {value.shape} do not make {path[-1]} {layer_shape}"
+                    )
+            elif path[-1] in QUANT_LEAVES:
                 value = quantized_leaf(path, layer, layer_shape, names)
             else:
                 value = assembled(path, layer_shape, names, path[-1] == "kernel")
@@ -228,7 +294,7 @@ def hf_tensor_names(arch: ModelArch) -> list[str]:
     for key_path, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]:
         path = leaf_path(key_path)
         for layer in range(arch.num_layers) if path[0] == "layers" else [None]:
-            names.extend(hf_tensor_names_of(path, layer))
+            names.extend(hf_tensor_names_of(path, layer, arch))
     return names
 
 

@@ -28,6 +28,7 @@ from pallas_kernels.stacked_matmul.quantized import FORMATS
 logger = logging.getLogger(__name__)
 
 LAYER_KINDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+ATTENTION_KINDS = LAYER_KINDS[:2]  # a mixture of experts' layers: its MLP is experts (model/moe.py), kept float
 ROW_PARALLEL = ("o_proj", "down_proj")  # their input axis is split over "model"
 GGUF_KEPT = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}  # GGUF type name → format kept as its bits
 
@@ -62,11 +63,14 @@ def make_plan(arch: ModelArch, quantization: str | None, gguf_types: dict[str, s
     model cannot take the quantization asked for; a GGUF's own blocks that cannot be kept (a tensor-parallel split
     through a group) are dequantized instead, with a log line."""
     quantization = check_quantization(quantization)
-    kinds = [*LAYER_KINDS, "embed_tokens"] + ([] if arch.tie_word_embeddings else ["lm_head"])
+    layer_kinds = LAYER_KINDS if arch.moe is None else ATTENTION_KINDS
+    if arch.moe is not None and quantization in ("int8", "int4"):
+        logger.info("%s: the experts stay float (quantized grouped matmuls are not built yet)", arch.architecture)
+    kinds = [*layer_kinds, "embed_tokens"] + ([] if arch.tie_word_embeddings else ["lm_head"])
     wanted: dict[str, str] = {}
     if quantization in ("int8", "int4"):
         for kind in kinds:
-            wanted[kind] = quantization if kind in LAYER_KINDS else "int8"
+            wanted[kind] = quantization if kind in layer_kinds else "int8"
     elif quantization == "auto" and gguf_types is not None:
         for kind in kinds:
             names = gguf_tensor_names(arch, kind)

@@ -1,0 +1,101 @@
+"""The mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): a router picks each token's top-k experts.
+
+Routing runs inside the compiled step, with no host round trip and no shape that depends on it, and it is
+dropless: every token reaches its k experts. The T x k (token, expert) assignments are sorted by expert, as
+`jax.lax.ragged_dot` takes them, and `grouped_swiglu` runs each expert's rows against its own weights.
+
+`jax.lax.ragged_dot` on CPU lowers to masked dense work over every group (E times the FLOPs), so the grouped
+matmul is tiled here instead: each expert's rows are padded to whole tiles of `m` rows, and every tile is one
+small matmul against its expert's weights. With m = 1 (a decode step, T x k <= E) that reads exactly the
+experts the tokens chose; larger steps take m ~ T x k / E, so the padding at most doubles the rows.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float, Int
+
+from jaxllm.model.layers import INIT_STD, Dtype, GatedMLP, Linear, Stacking
+from jaxllm.model.registry import ModelArch
+
+MAX_TILE_ROWS = 64
+
+
+def route(logits: Float[Array, "T E"], top_k: int, normalize: bool) -> tuple[Float[Array, "T K"], Int[Array, "T K"]]:
+    """The chosen experts' weights and ids, as transformers computes them: softmax in float32, top-k (ties to
+    the lowest expert id), renormalised to sum to one when `normalize`."""
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if normalize:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights, experts
+
+
+def tile_rows(num_assignments: int, num_experts: int) -> int:
+    """Rows per tile for a step of `num_assignments` (token, expert) pairs: a power of two near the mean group."""
+    mean = num_assignments // num_experts
+    return 1 if mean <= 1 else min(MAX_TILE_ROWS, 1 << (mean.bit_length() - 1))
+
+
+def grouped_swiglu(
+    x: Float[Array, "T H"],
+    experts: Int[Array, "T K"],
+    weights: Float[Array, "T K"],
+    gate_up: Float[Array, "E H 2 I"],
+    down: Float[Array, "E I H"],
+) -> Float[Array, "T H"]:
+    """sum over k of weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = experts[t, k], in float32."""
+    num_tokens, k = experts.shape
+    num_experts, hidden = gate_up.shape[0], x.shape[-1]
+    m = tile_rows(num_tokens * k, num_experts)
+    flat = experts.reshape(-1)
+    order = jnp.argsort(flat, stable=True)  # assignments grouped by expert, each group in token order
+    token, expert = order // k, flat[order]
+    sizes = jnp.bincount(flat, length=num_experts)
+    padded = (sizes + m - 1) // m * m  # each group in whole tiles
+    padded_ends = jnp.cumsum(padded)
+    rank = jnp.arange(num_tokens * k) - (jnp.cumsum(sizes) - sizes)[expert]  # place within its group
+    dest = (padded_ends - padded)[expert] + rank  # its row in the tiled layout
+    num_rows = -(-(num_tokens * k + num_experts * (m - 1)) // m) * m  # the most the tiles can need
+    num_tiles = num_rows // m
+    # each tile's expert (tiles past the last group hold zero rows; any expert will do for them)
+    tile_expert = jnp.minimum(jnp.searchsorted(padded_ends, jnp.arange(num_tiles) * m, side="right"), num_experts - 1)
+    rows = jnp.zeros((num_rows, hidden), jnp.float32).at[dest].set(x[token].astype(jnp.float32))
+    tiles = rows.reshape(num_tiles, m, hidden)
+    h = jnp.einsum("tmh,thpi->tmpi", tiles, gate_up[tile_expert].astype(jnp.float32))
+    act = nn.silu(h[:, :, 0]) * h[:, :, 1]
+    y = jnp.einsum("tmi,tih->tmh", act, down[tile_expert].astype(jnp.float32)).reshape(num_rows, hidden)
+    y = y[dest] * weights.reshape(-1)[order][:, None].astype(jnp.float32)
+    return jnp.zeros((num_tokens, hidden), jnp.float32).at[token].add(y)
+
+
+class SparseMoE(nn.Module):
+    """The MLP of a mixture-of-experts layer: router ("router", `[H, E]`), the experts' stacked SwiGLU weights
+    ("experts_gate_up" `[E, H, 2, I]`, "experts_down" `[E, I, H]`; tensor parallelism splits I, as a dense MLP's
+    columns), and Qwen2-MoE's sigmoid-gated shared expert."""
+
+    arch: ModelArch
+    dtype: Dtype
+    stacking: Stacking = Stacking()
+
+    @nn.compact
+    def __call__(self, x: Float[Array, "T H"], layer=None) -> Float[Array, "T H"]:
+        moe, st, hidden = self.arch.moe, self.stacking, self.arch.hidden_size
+        assert moe is not None
+        e, size = moe.num_experts, moe.intermediate_size
+        # the router in float32 whatever the weights' type: a rounding that flips a choice changes the output
+        router = Linear((e,), shard_axis=None, dtype=jnp.float32, bias=False, stacking=st, name="router")
+        logits = router(x.astype(jnp.float32), layer)
+        weights, experts = route(logits, moe.top_k, moe.norm_topk_prob)
+        init = nn.initializers.normal(INIT_STD)
+        gate_up = st.param(self, "experts_gate_up", init, (None, None, None, "model"), (e, hidden, 2, size), self.dtype)
+        down = st.param(self, "experts_down", init, (None, "model", None), (e, size, hidden), self.dtype)
+        weights = weights.astype(self.dtype)  # (transformers casts them to the activations' type)
+        out = grouped_swiglu(x, experts, weights, st.at(gate_up, layer), st.at(down, layer)).astype(self.dtype)
+        if moe.shared_expert_intermediate_size:
+            shared = GatedMLP(self.arch, self.dtype, st, moe.shared_expert_intermediate_size, name="shared_expert")
+            gate = Linear((1,), shard_axis=None, dtype=self.dtype, bias=False, stacking=st, name="shared_expert_gate")
+            out = out + jax.nn.sigmoid(gate(x, layer)) * shared(x, layer)
+        return out

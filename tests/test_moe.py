@@ -1,0 +1,177 @@
+"""Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) end to end, against transformers on the same weights.
+
+Tiny random models built from transformers' own config classes and saved with `save_pretrained` (each expert's
+tensors, as checkpoints on the Hub are; Qwen3-MoE also in transformers 5's fused form) run through a whole engine:
+twelve prompts, 32 greedy tokens each, four sequences at a time and 16-token steps, so prompts prefill in chunks
+beside other sequences' decodes. Routing and the grouped expert matmul are checked alone against a float64 oracle
+(every token to one expert, an expert with no tokens, tied router scores).
+"""
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from jaxllm import LLM, SamplingParams
+from jaxllm.model.moe import grouped_swiglu, route, tile_rows
+from jaxllm.runner.compilations import compilation_count
+from tests.hf_reference import hf_greedy, hf_log_softmax
+from tests.tiny_models import random_model
+
+TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+ARCHITECTURES = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+    ),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=3)),
+}
+ENGINE = dict(
+    max_num_seqs=4,
+    max_num_batched_tokens=16,
+    max_model_len=128,
+    dtype="float32",
+    kv_cache_memory_bytes=1 << 21,
+    progress=False,
+)
+rng = np.random.default_rng(7)
+PROMPTS = [rng.integers(0, TINY["vocab_size"], int(n)).tolist() for n in rng.integers(3, 40, 12)]
+GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+
+
+def tiny_model(name: str, **overrides):
+    config_cls, model_cls, moe = ARCHITECTURES[name]
+    config = getattr(transformers, config_cls)(**{**TINY, **moe, **overrides})
+    config.architectures = [model_cls]
+    return random_model(getattr(transformers, model_cls), config).eval()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """architecture → (its transformers model, the directory save_pretrained wrote)."""
+    root = tmp_path_factory.mktemp("moe")
+    models = {}
+    for name in ARCHITECTURES:
+        model = tiny_model(name)
+        model.save_pretrained(root / name)
+        models[name] = (model, str(root / name))
+    return models
+
+
+def generate(model_dir: str, **engine) -> list[list[int]]:
+    llm = LLM(model_dir, **{**ENGINE, **engine})
+    before = compilation_count()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert compilation_count() == before, "a step compiled after warm-up"
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+@pytest.mark.parametrize("name", list(ARCHITECTURES))
+def test_greedy_tokens_equal_transformers_with_chunked_prefill(saved, name):
+    model, model_dir = saved[name]
+    want = [hf_greedy(model, p, GREEDY.max_tokens) for p in PROMPTS]
+    assert generate(model_dir) == want
+
+
+def test_fused_expert_checkpoints_load_as_per_expert_ones(saved, tmp_path):
+    """transformers 5 keeps experts fused (`experts.gate_up_proj`): such a checkpoint gives the same tokens."""
+    model, model_dir = saved["qwen3_moe"]
+    model.save_pretrained(tmp_path, save_original_format=False)
+    assert generate(str(tmp_path)) == generate(model_dir)
+
+
+def test_tensor_parallel_experts_equal_one_device(saved):
+    """Two devices split every expert's columns (and the shared expert's) as a dense MLP's: the same tokens."""
+    _, model_dir = saved["qwen2_moe"]
+    assert generate(model_dir, tensor_parallel_size=2) == generate(model_dir)
+
+
+def test_prompt_logprobs_match_transformers(saved):
+    model, model_dir = saved["olmoe"]
+    llm = LLM(model_dir, **ENGINE)
+    prompt = PROMPTS[1]
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=0, prompt_logprobs=0))
+    ref = hf_log_softmax(model, prompt)
+    got = [out.prompt_logprobs[i][t].logprob for i, t in enumerate(prompt) if i]
+    np.testing.assert_allclose(got, [ref[i - 1][t] for i, t in enumerate(prompt) if i], atol=2e-3)
+
+
+def test_dummy_weights_run_a_moe_config(tmp_path):
+    config = tiny_model("qwen3_moe").config
+    (tmp_path / "config.json").write_text(config.to_json_string())
+    llm = LLM(str(tmp_path / "config.json"), load_format="dummy", **ENGINE)
+    (out,) = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(max_tokens=4), use_tqdm=False)
+    assert len(out.outputs[0].token_ids) == 4
+
+
+def test_dense_layers_between_sparse_ones_are_refused_by_name(tmp_path):
+    model = tiny_model("qwen2_moe", mlp_only_layers=[1])
+    model.save_pretrained(tmp_path)
+    with pytest.raises(NotImplementedError, match=r"Qwen2MoeForCausalLM: dense MLP layers .*mlp_only_layers=\[1\]"):
+        LLM(str(tmp_path), **ENGINE)
+
+
+# ---- routing and the grouped matmul alone --------------------------------------------------------------------
+
+
+def oracle(x, experts, weights, gate_up, down):
+    """The experts' weighted sum, token by token, in float64."""
+    x, gate_up, down = (np.asarray(a, np.float64) for a in (x, gate_up, down))
+    out = np.zeros_like(x)
+    for t in range(x.shape[0]):
+        for e, w in zip(np.asarray(experts[t]), np.asarray(weights[t], np.float64), strict=True):
+            h = x[t] @ gate_up[e].reshape(x.shape[1], -1)
+            g, u = h.reshape(2, -1)
+            out[t] += w * ((g / (1 + np.exp(-g)) * u) @ down[e])
+    return out
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 17, 64])
+@pytest.mark.parametrize("layout", ["random", "one_expert", "idle_expert"])
+def test_grouped_experts_equal_a_float64_oracle(num_tokens, layout):
+    r = np.random.default_rng(num_tokens)
+    num_experts, k, hidden, inner = 8, 2, 16, 8
+    x = r.standard_normal((num_tokens, hidden)).astype(np.float32)
+    gate_up = (0.3 * r.standard_normal((num_experts, hidden, 2, inner))).astype(np.float32)
+    down = (0.3 * r.standard_normal((num_experts, inner, hidden))).astype(np.float32)
+    choices = np.arange(1, num_experts) if layout == "idle_expert" else np.arange(num_experts)  # nobody picks 0
+    experts = np.stack([r.choice(choices, k, replace=False) for _ in range(num_tokens)]).astype(np.int32)
+    if layout == "one_expert":  # every token's first choice is expert 5, its second another
+        experts[:, 0] = 5
+        experts[:, 1] = r.choice([0, 1, 2, 3, 4, 6, 7], num_tokens)
+    weights = r.random((num_tokens, k)).astype(np.float32)
+    got = np.asarray(grouped_swiglu(x, experts, weights, gate_up, down))
+    np.testing.assert_allclose(got, oracle(x, experts, weights, gate_up, down), rtol=2e-5, atol=2e-5)
+
+
+def test_tiles_grow_with_the_rows_per_expert():
+    assert [tile_rows(n, 8) for n in (1, 8, 15, 16, 64, 100, 4096)] == [1, 1, 1, 2, 8, 8, 64]
+
+
+def test_routing_follows_transformers_ties_to_the_lowest_expert():
+    """torch's top-k order on exact ties is unspecified: jaxllm's is the lowest expert id first; off ties both
+    give the same experts and weights."""
+    ties = np.array([[0.5, 2.0, 2.0, 1.0], [3.0, 3.0, 3.0, 3.0]], np.float32)
+    weights, experts = route(ties, 2, normalize=True)
+    np.testing.assert_array_equal(np.asarray(experts), [[1, 2], [0, 1]])
+    np.testing.assert_allclose(np.asarray(weights), [[0.5, 0.5], [0.5, 0.5]], rtol=1e-6)
+    logits = np.random.default_rng(0).standard_normal((5, 8)).astype(np.float32)
+    torch_weights, torch_experts = torch.topk(torch.softmax(torch.tensor(logits), -1), 3)
+    weights, experts = route(logits, 3, normalize=False)
+    np.testing.assert_array_equal(np.asarray(experts), torch_experts.numpy())
+    np.testing.assert_allclose(np.asarray(weights), torch_weights.numpy(), rtol=1e-6)
