@@ -52,7 +52,15 @@ def tiny_sources(tmp_path_factory):
     model.save_pretrained(root / "hf")
     convert(str(root / "hf"), str(root / "orbax"), dtype="float32")
     (root / "config.json").write_text(json.dumps({**config.to_dict(), "architectures": ["LlamaForCausalLM"]}))
-    return {"hf": str(root / "hf"), "orbax": str(root / "orbax"), "dummy": str(root / "config.json"), "torch": model}
+    untied = transformers.LlamaConfig(**{**PANEL_LLAMA, "tie_word_embeddings": False})
+    random_model(transformers.LlamaForCausalLM, untied).save_pretrained(root / "untied")
+    return {
+        "hf": str(root / "hf"),
+        "orbax": str(root / "orbax"),
+        "dummy": str(root / "config.json"),
+        "untied": str(root / "untied"),
+        "torch": model,
+    }
 
 
 def generate(model: str, run: str, monkeypatch, **engine) -> list[tuple[list[int], list[float]]]:
@@ -98,6 +106,17 @@ def test_each_load_path_generates_what_xla_generates_from_the_same_weights(
     engine = dict(TINY_ENGINE, quantization=quantization, load_format="dummy" if source == "dummy" else "auto")
     got = generate(tiny_sources[source], run, monkeypatch, **engine)
     assert_same(got, want, f"{source} quantization={quantization} {run}")
+
+
+@pytest.mark.parametrize("quantization", ["int8", "int4"])
+def test_an_untied_models_quantized_embedding_is_looked_up_as_stored(
+    tiny_sources, references, quantization, monkeypatch
+):
+    """An untied model's quantized embedding table is only looked up (the LM head is its own kernel): the CPU
+    kernels once packed it like the LM head while the lookup read it unpacked, and generated other tokens."""
+    want = reference(tiny_sources, references, "untied", quantization, monkeypatch)
+    got = generate(tiny_sources["untied"], "kernels", monkeypatch, **dict(TINY_ENGINE, quantization=quantization))
+    assert_same(got, want, f"untied quantization={quantization} kernels")
 
 
 @pytest.mark.parametrize("quantization", QUANTIZATIONS)

@@ -168,8 +168,9 @@ class CausalLM(nn.Module):
             return stacked_matmul.pack(value) if leaf in QUANT_LEAVES and packs_quantized(value.shape) else value
         if not self.packs_head() or not head:
             return value
-        if leaf in QUANT_LEAVES:  # stored [K, V] as a kernel is, tied or not
-            return stacked_matmul.pack_matrix(value)
+        if leaf in QUANT_LEAVES:  # stored [K, V] as a kernel is; an untied embedding's table is only looked up
+            untied_table = path[-2] == "embed_tokens" and not self.arch.tie_word_embeddings
+            return value if untied_table else stacked_matmul.pack_matrix(value)
         if path[-2:] == ("embed_tokens", "embedding") and self.arch.tie_word_embeddings:
             return stacked_matmul.pack_matrix(value, transposed=True)
         if path[-2:] == ("lm_head", "kernel"):
