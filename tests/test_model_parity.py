@@ -16,6 +16,7 @@ from jaxllm.model import CausalLM, KVCache, arch_from_hf_config
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.weights.params import hf_tensor_names, params_from_hf_tensors
 from tests.paged_batch import make_step
+from tests.tiny_models import MOE_CASES
 
 TINY = dict(
     vocab_size=128,
@@ -71,21 +72,6 @@ CASES = {
         "Qwen3ForCausalLM",
         dict(head_dim=16, rope_parameters={"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0}),
     ),
-}
-# mixtures of experts: 4-8 experts, top-2 (OLMoE top-3, unnormalised), a shared expert (Qwen2-MoE)
-MOE_CASES = {
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
-    "qwen2-moe-shared-expert": (
-        "Qwen2MoeConfig",
-        "Qwen2MoeForCausalLM",
-        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48),
-    ),
-    "qwen3-moe": (
-        "Qwen3MoeConfig",
-        "Qwen3MoeForCausalLM",
-        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, head_dim=16),
-    ),
-    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=6, num_experts_per_tok=3)),
 }
 CASES.update(MOE_CASES)
 

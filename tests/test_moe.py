@@ -7,6 +7,7 @@ beside other sequences' decodes. Routing and the grouped expert matmul are check
 (every token to one expert, an expert with no tokens, tied router scores).
 """
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
@@ -16,7 +17,7 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.model.moe import grouped_swiglu, route, tile_rows
 from jaxllm.runner.compilations import compilation_count
 from tests.hf_reference import hf_greedy, hf_log_softmax
-from tests.tiny_models import random_model
+from tests.tiny_models import MOE_CASES, random_model
 
 TINY = dict(
     vocab_size=96,
@@ -27,20 +28,7 @@ TINY = dict(
     num_key_value_heads=2,
     max_position_embeddings=128,
 )
-ARCHITECTURES = {
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
-    "qwen2_moe": (
-        "Qwen2MoeConfig",
-        "Qwen2MoeForCausalLM",
-        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
-    ),
-    "qwen3_moe": (
-        "Qwen3MoeConfig",
-        "Qwen3MoeForCausalLM",
-        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
-    ),
-    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=3)),
-}
+ARCHITECTURES = MOE_CASES
 ENGINE = dict(
     max_num_seqs=4,
     max_num_batched_tokens=16,
@@ -155,8 +143,12 @@ def test_grouped_experts_equal_a_float64_oracle(num_tokens, layout):
         experts[:, 0] = 5
         experts[:, 1] = r.choice([0, 1, 2, 3, 4, 6, 7], num_tokens)
     weights = r.random((num_tokens, k)).astype(np.float32)
-    got = np.asarray(grouped_swiglu(x, experts, weights, gate_up, down))
-    np.testing.assert_allclose(got, oracle(x, experts, weights, gate_up, down), rtol=2e-5, atol=2e-5)
+    want = oracle(x, experts, weights, gate_up, down)
+    np.testing.assert_allclose(grouped_swiglu(x, experts, weights, gate_up, down), want, rtol=2e-5, atol=2e-5)
+    # stacked layers: the running layer's experts, read from the whole stack
+    stacked = [np.stack([np.full_like(w, np.nan), w]) for w in (gate_up, down)]
+    got = grouped_swiglu(x, experts, weights, *stacked, layer=jnp.int32(1))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
 def test_tiles_grow_with_the_rows_per_expert():

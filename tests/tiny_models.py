@@ -15,6 +15,23 @@ PANEL_LLAMA = dict(
     tie_word_embeddings=True,
 )
 
+# mixtures of experts: 4-8 experts, top-2 (OLMoE top-3, unnormalised), a shared expert (Qwen2-MoE);
+# name → (transformers config class, architecture, config fields)
+MOE_CASES = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=4, num_experts_per_tok=2)),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=64),
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+    ),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=3)),
+}
+
 
 def random_model(model_class, config, std: float = 0.1, seed: int = 0):
     """`model_class(config)` with N(0, std) weights: its own initialisation is too small for a layout or rounding

@@ -43,12 +43,15 @@ def grouped_swiglu(
     x: Float[Array, "T H"],
     experts: Int[Array, "T K"],
     weights: Float[Array, "T K"],
-    gate_up: Float[Array, "E H 2 I"],
-    down: Float[Array, "E I H"],
+    gate_up: Float[Array, "*L E H 2 I"],
+    down: Float[Array, "*L E I H"],
+    layer=None,
 ) -> Float[Array, "T H"]:
-    """sum over k of weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = experts[t, k], in float32."""
+    """sum over k of weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = experts[t, k], in float32.
+    `layer`: the weights are stacked `[L, E, ...]` and this layer's are read, only the tiles' experts of it (a
+    slice of the layer first would copy every expert's weights each step)."""
     num_tokens, k = experts.shape
-    num_experts, hidden = gate_up.shape[0], x.shape[-1]
+    num_experts, hidden = gate_up.shape[-4], x.shape[-1]
     m = tile_rows(num_tokens * k, num_experts)
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # assignments grouped by expert, each group in token order
@@ -62,11 +65,12 @@ def grouped_swiglu(
     num_tiles = num_rows // m
     # each tile's expert (tiles past the last group hold zero rows; any expert will do for them)
     tile_expert = jnp.minimum(jnp.searchsorted(padded_ends, jnp.arange(num_tiles) * m, side="right"), num_experts - 1)
+    index = tile_expert if layer is None else (layer, tile_expert)
     rows = jnp.zeros((num_rows, hidden), jnp.float32).at[dest].set(x[token].astype(jnp.float32))
     tiles = rows.reshape(num_tiles, m, hidden)
-    h = jnp.einsum("tmh,thpi->tmpi", tiles, gate_up[tile_expert].astype(jnp.float32))
+    h = jnp.einsum("tmh,thpi->tmpi", tiles, gate_up[index].astype(jnp.float32))
     act = nn.silu(h[:, :, 0]) * h[:, :, 1]
-    y = jnp.einsum("tmi,tih->tmh", act, down[tile_expert].astype(jnp.float32)).reshape(num_rows, hidden)
+    y = jnp.einsum("tmi,tih->tmh", act, down[index].astype(jnp.float32)).reshape(num_rows, hidden)
     y = y[dest] * weights.reshape(-1)[order][:, None].astype(jnp.float32)
     return jnp.zeros((num_tokens, hidden), jnp.float32).at[token].add(y)
 
@@ -93,7 +97,8 @@ class SparseMoE(nn.Module):
         gate_up = st.param(self, "experts_gate_up", init, (None, None, None, "model"), (e, hidden, 2, size), self.dtype)
         down = st.param(self, "experts_down", init, (None, "model", None), (e, size, hidden), self.dtype)
         weights = weights.astype(self.dtype)  # (transformers casts them to the activations' type)
-        out = grouped_swiglu(x, experts, weights, st.at(gate_up, layer), st.at(down, layer)).astype(self.dtype)
+        stacked = st.num_layers is not None
+        out = grouped_swiglu(x, experts, weights, gate_up, down, layer if stacked else None).astype(self.dtype)
         if moe.shared_expert_intermediate_size:
             shared = GatedMLP(self.arch, self.dtype, st, moe.shared_expert_intermediate_size, name="shared_expert")
             gate = Linear((1,), shard_axis=None, dtype=self.dtype, bias=False, stacking=st, name="shared_expert_gate")
