@@ -107,11 +107,34 @@ def test_dummy_weights_run_a_moe_config(tmp_path):
     assert len(out.outputs[0].token_ids) == 4
 
 
-def test_dense_layers_between_sparse_ones_are_refused_by_name(tmp_path):
-    model = tiny_model("qwen2_moe", mlp_only_layers=[1])
-    model.save_pretrained(tmp_path)
-    with pytest.raises(NotImplementedError, match=r"Qwen2MoeForCausalLM: dense MLP layers .*mlp_only_layers=\[1\]"):
-        LLM(str(tmp_path), **ENGINE)
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """Qwen2-MoE with a dense MLP layer between two sparse ones (mlp_only_layers): three stacks of layers."""
+    model = tiny_model("qwen2_moe", num_hidden_layers=3, mlp_only_layers=[1])
+    folder = tmp_path_factory.mktemp("mixed")
+    model.save_pretrained(folder)
+    return model, str(folder)
+
+
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_dense_layers_between_sparse_ones_equal_transformers(mixed, scan_layers):
+    model, model_dir = mixed
+    llm = LLM(model_dir, **ENGINE, scan_layers=scan_layers)
+    params = llm.engine.runner.params if scan_layers else {}
+    assert not scan_layers or {"layers_from_0", "layers_from_1", "layers_from_2"} <= set(params)
+    prompts = PROMPTS[:4]
+    want = [hf_greedy(model, p, 16) for p in prompts]
+    outputs = llm.generate(
+        [{"prompt_token_ids": p} for p in prompts],
+        SamplingParams(max_tokens=16, temperature=0, ignore_eos=True),
+        use_tqdm=False,
+    )
+    assert [list(o.outputs[0].token_ids) for o in outputs] == want
+
+
+def test_pipeline_stages_refuse_layers_of_several_kinds(mixed):
+    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 is not supported yet for Qwen2MoeForCausalLM"):
+        LLM(mixed[1], **ENGINE, pipeline_parallel_size=3)
 
 
 # ---- routing and the grouped matmul alone --------------------------------------------------------------------

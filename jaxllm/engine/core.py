@@ -26,13 +26,12 @@ from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.scheduler import Scheduler
-from jaxllm.engine.startup import check_prompt, enable_compilation_cache, log_ready
+from jaxllm.engine.startup import check_layout, check_prompt, enable_compilation_cache, log_ready
 from jaxllm.engine.step_loop import InFlightStep, StepLoop
 from jaxllm.kv_transfer.factory import KVConnector, check_kv_connector, make_kv_connector
 from jaxllm.kv_transfer.scope import KVScope
 from jaxllm.outputs import RequestOutput
 from jaxllm.parallel.mesh import make_mesh
-from jaxllm.parallel.pipeline import layer_ranges
 from jaxllm.request import Request, RequestStatus
 from jaxllm.runner.kv_blocks import KVBlockMover
 from jaxllm.runner.kv_cache import bytes_per_block
@@ -65,12 +64,7 @@ class EngineCore:
             tensor_parallel_size=args.tensor_parallel_size,
         )
         arch = source.arch
-        if arch.num_kv_heads % args.tensor_parallel_size:  # the cache is sharded over KV heads
-            raise ValueError(
-                f"tensor_parallel_size={args.tensor_parallel_size} does not divide the model's {arch.num_kv_heads} "
-                f"KV heads"
-            )
-        layer_ranges(arch.num_layers, args.pipeline_parallel_size)  # checks that every stage gets layers
+        check_layout(arch, args.tensor_parallel_size, args.pipeline_parallel_size)
         self.config = args.create_engine_config(arch.max_position_embeddings, jax.default_backend())
         if kv_transfer is not None:  # its sizes against memory, before anything loads
             kv_dtype = self.config.cache.kv_dtype(source.dtype)

@@ -1,5 +1,5 @@
-"""What an engine start checks and reports around the model: the compilation cache, a prompt's limits, and the
-one line that says the engine is ready (and what it holds)."""
+"""What an engine start checks and reports around the model: the compilation cache, the model's split over the
+devices, a prompt's limits, and the one line that says the engine is ready (and what it holds)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import os
 
 import jax
 
+from jaxllm.model.registry import ModelArch
+from jaxllm.parallel.pipeline import layer_ranges
 from jaxllm.weights.default import cache_dir
 
 logger = logging.getLogger("jaxllm")
@@ -21,6 +23,20 @@ def enable_compilation_cache(folder: str | None) -> str | None:
     jax.config.update("jax_compilation_cache_dir", folder)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     return folder
+
+
+def check_layout(arch: ModelArch, tensor_parallel_size: int, pipeline_parallel_size: int) -> None:
+    """Raise ValueError unless the model splits over the devices as asked (before any weight loads)."""
+    if arch.num_kv_heads % tensor_parallel_size:  # the cache is sharded over KV heads
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size} does not divide the model's {arch.num_kv_heads} KV heads"
+        )
+    layer_ranges(arch.num_layers, pipeline_parallel_size)  # checks that every stage gets layers
+    if pipeline_parallel_size > 1 and len(arch.layer_runs()) > 1:
+        raise ValueError(
+            f"pipeline_parallel_size > 1 is not supported yet for {arch.architecture} with layers of several kinds "
+            f"(dense MLPs between the experts)"
+        )
 
 
 def check_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: int) -> None:

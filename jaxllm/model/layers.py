@@ -52,6 +52,11 @@ class Stacking:
     matmul_backend: str = "auto"
     kernel_max_rows: int | None = None  # "cpu_packed": XLA's dot above this many rows (stacked_matmul's)
     quant: QuantPlan = field(default_factory=QuantPlan)  # which projections (by module name) are quantized
+    first_layer: int = 0  # the model's layer at index 0 of the stack (a run of layers of one kind)
+
+    def index(self, layer):
+        """The running layer's index in the stack (the layer index in the carry counts every layer)."""
+        return layer - self.first_layer if self.first_layer else layer
 
     def param(self, module: nn.Module, name: str, init, spec: tuple, shape: tuple, dtype: Dtype) -> Array:
         """The module's parameter as stored: `[L, *shape]` when stacked."""
@@ -63,21 +68,24 @@ class Stacking:
         """A small parameter's value for the running layer."""
         if self.num_layers is None:
             return value
-        return jax.lax.dynamic_index_in_dim(value, layer, axis=0, keepdims=False)
+        return jax.lax.dynamic_index_in_dim(value, self.index(layer), axis=0, keepdims=False)
 
     def matmul(self, x: Array, kernel: Array, layer) -> Array:
         """`x @ kernel` for the running layer, contracting x's last axis with the kernel's input axis."""
         if self.num_layers is None:
             return jax.lax.dot_general(x, kernel, (((x.ndim - 1,), (0,)), ((), ())))
-        return stacked_matmul(x, kernel, layer, backend=self.matmul_backend, kernel_max_rows=self.kernel_max_rows)
+        return stacked_matmul(
+            x, kernel, self.index(layer), backend=self.matmul_backend, kernel_max_rows=self.kernel_max_rows
+        )
 
     def quantized_matmul(self, x: Array, qw: quantized.QuantizedWeight, layer, packed: bool) -> Array:
         """`x @ W` (float32) for a quantized weight: the CPU kernel on packed panels (`packed`), else XLA
         dequantizing inside the step (tensor parallelism, accelerators, kernels off). Unstacked: a stack of one."""
+        index = self.index(layer) if self.num_layers is not None else 0
         if self.num_layers is None:
-            qw, layer = stack_of_one(qw), 0
+            qw = stack_of_one(qw)
         backend = "cpu_packed" if packed else "reference"
-        return quantized.quantized_matmul(x, qw, layer, backend=backend, kernel_max_rows=self.kernel_max_rows)
+        return quantized.quantized_matmul(x, qw, index, backend=backend, kernel_max_rows=self.kernel_max_rows)
 
 
 def stack_of_one(qw: quantized.QuantizedWeight) -> quantized.QuantizedWeight:

@@ -29,7 +29,7 @@ import pallas_kernels
 from jaxllm.model.layers import Dtype, Embed, GatedMLP, Linear, RMSNorm, Stacking, apply_rotary, rotary_cos_sin
 from jaxllm.model.moe import SparseMoE
 from jaxllm.model.quant import QUANT_LEAVES, QuantPlan, packs_quantized
-from jaxllm.model.registry import ModelArch
+from jaxllm.model.registry import LayerKind, ModelArch
 from pallas_kernels import stacked_matmul
 
 # A step's input arrays: numpy as the host fills them, jax arrays inside the compiled step
@@ -47,6 +47,20 @@ class StepInputs(NamedTuple, Generic[ArrayT]):
     block_tables: Int[ArrayT, "S M"]
     num_seqs: Int[ArrayT, " 1"]
     logits_indices: Int[ArrayT, " R"]  # rows whose logits are wanted
+
+
+def stack_name(first_layer: int, num_layers: int, end: int) -> str:
+    """The parameter tree's name for the stack of layers first_layer..end-1: "layers" when it holds them all,
+    "layers_from_N" for a run starting at layer N (a model whose layers are of several kinds)."""
+    return "layers" if (first_layer, end) == (0, num_layers) else f"layers_from_{first_layer}"
+
+
+def stack_start(name: str) -> int | None:
+    """The first layer of the stack a parameter tree key names (`stack_name`'s inverse); None: not a stack."""
+    if name == "layers":
+        return 0
+    prefix = "layers_from_"
+    return int(name[len(prefix) :]) if name.startswith(prefix) else None
 
 
 class KVCache(NamedTuple):
@@ -108,12 +122,13 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """One pre-norm block; the scan's body. Carry: (hidden, cache, layer index)."""
+    """One pre-norm block; the scan's body. Carry: (hidden, cache, layer index). `kind`: its MLP's."""
 
     arch: ModelArch
     dtype: Dtype
     attention_backend: str
     stacking: Stacking = Stacking()
+    kind: LayerKind = LayerKind()
 
     @nn.compact
     def __call__(self, carry, batch: StepInputs[Array], cos, sin):
@@ -124,7 +139,7 @@ class DecoderLayer(nn.Module):
         )
         hidden = hidden + attn_out
         mlp_in = RMSNorm(eps, self.dtype, st, name="post_attention_layernorm")(hidden, layer)
-        mlp = SparseMoE if self.arch.moe is not None else GatedMLP
+        mlp = SparseMoE if self.kind.experts else GatedMLP
         hidden = hidden + mlp(self.arch, self.dtype, st, name="mlp")(mlp_in, layer)
         return (hidden, cache, layer + 1), None
 
@@ -187,8 +202,8 @@ class CausalLM(nn.Module):
 
         return jax.tree_util.tree_map_with_path(leaf, params)
 
-    def layer_stacking(self, num_layers: int | None) -> Stacking:
-        return Stacking(num_layers, self.matmul_backend, self.matmul_kernel_max_rows, self.quant)
+    def layer_stacking(self, num_layers: int | None, first_layer: int = 0) -> Stacking:
+        return Stacking(num_layers, self.matmul_backend, self.matmul_kernel_max_rows, self.quant, first_layer)
 
     @nn.compact
     def __call__(
@@ -213,19 +228,25 @@ class CausalLM(nn.Module):
         cos, sin = rotary_cos_sin(a, batch.positions, self.dtype)
         carry = (hidden, cache, jnp.int32(0))
         if self.scan_layers:
+            # one scan per run of layers of one kind (the layer index in the carry runs on across them);
             # parameters are stacked [L, ...] by the layers themselves (Stacking) and handed whole to the body
-            layers = nn.scan(
-                DecoderLayer,
-                variable_broadcast="params",
-                split_rngs={"params": False},
-                in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
-                length=a.num_layers,
-            )(a, self.dtype, self.attention_backend, self.layer_stacking(a.num_layers), name="layers")
-            carry, _ = layers(carry, batch, cos, sin)
+            for start, end, kind in a.layer_runs():
+                run = nn.scan(
+                    DecoderLayer,
+                    variable_broadcast="params",
+                    split_rngs={"params": False},
+                    in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
+                    length=end - start,
+                )
+                stacking = self.layer_stacking(end - start, start)
+                name = stack_name(start, a.num_layers, end)
+                layers = run(a, self.dtype, self.attention_backend, stacking, kind, name=name)
+                carry, _ = layers(carry, batch, cos, sin)
         else:
             for i in range(a.num_layers):
                 stacking = self.layer_stacking(None)
-                layer = DecoderLayer(a, self.dtype, self.attention_backend, stacking, name=f"layers_{i}")
+                kind = a.layer_kind(i)
+                layer = DecoderLayer(a, self.dtype, self.attention_backend, stacking, kind, name=f"layers_{i}")
                 carry, _ = layer(carry, batch, cos, sin)
         hidden, cache, _ = carry
         if not self.last_stage:

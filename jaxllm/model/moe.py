@@ -98,7 +98,8 @@ class SparseMoE(nn.Module):
         down = st.param(self, "experts_down", init, (None, "model", None), (e, size, hidden), self.dtype)
         weights = weights.astype(self.dtype)  # (transformers casts them to the activations' type)
         stacked = st.num_layers is not None
-        out = grouped_swiglu(x, experts, weights, gate_up, down, layer if stacked else None).astype(self.dtype)
+        out = grouped_swiglu(x, experts, weights, gate_up, down, st.index(layer) if stacked else None)
+        out = out.astype(self.dtype)
         if moe.shared_expert_intermediate_size:
             shared = GatedMLP(self.arch, self.dtype, st, moe.shared_expert_intermediate_size, name="shared_expert")
             gate = Linear((1,), shard_axis=None, dtype=self.dtype, bias=False, stacking=st, name="shared_expert_gate")

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-# mixtures of experts: every layer's MLP is a routed set of experts (model/moe.py)
+# mixtures of experts: a layer's MLP is a routed set of experts (model/moe.py), or dense between them
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
 SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 MODEL_TYPES = {
@@ -115,6 +115,15 @@ class MoEConfig:
     intermediate_size: int  # each expert's
     norm_topk_prob: bool  # renormalise the chosen experts' weights to sum to one
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a dense expert every token takes, gated by a sigmoid
+    dense_layers: tuple[int, ...] = ()  # layers whose MLP is dense instead (mlp_only_layers, decoder_sparse_step)
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """What a decoder layer runs, as far as its parameters and compiled code differ from another's: the decoder
+    scans each run of consecutive layers of one kind as one stack (`ModelArch.layer_runs`)."""
+
+    experts: bool = False  # its MLP is the mixture of experts (else the dense gated MLP)
 
 
 @dataclass(frozen=True)
@@ -137,8 +146,22 @@ class ModelArch:
     qk_norm: bool = False
     sliding_window: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    moe: MoEConfig | None = None  # every layer's MLP is a mixture of experts
+    moe: MoEConfig | None = None  # layers' MLPs are mixtures of experts (but `moe.dense_layers`)
     qk_norm_whole: bool = False  # OLMoE: q/k norms over the whole projection, not per head
+
+    def layer_kind(self, layer: int) -> LayerKind:
+        return LayerKind(experts=self.moe is not None and layer not in self.moe.dense_layers)
+
+    def layer_runs(self) -> tuple[tuple[int, int, LayerKind], ...]:
+        """(first layer, end, kind) of each run of consecutive layers of one kind, in order."""
+        runs: list[tuple[int, int, LayerKind]] = []
+        for layer in range(self.num_layers):
+            kind = self.layer_kind(layer)
+            if runs and runs[-1][2] == kind:
+                runs[-1] = (runs[-1][0], layer + 1, kind)
+            else:
+                runs.append((layer, layer + 1, kind))
+        return tuple(runs)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -262,13 +285,11 @@ def _moe(config: Any, architecture: str) -> MoEConfig:
     top_k = _get(config, "num_experts_per_tok")
     if not num_experts or not top_k:
         raise ValueError(f"{architecture}: the config has no num_experts / num_experts_per_tok")
-    mlp_only = list(_get(config, "mlp_only_layers") or [])
-    step = _get(config, "decoder_sparse_step") or 1
-    if mlp_only or step != 1:
-        raise NotImplementedError(
-            f"{architecture}: dense MLP layers between the sparse ones (mlp_only_layers={mlp_only}, "
-            f"decoder_sparse_step={step}) are not supported yet: every layer must be a mixture of experts"
-        )
+    # transformers' rule: layer i is sparse unless listed in mlp_only_layers or (i + 1) % decoder_sparse_step
+    mlp_only = {int(i) for i in _get(config, "mlp_only_layers") or []}
+    step = int(_get(config, "decoder_sparse_step") or 1)
+    num_layers = int(_get(config, "num_hidden_layers"))
+    dense = tuple(i for i in range(num_layers) if i in mlp_only or (i + 1) % step)
     if _get(config, "topk_group") or _get(config, "n_group"):
         raise NotImplementedError(f"{architecture}: grouped top-k routing (n_group, topk_group) is not supported")
     # Mixtral always renormalises; the others say so in norm_topk_prob (OLMoE and Qwen2-MoE default False)
@@ -277,4 +298,4 @@ def _moe(config: Any, architecture: str) -> MoEConfig:
     shared = (_get(config, "shared_expert_intermediate_size") or 0) if architecture == "Qwen2MoeForCausalLM" else 0
     if top_k > num_experts:
         raise ValueError(f"{architecture}: num_experts_per_tok={top_k} exceeds num_experts={num_experts}")
-    return MoEConfig(int(num_experts), int(top_k), int(size), norm, int(shared))
+    return MoEConfig(int(num_experts), int(top_k), int(size), norm, int(shared), dense)

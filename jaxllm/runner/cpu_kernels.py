@@ -26,15 +26,18 @@ def layer_matmul_shapes(arch: ModelArch, dtype, quant: QuantPlan = NO_QUANT) -> 
     (K, N, format) for those `quant` keeps quantized."""
     a = arch
     group = a.num_heads // a.num_kv_heads
-    mlp = a.intermediate_size if a.moe is None else a.moe.shared_expert_intermediate_size  # experts: not packed
-    shapes = {
-        "qkv_proj": (a.hidden_size, a.num_kv_heads * (group + 2) * a.head_dim),
-        "o_proj": (a.num_heads * a.head_dim, a.hidden_size),
-        **({"gate_up_proj": (a.hidden_size, 2 * mlp), "down_proj": (mlp, a.hidden_size)} if mlp else {}),
-        **({"router": (a.hidden_size, a.moe.num_experts)} if a.moe is not None else {}),
-    }
+    mlps = {a.intermediate_size} if a.moe is None or a.moe.dense_layers else set()  # experts: not packed
+    if a.moe is not None and a.moe.shared_expert_intermediate_size:
+        mlps.add(a.moe.shared_expert_intermediate_size)
+    shapes = [
+        ("qkv_proj", (a.hidden_size, a.num_kv_heads * (group + 2) * a.head_dim)),
+        ("o_proj", (a.num_heads * a.head_dim, a.hidden_size)),
+        *[("gate_up_proj", (a.hidden_size, 2 * size)) for size in sorted(mlps)],
+        *[("down_proj", (size, a.hidden_size)) for size in sorted(mlps)],
+        *([("router", (a.hidden_size, a.moe.num_experts))] if a.moe is not None else []),
+    ]
     out: list[tuple] = []
-    for name, (k, n) in shapes.items():
+    for name, (k, n) in shapes:
         if fmt := quant.get(name):
             out += [(k, n, fmt)] if packs_quantized((1, k, n)) else []
         elif stacked_matmul.packable(jax.ShapeDtypeStruct((1, k, n), dtype)):

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxllm.model.llama import CausalLM, KVCache, StepInputs
+from jaxllm.model.llama import CausalLM, KVCache, StepInputs, stack_start
 from jaxllm.model.quant import NO_QUANT, QUANT_LEAVES, QuantPlan
 from jaxllm.model.registry import ModelArch
 from jaxllm.weights.quant.gguf_blocks import QuantizedTensor
@@ -91,7 +91,7 @@ def hf_tensor_names_of(path: tuple[str, ...], layer: int | None, arch: ModelArch
         return ["model.embed_tokens.weight"]
     if modules == ["lm_head"]:
         return ["lm_head.weight"]
-    if modules[0] != "layers":
+    if stack_start(modules[0]) is None:
         return [f"model.{'.'.join(modules)}.{kind}"]
     parents = [_hf_module(m, arch) for m in modules[1:]]
     if leaf in EXPERT_LEAVES:
@@ -227,7 +227,7 @@ def host_params_from_hf_tensors(
                 quantized[module, layer] = (joined(qs), joined(scales), None if mins is None else joined(mins))
             else:
                 qweight = _subtree(shapes, module)["qweight"]
-                k = qweight.shape[path[0] == "layers"] * 8 // FORMATS[fmt].bits
+                k = qweight.shape[stack_start(path[0]) is not None] * 8 // FORMATS[fmt].bits
                 quantized[module, layer] = quantize_kernel(assembled(path, (k, *shape[1:]), names, True), fmt)
         value = quantized[module, layer][QUANT_LEAVES.index(path[-1])]
         assert value is not None and value.shape == shape, (path, shape)
@@ -235,10 +235,11 @@ def host_params_from_hf_tensors(
 
     def load(key_path, shape):
         path = leaf_path(key_path)
-        stacked = path[0] == "layers"
+        first = stack_start(path[0])  # a stack of layers from `first` on, or None
+        stacked = first is not None
         layer_shape = shape.shape[1:] if stacked else shape.shape
         host = allocate(path, shape.shape, np.dtype(shape.dtype))
-        for i, layer in enumerate(range(arch.num_layers) if stacked else [None]):
+        for i, layer in enumerate(range(first, first + shape.shape[0]) if first is not None else [None]):
             names = hf_tensor_names_of(path, layer, arch)
             if path[-1] in EXPERT_LEAVES:
                 assert layer is not None
@@ -291,28 +292,34 @@ def hf_tensor_names(arch: ModelArch) -> list[str]:
     """Every transformers tensor name the model reads (for completeness checks)."""
     shapes, _ = abstract_params(arch, jnp.float32)
     names = []
-    for key_path, _ in jax.tree_util.tree_flatten_with_path(shapes)[0]:
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(shapes)[0]:
         path = leaf_path(key_path)
-        for layer in range(arch.num_layers) if path[0] == "layers" else [None]:
+        first = stack_start(path[0])
+        for layer in range(first, first + leaf.shape[0]) if first is not None else [None]:
             names.extend(hf_tensor_names_of(path, layer, arch))
     return names
 
 
 def unstack_layers(params: Params, num_layers: int) -> Params:
-    """Stacked "layers" `[L, ...]` → "layers_0".."layers_{L-1}", for the unrolled model.
+    """Stacked layers `[L, ...]` ("layers", or a run of them "layers_from_N") → "layers_0".."layers_{L-1}", for
+    the unrolled model.
 
     Each slice keeps its leaf's sharding minus the layer axis. Checkpoints and loaders always
     use the stacked form; this runs once, when an engine starts.
     """
 
-    def layer(i):
-        def take(x):
-            return jax.device_put(x[i], NamedSharding(x.sharding.mesh, PartitionSpec(*x.sharding.spec[1:])))
+    def take(x, i):
+        return jax.device_put(x[i], NamedSharding(x.sharding.mesh, PartitionSpec(*x.sharding.spec[1:])))
 
-        return jax.tree.map(take, params["layers"])
-
-    rest = {k: v for k, v in params.items() if k != "layers"}
-    return {**rest, **{f"layers_{i}": layer(i) for i in range(num_layers)}}
+    unrolled = {k: v for k, v in params.items() if stack_start(k) is None}
+    for key, stack in params.items():
+        if (first := stack_start(key)) is not None:
+            length = jax.tree.leaves(stack)[0].shape[0]
+            unrolled.update(
+                {f"layers_{first + i}": jax.tree.map(lambda x, i=i: take(x, i), stack) for i in range(length)}
+            )
+    assert len(unrolled) - len(params) + sum(stack_start(k) is not None for k in params) == num_layers
+    return unrolled
 
 
 def quantize_params(params: Params, quant: QuantPlan) -> Params:
@@ -322,7 +329,10 @@ def quantize_params(params: Params, quant: QuantPlan) -> Params:
     def module(name: str, node: dict, stacked: bool) -> dict:
         fmt = quant.get(name)
         if fmt is None or not ({"kernel", "embedding"} & node.keys()):
-            return {k: module(k, v, stacked or k == "layers") if isinstance(v, dict) else v for k, v in node.items()}
+            return {
+                k: module(k, v, stacked or stack_start(k) is not None) if isinstance(v, dict) else v
+                for k, v in node.items()
+            }
         rest = {k: v for k, v in node.items() if k not in ("kernel", "embedding")}
         if "embedding" in node:
             parts = quantize_kernel(np.asarray(node["embedding"], np.float32).T, fmt)
