@@ -89,6 +89,33 @@ def test_tensor_parallel_experts_equal_one_device(saved):
     assert generate(model_dir, tensor_parallel_size=2) == generate(model_dir)
 
 
+def test_expert_parallel_devices_hold_whole_experts_and_give_one_devices_tokens(saved):
+    """--enable-expert-parallel: each of two devices holds 4 of the 8 experts, whole (not every expert's half:
+    automatic sharding could gather them all and still give the right tokens), and the tokens are one device's."""
+    _, model_dir = saved["qwen3_moe"]
+    llm = LLM(model_dir, **ENGINE, tensor_parallel_size=2, enable_expert_parallel=True)
+    experts = llm.engine.runner.params["layers"]["mlp"]
+    for leaf in ("experts_gate_up", "experts_down"):
+        whole = experts[leaf]
+        assert whole.shape[1] == 8 and {s.data.shape[1] for s in whole.addressable_shards} == {4}
+        assert {s.data.shape[2:] for s in whole.addressable_shards} == {whole.shape[2:]}
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == generate(model_dir)
+
+
+def test_expert_parallel_refuses_experts_that_do_not_split(tmp_path):
+    config = tiny_model("mixtral", num_local_experts=3).config
+    (tmp_path / "config.json").write_text(config.to_json_string())
+    with pytest.raises(ValueError, match="3 experts do not split evenly over tensor_parallel_size=2"):
+        LLM(
+            str(tmp_path / "config.json"),
+            load_format="dummy",
+            **ENGINE,
+            tensor_parallel_size=2,
+            enable_expert_parallel=True,
+        )
+
+
 def test_prompt_logprobs_match_transformers(saved):
     model, model_dir = saved["olmoe"]
     llm = LLM(model_dir, **ENGINE)

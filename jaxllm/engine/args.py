@@ -69,6 +69,7 @@ class EngineArgs:
     gpu_memory_utilization: float = 0.9
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "bfloat16" halves KV memory and bytes read
     tensor_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # vLLM's: a mixture of experts' experts split whole over the TP devices
     pipeline_parallel_size: int = 1  # stages (docs/scaling.md): layers split over PP groups of TP devices
     data_parallel_size: int = 1
     nnodes: int = 1  # multi-host: every node runs the same command with its own node_rank
@@ -113,6 +114,7 @@ class EngineArgs:
             self.pipeline_parallel_size,
             self.nnodes,
             self.distributed_timeout,
+            self.enable_expert_parallel,
         )
 
     def check(self) -> None:

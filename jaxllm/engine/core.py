@@ -62,6 +62,7 @@ class EngineCore:
             dtype=args.dtype,
             quantization=args.quantization,
             tensor_parallel_size=args.tensor_parallel_size,
+            enable_expert_parallel=args.enable_expert_parallel,
         )
         arch = source.arch
         check_layout(arch, args.tensor_parallel_size, args.pipeline_parallel_size)

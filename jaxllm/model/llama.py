@@ -23,6 +23,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
 import pallas_kernels
@@ -129,6 +130,7 @@ class DecoderLayer(nn.Module):
     attention_backend: str
     stacking: Stacking = Stacking()
     kind: LayerKind = LayerKind()
+    expert_mesh: Mesh | None = None  # expert parallelism: the mesh the experts are split over
 
     @nn.compact
     def __call__(self, carry, batch: StepInputs[Array], cos, sin):
@@ -139,8 +141,12 @@ class DecoderLayer(nn.Module):
         )
         hidden = hidden + attn_out
         mlp_in = RMSNorm(eps, self.dtype, st, name="post_attention_layernorm")(hidden, layer)
-        mlp = SparseMoE if self.kind.experts else GatedMLP
-        hidden = hidden + mlp(self.arch, self.dtype, st, name="mlp")(mlp_in, layer)
+        mlp: nn.Module
+        if self.kind.experts:
+            mlp = SparseMoE(self.arch, self.dtype, st, self.expert_mesh, name="mlp")
+        else:
+            mlp = GatedMLP(self.arch, self.dtype, st, name="mlp")
+        hidden = hidden + mlp(mlp_in, layer)
         return (hidden, cache, layer + 1), None
 
 
@@ -159,6 +165,7 @@ class CausalLM(nn.Module):
     matmul_backend: str = "auto"  # pallas_kernels.stacked_matmul's, for the scanned layers
     matmul_kernel_max_rows: int | None = None  # "cpu_packed": XLA's dot above this many rows (the self-check's)
     quant: QuantPlan = QuantPlan()  # projections kept quantized (model/quant.py); empty: all float
+    expert_mesh: Mesh | None = None  # expert parallelism: the step's mesh (the experts run under shard_map)
     # pipeline parallelism: a stage runs `arch.num_layers` of the model's layers; the first embeds the tokens,
     # the last applies the final norm and the LM head; the others take and return hidden states [T, H]
     first_stage: bool = True
@@ -240,13 +247,15 @@ class CausalLM(nn.Module):
                 )
                 stacking = self.layer_stacking(end - start, start)
                 name = stack_name(start, a.num_layers, end)
-                layers = run(a, self.dtype, self.attention_backend, stacking, kind, name=name)
+                layers = run(a, self.dtype, self.attention_backend, stacking, kind, self.expert_mesh, name=name)
                 carry, _ = layers(carry, batch, cos, sin)
         else:
             for i in range(a.num_layers):
                 stacking = self.layer_stacking(None)
                 kind = a.layer_kind(i)
-                layer = DecoderLayer(a, self.dtype, self.attention_backend, stacking, kind, name=f"layers_{i}")
+                layer = DecoderLayer(
+                    a, self.dtype, self.attention_backend, stacking, kind, self.expert_mesh, name=f"layers_{i}"
+                )
                 carry, _ = layer(carry, batch, cos, sin)
         hidden, cache, _ = carry
         if not self.last_stage:

@@ -15,6 +15,8 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from jaxllm.model.layers import INIT_STD, Dtype, GatedMLP, Linear, Stacking
@@ -75,14 +77,41 @@ def grouped_swiglu(
     return jnp.zeros((num_tokens, hidden), jnp.float32).at[token].add(y)
 
 
+def expert_parallel_swiglu(mesh: Mesh, x, experts, weights, gate_up, down, layer):
+    """`grouped_swiglu` with the experts split whole over the mesh axis "model": each device runs the assignments
+    to its own experts (the others with weight zero) and the partial sums are added up. Every device reads only
+    its E/N experts; none ever gathers another's."""
+    stacked = layer is not None
+    expert_axis = (None, "model") if stacked else ("model",)
+
+    def local(x, experts, weights, gate_up, down, layer):
+        num_local = gate_up.shape[-4]
+        local_id = experts - jax.lax.axis_index("model") * num_local
+        mine = (local_id >= 0) & (local_id < num_local)
+        ids, kept = jnp.where(mine, local_id, 0), jnp.where(mine, weights, 0)
+        out = grouped_swiglu(x, ids, kept, gate_up, down, layer if stacked else None)
+        return jax.lax.psum(out, "model")
+
+    replicated = P()
+    return jax.shard_map(
+        local,
+        mesh=mesh,
+        in_specs=(replicated, replicated, replicated, P(*expert_axis), P(*expert_axis), replicated),
+        out_specs=replicated,
+    )(x, experts, weights, gate_up, down, layer if stacked else jnp.int32(0))
+
+
 class SparseMoE(nn.Module):
     """The MLP of a mixture-of-experts layer: router ("router", `[H, E]`), the experts' stacked SwiGLU weights
-    ("experts_gate_up" `[E, H, 2, I]`, "experts_down" `[E, I, H]`; tensor parallelism splits I, as a dense MLP's
-    columns), and Qwen2-MoE's sigmoid-gated shared expert."""
+    ("experts_gate_up" `[E, H, 2, I]`, "experts_down" `[E, I, H]`), and Qwen2-MoE's sigmoid-gated shared expert.
+    Tensor parallelism splits each expert's I, as a dense MLP's columns; expert parallelism (`moe.expert_parallel`)
+    splits E instead, whole experts per device, and runs them under `shard_map` over `expert_mesh` (None while
+    only the parameters' shapes are traced)."""
 
     arch: ModelArch
     dtype: Dtype
     stacking: Stacking = Stacking()
+    expert_mesh: Mesh | None = None
 
     @nn.compact
     def __call__(self, x: Float[Array, "T H"], layer=None) -> Float[Array, "T H"]:
@@ -94,11 +123,17 @@ class SparseMoE(nn.Module):
         logits = router(x.astype(jnp.float32), layer)
         weights, experts = route(logits, moe.top_k, moe.norm_topk_prob)
         init = nn.initializers.normal(INIT_STD)
-        gate_up = st.param(self, "experts_gate_up", init, (None, None, None, "model"), (e, hidden, 2, size), self.dtype)
-        down = st.param(self, "experts_down", init, (None, "model", None), (e, size, hidden), self.dtype)
+        ep = moe.expert_parallel
+        gate_up_spec = ("model", None, None, None) if ep else (None, None, None, "model")
+        down_spec = ("model", None, None) if ep else (None, "model", None)
+        gate_up = st.param(self, "experts_gate_up", init, gate_up_spec, (e, hidden, 2, size), self.dtype)
+        down = st.param(self, "experts_down", init, down_spec, (e, size, hidden), self.dtype)
         weights = weights.astype(self.dtype)  # (transformers casts them to the activations' type)
-        stacked = st.num_layers is not None
-        out = grouped_swiglu(x, experts, weights, gate_up, down, st.index(layer) if stacked else None)
+        index = st.index(layer) if st.num_layers is not None else None
+        if ep and self.expert_mesh is not None:
+            out = expert_parallel_swiglu(self.expert_mesh, x, experts, weights, gate_up, down, index)
+        else:
+            out = grouped_swiglu(x, experts, weights, gate_up, down, index)
         out = out.astype(self.dtype)
         if moe.shared_expert_intermediate_size:
             shared = GatedMLP(self.arch, self.dtype, st, moe.shared_expert_intermediate_size, name="shared_expert")

@@ -6,6 +6,7 @@ frozen (hashable) dataclass so it can be a static attribute of the Flax module.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -116,6 +117,7 @@ class MoEConfig:
     norm_topk_prob: bool  # renormalise the chosen experts' weights to sum to one
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a dense expert every token takes, gated by a sigmoid
     dense_layers: tuple[int, ...] = ()  # layers whose MLP is dense instead (mlp_only_layers, decoder_sparse_step)
+    expert_parallel: bool = False  # experts split whole over the "model" axis (else each expert's columns)
 
 
 @dataclass(frozen=True)
@@ -277,6 +279,19 @@ def arch_from_hf_config(config: Any) -> ModelArch:
 
 QWEN2_FAMILY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")  # q/k/v biases, none on o_proj
 QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+
+
+def with_expert_parallel(arch: ModelArch, num_devices: int) -> ModelArch:
+    """`arch` with its experts split whole over `num_devices` (vLLM's enable_expert_parallel); a dense model is
+    returned as it is. ValueError when the experts do not split evenly."""
+    if arch.moe is None:
+        return arch
+    if arch.moe.num_experts % num_devices:
+        raise ValueError(
+            f"enable_expert_parallel: {arch.architecture}'s {arch.moe.num_experts} experts do not split evenly over "
+            f"tensor_parallel_size={num_devices} devices"
+        )
+    return dataclasses.replace(arch, moe=dataclasses.replace(arch.moe, expert_parallel=True))
 
 
 def _moe(config: Any, architecture: str) -> MoEConfig:

@@ -101,6 +101,7 @@ def step_model(arch, config: EngineConfig, dtype, mesh: Mesh, quant: QuantPlan =
         matmul_backend=matmul,
         matmul_kernel_max_rows=kernel_max_rows,
         quant=quant,
+        expert_mesh=mesh if arch.moe is not None and arch.moe.expert_parallel else None,
     )
 
 

@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 
 from jaxllm.config import LOAD_FORMATS, resolve_dtype
 from jaxllm.model.quant import QuantPlan
-from jaxllm.model.registry import ModelArch, arch_from_hf_config
+from jaxllm.model.registry import ModelArch, arch_from_hf_config, with_expert_parallel
 from jaxllm.weights import converted, hf, orbax
 from jaxllm.weights.default import DEFAULT_MODEL_NAME, default_model_path
 from jaxllm.weights.params import (
@@ -196,9 +196,11 @@ def open_model(
     dtype: str = "auto",
     quantization: str | None = None,
     tensor_parallel_size: int = 1,
+    enable_expert_parallel: bool = False,
 ) -> ModelSource:
     """Find the model and read its config (a GGUF: its header), nothing more; decide what stays quantized
-    (`quantization`, checked against the shapes and the tensor-parallel split before anything loads)."""
+    (`quantization`, checked against the shapes and the tensor-parallel split before anything loads) and how a
+    mixture of experts splits (`enable_expert_parallel`: whole experts over the tensor-parallel devices)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format {load_format!r} is not one of {', '.join(LOAD_FORMATS)}")
     jdtype = resolve_dtype(dtype)
@@ -224,6 +226,8 @@ def open_model(
     else:
         hf_config = hf.read_config(path)
     arch = arch_from_hf_config(hf_config)
+    if enable_expert_parallel:
+        arch = with_expert_parallel(arch, tensor_parallel_size)
     gguf_types = gguf_file.tensor_types() if gguf_file is not None else None
     quant = make_plan(arch, quantization, gguf_types, tensor_parallel_size)
     return ModelSource(name, arch, hf_config, jdtype, path, fmt, dummy, gguf_file, quant)
