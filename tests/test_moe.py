@@ -16,6 +16,8 @@ import transformers
 from jaxllm import LLM, SamplingParams
 from jaxllm.model.moe import grouped_swiglu, route, tile_rows
 from jaxllm.runner.compilations import compilation_count
+from pallas_kernels.stacked_matmul.quantized import QuantizedWeight, random_weight
+from pallas_kernels.stacked_matmul.quantized import _dequant_numpy as dequant
 from tests.hf_reference import hf_greedy, hf_log_softmax
 from tests.tiny_models import MOE_CASES, random_model
 
@@ -95,8 +97,8 @@ def test_expert_parallel_devices_hold_whole_experts_and_give_one_devices_tokens(
     _, model_dir = saved["qwen3_moe"]
     llm = LLM(model_dir, **ENGINE, tensor_parallel_size=2, enable_expert_parallel=True)
     experts = llm.engine.runner.params["layers"]["mlp"]
-    for leaf in ("experts_gate_up", "experts_down"):
-        whole = experts[leaf]
+    for module in ("experts_gate_up", "experts_down"):
+        whole = experts[module]["kernel"]
         assert whole.shape[1] == 8 and {s.data.shape[1] for s in whole.addressable_shards} == {4}
         assert {s.data.shape[2:] for s in whole.addressable_shards} == {whole.shape[2:]}
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
@@ -199,6 +201,41 @@ def test_grouped_experts_equal_a_float64_oracle(num_tokens, layout):
     stacked = [np.stack([np.full_like(w, np.nan), w]) for w in (gate_up, down)]
     got = grouped_swiglu(x, experts, weights, *stacked, layer=jnp.int32(1))
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "q8_0", "q4_0"])
+def test_quantized_experts_equal_the_oracle_on_their_dequantized_weights(fmt):
+    """Experts kept in their bits (int8 / int4 quantization): each tile's experts are dequantized after the
+    gather; the result is the float64 oracle's on the dequantized weights, stacked layers included."""
+    r = np.random.default_rng(3)
+    num_experts, k, hidden, inner, num_tokens = 8, 2, 64, 32, 24
+    gate_up = random_weight(r, fmt, (num_experts, hidden, 2, inner))
+    down = random_weight(r, fmt, (num_experts, inner, hidden))
+    floats = [np.stack([dequant(w, e) for e in range(num_experts)]) for w in (gate_up, down)]
+    x = r.standard_normal((num_tokens, hidden)).astype(np.float32)
+    experts = np.stack([r.choice(num_experts, k, replace=False) for _ in range(num_tokens)]).astype(np.int32)
+    weights = r.random((num_tokens, k)).astype(np.float32)
+    want = oracle(x, experts, weights, *floats)
+    got = grouped_swiglu(x, experts, weights, gate_up, down)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
+    stacked = [QuantizedWeight(*(None if a is None else np.stack([a, a]) for a in w)) for w in (gate_up, down)]
+    np.testing.assert_allclose(grouped_swiglu(x, experts, weights, *stacked, layer=jnp.int32(1)), got, rtol=1e-6)
+
+
+def test_int4_quantization_keeps_the_experts_in_their_bits(saved, monkeypatch):
+    """quantization="int4": the experts' stacks are 4-bit quants (half a byte a weight, never float), and the
+    tokens are those of the same weights with the CPU kernels off."""
+    _, model_dir = saved["qwen3_moe"]
+    runs = []
+    for kernels in ("on", "off"):
+        monkeypatch.setenv("JAXLLM_CPU_KERNELS", kernels)
+        llm = LLM(model_dir, **ENGINE, quantization="int4")
+        experts = llm.engine.runner.params["layers"]["mlp"]["experts_gate_up"]
+        assert set(experts) == {"qweight", "scales", "mins"} and experts["qweight"].dtype == jnp.uint8
+        assert experts["qweight"].shape == (2, 8, 32, 2, 32)  # [L, E, H / 2, 2, I]
+        outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS[:4]], GREEDY, use_tqdm=False)
+        runs.append([list(o.outputs[0].token_ids) for o in outputs])
+    assert runs[0] == runs[1]
 
 
 def test_tiles_grow_with_the_rows_per_expert():

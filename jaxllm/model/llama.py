@@ -184,6 +184,8 @@ class CausalLM(nn.Module):
         the stacked layers (float, or a quantized weight's arrays), and the LM head when `packs_head`; others as
         they are. Shapes unchanged. A weights `Layout`: each layer of a stack packs alone."""
         leaf, head = path[-1], path[-2:-1] in (("embed_tokens",), ("lm_head",))
+        if any(k.startswith("experts_") for k in path):  # experts: gathered per tile by XLA (model/moe.py)
+            return value
         if any("layers" in k for k in path[:-1]):
             if leaf == "kernel" and stacked_matmul.packable(value):
                 return stacked_matmul.pack(value)

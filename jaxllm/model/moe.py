@@ -20,7 +20,10 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from jaxllm.model.layers import INIT_STD, Dtype, GatedMLP, Linear, Stacking
+from jaxllm.model.quant import quantized_params
 from jaxllm.model.registry import ModelArch
+from pallas_kernels.stacked_matmul import quantized
+from pallas_kernels.stacked_matmul.quantized import QuantizedWeight
 
 MAX_TILE_ROWS = 64
 
@@ -41,19 +44,33 @@ def tile_rows(num_assignments: int, num_experts: int) -> int:
     return 1 if mean <= 1 else min(MAX_TILE_ROWS, 1 << (mean.bit_length() - 1))
 
 
+Experts = Float[Array, "..."] | QuantizedWeight  # one projection of every expert, [*L, E, K, *N]: float or quantized
+
+
+def take_experts(w: Experts, index) -> Float[Array, "S K ..."]:
+    """The experts `index` picks (an expert id per tile, with the layer first when stacked) as float32: a
+    quantized stack is dequantized after the gather, so only the chosen experts ever leave their bits."""
+    if isinstance(w, QuantizedWeight):
+        mins = None if w.mins is None else w.mins[index]
+        return quantized.dequantize_each(QuantizedWeight(w.qs[index], w.scales[index], mins))
+    return w[index].astype(jnp.float32)
+
+
 def grouped_swiglu(
     x: Float[Array, "T H"],
     experts: Int[Array, "T K"],
     weights: Float[Array, "T K"],
-    gate_up: Float[Array, "*L E H 2 I"],
-    down: Float[Array, "*L E I H"],
+    gate_up: Experts,
+    down: Experts,
     layer=None,
 ) -> Float[Array, "T H"]:
     """sum over k of weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = experts[t, k], in float32.
-    `layer`: the weights are stacked `[L, E, ...]` and this layer's are read, only the tiles' experts of it (a
-    slice of the layer first would copy every expert's weights each step)."""
+    `gate_up` `[E, H, 2, I]`, `down` `[E, I, H]` (float, or their quants). `layer`: the weights are stacked
+    `[L, E, ...]` and this layer's are read, only the tiles' experts of it (a slice of the layer first would
+    copy every expert's weights each step)."""
     num_tokens, k = experts.shape
-    num_experts, hidden = gate_up.shape[-4], x.shape[-1]
+    num_experts = (gate_up.qs if isinstance(gate_up, QuantizedWeight) else gate_up).shape[-4]
+    hidden = x.shape[-1]
     m = tile_rows(num_tokens * k, num_experts)
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # assignments grouped by expert, each group in token order
@@ -70,9 +87,9 @@ def grouped_swiglu(
     index = tile_expert if layer is None else (layer, tile_expert)
     rows = jnp.zeros((num_rows, hidden), jnp.float32).at[dest].set(x[token].astype(jnp.float32))
     tiles = rows.reshape(num_tiles, m, hidden)
-    h = jnp.einsum("tmh,thpi->tmpi", tiles, gate_up[index].astype(jnp.float32))
+    h = jnp.einsum("tmh,thpi->tmpi", tiles, take_experts(gate_up, index))
     act = nn.silu(h[:, :, 0]) * h[:, :, 1]
-    y = jnp.einsum("tmi,tih->tmh", act, down[index].astype(jnp.float32)).reshape(num_rows, hidden)
+    y = jnp.einsum("tmi,tih->tmh", act, take_experts(down, index)).reshape(num_rows, hidden)
     y = y[dest] * weights.reshape(-1)[order][:, None].astype(jnp.float32)
     return jnp.zeros((num_tokens, hidden), jnp.float32).at[token].add(y)
 
@@ -85,20 +102,47 @@ def expert_parallel_swiglu(mesh: Mesh, x, experts, weights, gate_up, down, layer
     expert_axis = (None, "model") if stacked else ("model",)
 
     def local(x, experts, weights, gate_up, down, layer):
-        num_local = gate_up.shape[-4]
+        num_local = (gate_up.qs if isinstance(gate_up, QuantizedWeight) else gate_up).shape[-4]
         local_id = experts - jax.lax.axis_index("model") * num_local
         mine = (local_id >= 0) & (local_id < num_local)
         ids, kept = jnp.where(mine, local_id, 0), jnp.where(mine, weights, 0)
         out = grouped_swiglu(x, ids, kept, gate_up, down, layer if stacked else None)
         return jax.lax.psum(out, "model")
 
-    replicated = P()
+    replicated, split = P(), P(*expert_axis)
+    specs = [jax.tree.map(lambda _: split, w) for w in (gate_up, down)]  # every array of a quantized weight too
     return jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(replicated, replicated, replicated, P(*expert_axis), P(*expert_axis), replicated),
+        in_specs=(replicated, replicated, replicated, *specs, replicated),
         out_specs=replicated,
     )(x, experts, weights, gate_up, down, layer if stacked else jnp.int32(0))
+
+
+class ExpertWeights(nn.Module):
+    """One projection of every expert, `[E, K, *N]` (stacked over layers by `stacking`): a float "kernel", or the
+    quantized arrays of model/quant.py when the plan quantizes this module, each with the expert axis first."""
+
+    num_experts: int
+    k: int
+    out_shape: tuple[int, ...]
+    expert_spec: str | None  # "model": expert parallelism
+    in_spec: str | None
+    out_spec: tuple
+    dtype: Dtype
+    stacking: Stacking = Stacking()
+
+    @nn.compact
+    def __call__(self) -> Experts:
+        st, e = self.stacking, self.num_experts
+
+        def declare(name, init, spec, shape, dtype):
+            return st.param(self, name, init, (self.expert_spec, *spec), (e, *shape), dtype)
+
+        if fmt := st.quant.get(self.name):
+            return quantized_params(declare, fmt, self.k, self.out_shape, self.in_spec, self.out_spec)
+        init = nn.initializers.normal(INIT_STD)
+        return declare("kernel", init, (self.in_spec, *self.out_spec), (self.k, *self.out_shape), self.dtype)
 
 
 class SparseMoE(nn.Module):
@@ -122,12 +166,30 @@ class SparseMoE(nn.Module):
         router = Linear((e,), shard_axis=None, dtype=jnp.float32, bias=False, stacking=st, name="router")
         logits = router(x.astype(jnp.float32), layer)
         weights, experts = route(logits, moe.top_k, moe.norm_topk_prob)
-        init = nn.initializers.normal(INIT_STD)
         ep = moe.expert_parallel
-        gate_up_spec = ("model", None, None, None) if ep else (None, None, None, "model")
-        down_spec = ("model", None, None) if ep else (None, "model", None)
-        gate_up = st.param(self, "experts_gate_up", init, gate_up_spec, (e, hidden, 2, size), self.dtype)
-        down = st.param(self, "experts_down", init, down_spec, (e, size, hidden), self.dtype)
+        # expert parallelism splits the experts; tensor parallelism each expert's I (gate_up's columns, down's rows)
+        gate_up = ExpertWeights(
+            e,
+            hidden,
+            (2, size),
+            "model" if ep else None,
+            None,
+            (None, None if ep else "model"),
+            self.dtype,
+            st,
+            name="experts_gate_up",
+        )()
+        down = ExpertWeights(
+            e,
+            size,
+            (hidden,),
+            "model" if ep else None,
+            None if ep else "model",
+            (None,),
+            self.dtype,
+            st,
+            name="experts_down",
+        )()
         weights = weights.astype(self.dtype)  # (transformers casts them to the activations' type)
         index = st.index(layer) if st.num_layers is not None else None
         if ep and self.expert_mesh is not None:

@@ -67,8 +67,11 @@ def param_shardings(specs: Params, mesh: Mesh) -> Params:
 FUSED_MODULES = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
-# a mixture of experts' stacked weights → each expert's transformers modules (Mixtral's names, the others')
-EXPERT_LEAVES = {"experts_gate_up": (("w1", "w3"), ("gate_proj", "up_proj")), "experts_down": (("w2",), ("down_proj",))}
+# a mixture of experts' stacked weights (modules) → each expert's transformers modules (Mixtral's names, the others')
+EXPERT_MODULES = {
+    "experts_gate_up": (("w1", "w3"), ("gate_proj", "up_proj")),
+    "experts_down": (("w2",), ("down_proj",)),
+}
 # the same weights as transformers 5 keeps them in memory (and saves them with save_original_format=False)
 FUSED_EXPERTS = {"experts_gate_up": "gate_up_proj", "experts_down": "down_proj"}
 
@@ -94,11 +97,11 @@ def hf_tensor_names_of(path: tuple[str, ...], layer: int | None, arch: ModelArch
     if stack_start(modules[0]) is None:
         return [f"model.{'.'.join(modules)}.{kind}"]
     parents = [_hf_module(m, arch) for m in modules[1:]]
-    if leaf in EXPERT_LEAVES:
+    if modules[-1] in EXPERT_MODULES:
         assert arch is not None and arch.moe is not None, path
-        mixtral, other = EXPERT_LEAVES[leaf]
+        mixtral, other = EXPERT_MODULES[modules[-1]]
         parts = mixtral if arch.architecture == "MixtralForCausalLM" else other
-        prefix = ".".join([f"model.layers.{layer}", *parents, "experts"])
+        prefix = ".".join([f"model.layers.{layer}", *parents[:-1], "experts"])
         return [f"{prefix}.{e}.{part}.weight" for e in range(arch.moe.num_experts) for part in parts]
     *parents, module = parents
     prefix = ".".join([f"model.layers.{layer}", *parents])
@@ -107,8 +110,8 @@ def hf_tensor_names_of(path: tuple[str, ...], layer: int | None, arch: ModelArch
 
 def fused_expert_name(path: tuple[str, ...], layer: int, arch: ModelArch) -> str:
     """transformers 5's fused tensor behind an expert leaf: gate_up_proj `[E, 2I, H]`, down_proj `[E, H, I]`."""
-    parents = [_hf_module(m, arch) for m in path[1:-1]]
-    return ".".join([f"model.layers.{layer}", *parents, "experts", FUSED_EXPERTS[path[-1]]])
+    parents = [_hf_module(m, arch) for m in path[1:-2]]
+    return ".".join([f"model.layers.{layer}", *parents, "experts", FUSED_EXPERTS[path[-2]]])
 
 
 def _mixtral_aliases(get_tensor: GetTensor) -> GetTensor:
@@ -131,10 +134,10 @@ def _expert_leaf(path: tuple[str, ...], layer: int, arch: ModelArch, get_tensor:
         fused = np.asarray(get_tensor(fused_expert_name(path, layer, arch)))
     except KeyError:  # each expert's own tensors, [out, in]
         parts = [np.asarray(get_tensor(name)).T for name in hf_tensor_names_of(path, layer, arch)]
-        if path[-1] == "experts_down":
+        if path[-2] == "experts_down":
             return np.stack(parts)
         return np.stack([np.stack(parts[i : i + 2], axis=-2) for i in range(0, len(parts), 2)])
-    if path[-1] == "experts_down":
+    if path[-2] == "experts_down":
         return fused.transpose(0, 2, 1)
     e, two_i, h = fused.shape
     return fused.transpose(0, 2, 1).reshape(e, h, 2, two_i // 2)
@@ -219,7 +222,12 @@ def host_params_from_hf_tensors(
                 quantized.clear()
             fmt = quant.get(module[-1])
             assert fmt is not None, module
-            if get_blocks is not None and fmt in GGUF_KEPT.values():  # in its bits: [K', out] per part
+            if module[-1] in EXPERT_MODULES:  # every expert quantized alone, the expert axis first
+                assert layer is not None
+                each = [quantize_kernel(e, fmt) for e in _expert_leaf(path, layer, arch, get_tensor)]
+                stacked_parts = [None if p[0] is None else np.stack(p) for p in zip(*each, strict=True)]
+                quantized[module, layer] = tuple(stacked_parts)  # type: ignore[assignment]
+            elif get_blocks is not None and fmt in GGUF_KEPT.values():  # in its bits: [K', out] per part
                 blocks = [from_blocks(get_blocks(name)) for name in names]
                 qs, scales = ([b[i] for b in blocks] for i in range(2))
                 mins = None if blocks[0][2] is None else [b[2] for b in blocks]
@@ -241,12 +249,12 @@ def host_params_from_hf_tensors(
         host = allocate(path, shape.shape, np.dtype(shape.dtype))
         for i, layer in enumerate(range(first, first + shape.shape[0]) if first is not None else [None]):
             names = hf_tensor_names_of(path, layer, arch)
-            if path[-1] in EXPERT_LEAVES:
+            if path[-2] in EXPERT_MODULES and path[-1] not in QUANT_LEAVES:
                 assert layer is not None
                 value = _expert_leaf(path, layer, arch, get_tensor)
                 if value.shape != layer_shape:
                     raise ValueError(
-                        f"{source}: layer {layer}'s experts {value.shape} do not make {path[-1]} {layer_shape}"
+                        f"{source}: layer {layer}'s experts {value.shape} do not make {path[-2]} {layer_shape}"
                     )
             elif path[-1] in QUANT_LEAVES:
                 value = quantized_leaf(path, layer, layer_shape, names)

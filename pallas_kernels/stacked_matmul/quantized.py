@@ -162,6 +162,13 @@ def dequantize(qw: QuantizedWeight, layer: Int[Array, ""] | int, *, packed: bool
     return jnp.reshape(panels, (lay.k, *qw.qs.shape[2:]))
 
 
+def dequantize_each(qw: QuantizedWeight, dtype=jnp.float32):
+    """Every weight of an unpacked stack `[S, Kq, *N]` as `[S, K, *N]` in `dtype` (XLA): e.g. the experts a
+    step's tiles gathered (jaxllm/model/moe.py)."""
+    lay = _layout(qw)
+    return jax.vmap(lambda qs, scales, mins: _dequant(qs, scales, mins, lay.bits, dtype))(*qw)
+
+
 def _panels(qs, scales, mins, lay: _Layout):
     """One packed layer's arrays viewed as `[rows, P, 32]` (rows of each panel's first, P panels)."""
 

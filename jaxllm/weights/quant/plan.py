@@ -28,8 +28,10 @@ from pallas_kernels.stacked_matmul.quantized import FORMATS
 logger = logging.getLogger(__name__)
 
 LAYER_KINDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
-ATTENTION_KINDS = LAYER_KINDS[:2]  # a mixture of experts' layers: its MLP is experts (model/moe.py), kept float
-ROW_PARALLEL = ("o_proj", "down_proj")  # their input axis is split over "model"
+# a mixture of experts' layers: attention, and the experts' stacked projections (model/moe.py); the router, a
+# shared expert and dense layers between the sparse ones stay float
+MOE_LAYER_KINDS = (*LAYER_KINDS[:2], "experts_gate_up", "experts_down")
+ROW_PARALLEL = ("o_proj", "down_proj", "experts_down")  # their input axis is split over "model"
 GGUF_KEPT = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}  # GGUF type name → format kept as its bits
 
 
@@ -39,6 +41,9 @@ def input_size(arch: ModelArch, kind: str) -> int:
         return arch.num_heads * arch.head_dim
     if kind == "down_proj":
         return arch.intermediate_size
+    if kind == "experts_down":
+        assert arch.moe is not None
+        return arch.moe.intermediate_size
     return arch.hidden_size
 
 
@@ -63,9 +68,7 @@ def make_plan(arch: ModelArch, quantization: str | None, gguf_types: dict[str, s
     model cannot take the quantization asked for; a GGUF's own blocks that cannot be kept (a tensor-parallel split
     through a group) are dequantized instead, with a log line."""
     quantization = check_quantization(quantization)
-    layer_kinds = LAYER_KINDS if arch.moe is None else ATTENTION_KINDS
-    if arch.moe is not None and quantization in ("int8", "int4"):
-        logger.info("%s: the experts stay float (quantized grouped matmuls are not built yet)", arch.architecture)
+    layer_kinds = LAYER_KINDS if arch.moe is None else MOE_LAYER_KINDS
     kinds = [*layer_kinds, "embed_tokens"] + ([] if arch.tie_word_embeddings else ["lm_head"])
     wanted: dict[str, str] = {}
     if quantization in ("int8", "int4"):
