@@ -91,18 +91,21 @@ def test_tensor_parallel_experts_equal_one_device(saved):
     assert generate(model_dir, tensor_parallel_size=2) == generate(model_dir)
 
 
-def test_expert_parallel_devices_hold_whole_experts_and_give_one_devices_tokens(saved):
+@pytest.mark.parametrize("quantization", ["auto", "int4"])
+def test_expert_parallel_devices_hold_whole_experts_and_give_one_devices_tokens(saved, quantization):
     """--enable-expert-parallel: each of two devices holds 4 of the 8 experts, whole (not every expert's half:
-    automatic sharding could gather them all and still give the right tokens), and the tokens are one device's."""
+    automatic sharding could gather them all and still give the right tokens), float or in their 4-bit quants
+    (whose groups along an expert's input then never split), and the tokens are one device's."""
     _, model_dir = saved["qwen3_moe"]
-    llm = LLM(model_dir, **ENGINE, tensor_parallel_size=2, enable_expert_parallel=True)
+    engine = dict(ENGINE, quantization=quantization)
+    llm = LLM(model_dir, **engine, tensor_parallel_size=2, enable_expert_parallel=True)
     experts = llm.engine.runner.params["layers"]["mlp"]
     for module in ("experts_gate_up", "experts_down"):
-        whole = experts[module]["kernel"]
-        assert whole.shape[1] == 8 and {s.data.shape[1] for s in whole.addressable_shards} == {4}
-        assert {s.data.shape[2:] for s in whole.addressable_shards} == {whole.shape[2:]}
+        for whole in experts[module].values():
+            assert whole.shape[1] == 8 and {s.data.shape[1] for s in whole.addressable_shards} == {4}
+            assert {s.data.shape[2:] for s in whole.addressable_shards} == {whole.shape[2:]}
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
-    assert [list(o.outputs[0].token_ids) for o in outputs] == generate(model_dir)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == generate(model_dir, **engine)
 
 
 def test_expert_parallel_refuses_experts_that_do_not_split(tmp_path):

@@ -103,7 +103,8 @@ def _check(arch: ModelArch, kind: str, fmt: str, tp: int, quantization: str | No
             f"{asked}: {kind} has {k} inputs, not a multiple of the group size {group} ({fmt} groups run along the "
             f"input); use quantization='int8' (per channel) or 'none'"
         )
-    if group is not None and kind in ROW_PARALLEL and tp > 1 and (k // tp) % group:
+    whole_experts = kind.startswith("experts_") and arch.moe is not None and arch.moe.expert_parallel
+    if group is not None and kind in ROW_PARALLEL and not whole_experts and tp > 1 and (k // tp) % group:
         raise ValueError(
             f"{asked}: tensor_parallel_size={tp} splits {kind}'s {k} inputs into shards of {k // tp}, which splits "
             f"a group of {group}: use a tensor-parallel size that keeps whole groups, or quantization='int8'"
