@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from jaxllm.config import SchedulerConfig, SpeculativeConfig
+from jaxllm.engine.drafts import add_drafts
 from jaxllm.engine.in_flight import InFlightRequests, Pending
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.policy import make_waiting_queue
@@ -192,7 +193,7 @@ class Scheduler:
         if not out.preempted and not starved:  # not while preempting (the pool is full), nor while one waits
             budget = self._schedule_waiting(out, budget, now)
         if self.draft_budget is not None and not out.preempted:  # never displacing a request
-            self._add_drafts(out, budget)
+            add_drafts(out, budget, self.max_num_rows - out.num_rows, self.draft_budget, self.kv, self.config)
         if self.async_scheduling and out.scheduled:
             self.in_flight.launched(out)
         if self.connector is not None:  # evicted blocks out, loads in: before the step's forward
@@ -309,33 +310,6 @@ class Scheduler:
 
     def has_step_in_flight(self, request: Request) -> bool:
         return request in self.in_flight
-
-    def _add_drafts(self, out: SchedulerOutput, budget: int) -> None:
-        """Give this step's decodes their drafts, up to the load-aware cap and what is left of the step."""
-        assert self.draft_budget is not None
-        decodes = [s for s in out.scheduled if s.num_new_tokens == 1 and s.samples]
-        if not any(s.request.draft_token_ids for s in decodes):
-            return
-        prefill = out.num_tokens - len(decodes)
-        limit = self.config.max_num_batched_tokens
-        counts = [len(s.request.draft_token_ids) for s in decodes]
-        cap = self.draft_budget.cap(counts, prefill, limit, [s.request.request_id for s in decodes])
-        rows = self.max_num_rows - out.num_rows
-        for scheduled in decodes:
-            drafts = self._drafts(scheduled.request, min(cap, budget, rows))
-            if drafts and self.kv.allocate_slots(scheduled.request, 1 + len(drafts)):
-                scheduled.draft_token_ids = drafts
-                scheduled.num_new_tokens += len(drafts)
-                budget, rows = budget - len(drafts), rows - len(drafts)
-        out.renumber()
-
-    def _drafts(self, request: Request, limit: int) -> list[int]:
-        """The request's drafts to verify: at most `limit`, and never past max_tokens or max_model_len."""
-        params = request.sampling_params
-        limit = min(limit, self.config.max_model_len - request.num_tokens - 1)
-        if params.max_tokens is not None:
-            limit = min(limit, params.max_tokens - request.num_output_tokens - 1)
-        return request.draft_token_ids[: max(limit, 0)]
 
     def _schedule(
         self,

@@ -7,10 +7,15 @@ dropless: every token reaches its k experts. The T x k (token, expert) assignmen
 `jax.lax.ragged_dot` on CPU lowers to masked dense work over every group (E times the FLOPs), so the grouped
 matmul is tiled here instead: each expert's rows are padded to whole tiles of `m` rows, and every tile is one
 small matmul against its expert's weights. With m = 1 (a decode step, T x k <= E) that reads exactly the
-experts the tokens chose; larger steps take m ~ T x k / E, so the padding at most doubles the rows.
+experts the tokens chose; larger steps take m ~ T x k / E, so the padding at most doubles the rows. With the
+CPU kernels ("cpu_packed") each expert is packed as a layer of the dense kernel's stack and each tile runs the
+C++ kernel on it in place (`PackedExperts`); elsewhere XLA gathers each tile's expert (dequantized after the
+gather when kept in its quants).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import flax.linen as nn
 import jax
@@ -22,6 +27,7 @@ from jaxtyping import Array, Float, Int
 from jaxllm.model.layers import INIT_STD, Dtype, GatedMLP, Linear, Stacking
 from jaxllm.model.quant import quantized_params
 from jaxllm.model.registry import ModelArch
+from pallas_kernels import stacked_matmul
 from pallas_kernels.stacked_matmul import quantized
 from pallas_kernels.stacked_matmul.quantized import QuantizedWeight
 
@@ -47,6 +53,12 @@ def tile_rows(num_assignments: int, num_experts: int) -> int:
 Experts = Float[Array, "..."] | QuantizedWeight  # one projection of every expert, [*L, E, K, *N]: float or quantized
 
 
+def _num_experts(w) -> int:
+    if isinstance(w, PackedExperts):
+        return w.weights.shape[1]
+    return (w.qs if isinstance(w, QuantizedWeight) else w).shape[-4]
+
+
 def take_experts(w: Experts, index) -> Float[Array, "S K ..."]:
     """The experts `index` picks (an expert id per tile, with the layer first when stacked) as float32: a
     quantized stack is dequantized after the gather, so only the chosen experts ever leave their bits."""
@@ -56,12 +68,51 @@ def take_experts(w: Experts, index) -> Float[Array, "S K ..."]:
     return w[index].astype(jnp.float32)
 
 
+def packs_experts(w) -> bool:
+    """Whether "cpu_packed" packs a stack of float experts `[L, E, K, *N]` (and reads it packed): each expert as
+    `stacked_matmul.pack` lays a layer out, so the C++ kernel reads it in place."""
+    return not isinstance(w, QuantizedWeight) and stacked_matmul.packable(_flat(w))
+
+
+def pack_experts(w):
+    """`[L, E, K, *N]` float experts, each packed alone (same shape)."""
+    return stacked_matmul.pack(_flat(w)).reshape(w.shape)
+
+
+def _flat(w):
+    """`[L, E, K, *N]` → `[L * E, K, *N]`: every expert a "layer" of one stack."""
+    return w.reshape(-1, *w.shape[2:])
+
+
+class PackedExperts(NamedTuple):
+    """Experts packed for the CPU kernel, which multiplies each tile's rows by its expert in place, never
+    copying a weight (a gather would copy every expert a step touches)."""
+
+    weights: Float[Array, "L E K N"]
+    kernel_max_rows: int | None
+
+
+def _tile_matmuls(tiles, w: Experts | PackedExperts, index) -> Float[Array, "S M N"]:
+    """Each tile's rows times its expert: `index` an expert id per tile (with the layer first when stacked)."""
+    if not isinstance(w, PackedExperts):
+        return jnp.einsum("tmk,tk...->tm...", tiles, take_experts(w, index))
+    flat, num_experts = _flat(w.weights), w.weights.shape[1]
+    layer, expert = index
+    ids = layer * num_experts + expert
+
+    def one(args):
+        rows, i = args
+        return stacked_matmul.stacked_matmul(rows, flat, i, backend="cpu_packed", kernel_max_rows=w.kernel_max_rows)
+
+    return jax.lax.map(one, (tiles, ids)).astype(jnp.float32)
+
+
 def grouped_swiglu(
     x: Float[Array, "T H"],
     experts: Int[Array, "T K"],
     weights: Float[Array, "T K"],
-    gate_up: Experts,
-    down: Experts,
+    gate_up: Experts | PackedExperts,
+    down: Experts | PackedExperts,
     layer=None,
 ) -> Float[Array, "T H"]:
     """sum over k of weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = experts[t, k], in float32.
@@ -69,7 +120,7 @@ def grouped_swiglu(
     `[L, E, ...]` and this layer's are read, only the tiles' experts of it (a slice of the layer first would
     copy every expert's weights each step)."""
     num_tokens, k = experts.shape
-    num_experts = (gate_up.qs if isinstance(gate_up, QuantizedWeight) else gate_up).shape[-4]
+    num_experts = _num_experts(gate_up)
     hidden = x.shape[-1]
     m = tile_rows(num_tokens * k, num_experts)
     flat = experts.reshape(-1)
@@ -87,9 +138,9 @@ def grouped_swiglu(
     index = tile_expert if layer is None else (layer, tile_expert)
     rows = jnp.zeros((num_rows, hidden), jnp.float32).at[dest].set(x[token].astype(jnp.float32))
     tiles = rows.reshape(num_tiles, m, hidden)
-    h = jnp.einsum("tmh,thpi->tmpi", tiles, take_experts(gate_up, index))
+    h = _tile_matmuls(tiles, gate_up, index)
     act = nn.silu(h[:, :, 0]) * h[:, :, 1]
-    y = jnp.einsum("tmi,tih->tmh", act, take_experts(down, index)).reshape(num_rows, hidden)
+    y = _tile_matmuls(act, down, index).reshape(num_rows, hidden)
     y = y[dest] * weights.reshape(-1)[order][:, None].astype(jnp.float32)
     return jnp.zeros((num_tokens, hidden), jnp.float32).at[token].add(y)
 
@@ -102,7 +153,7 @@ def expert_parallel_swiglu(mesh: Mesh, x, experts, weights, gate_up, down, layer
     expert_axis = (None, "model") if stacked else ("model",)
 
     def local(x, experts, weights, gate_up, down, layer):
-        num_local = (gate_up.qs if isinstance(gate_up, QuantizedWeight) else gate_up).shape[-4]
+        num_local = _num_experts(gate_up)
         local_id = experts - jax.lax.axis_index("model") * num_local
         mine = (local_id >= 0) & (local_id < num_local)
         ids, kept = jnp.where(mine, local_id, 0), jnp.where(mine, weights, 0)
@@ -192,7 +243,12 @@ class SparseMoE(nn.Module):
         )()
         weights = weights.astype(self.dtype)  # (transformers casts them to the activations' type)
         index = st.index(layer) if st.num_layers is not None else None
-        if ep and self.expert_mesh is not None:
+        packed = st.matmul_backend == "cpu_packed" and index is not None
+        if packed and packs_experts(gate_up) and packs_experts(down):  # (CausalLM.pack_leaf packed them)
+            assert not isinstance(gate_up, QuantizedWeight) and not isinstance(down, QuantizedWeight)
+            rows = st.kernel_max_rows
+            out = grouped_swiglu(x, experts, weights, PackedExperts(gate_up, rows), PackedExperts(down, rows), index)
+        elif ep and self.expert_mesh is not None:
             out = expert_parallel_swiglu(self.expert_mesh, x, experts, weights, gate_up, down, index)
         else:
             out = grouped_swiglu(x, experts, weights, gate_up, down, index)
