@@ -67,6 +67,11 @@ CASES = {
             }
         ),
     ),
+    "qwen2-mixed-sliding-window": (  # layer 0 full attention, layer 1 a 6-token window: a stack each
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(use_sliding_window=True, sliding_window=6, max_window_layers=1),
+    ),
     "qwen3-linear-rope": (
         "Qwen3Config",
         "Qwen3ForCausalLM",

@@ -37,7 +37,7 @@ def check_layout(arch: ModelArch, tensor_parallel_size: int, pipeline_parallel_s
     if pipeline_parallel_size > 1 and len(arch.layer_runs()) > 1:
         raise ValueError(
             f"pipeline_parallel_size > 1 is not supported yet for {arch.architecture} with layers of several kinds "
-            f"(dense MLPs between the experts)"
+            f"(dense MLPs between the experts, or sliding-window layers among full-attention ones)"
         )
 
 

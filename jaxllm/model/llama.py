@@ -74,6 +74,7 @@ class Attention(nn.Module):
     dtype: Dtype
     attention_backend: str
     stacking: Stacking = Stacking()
+    sliding_window: int | None = None  # this layer's (`LayerKind`)
 
     @nn.compact
     def __call__(self, x, cache: KVCache, layer, batch: StepInputs[Array], cos, sin):
@@ -113,7 +114,7 @@ class Attention(nn.Module):
             batch.cu_q_lens,
             batch.num_seqs,
             sm_scale=a.head_dim**-0.5,
-            sliding_window=a.sliding_window,
+            sliding_window=self.sliding_window,
             layer=layer,
             backend=self.attention_backend,
         )
@@ -136,7 +137,10 @@ class DecoderLayer(nn.Module):
     def __call__(self, carry, batch: StepInputs[Array], cos, sin):
         hidden, cache, layer = carry
         eps, st = self.arch.rms_norm_eps, self.stacking
-        attn_out, cache = Attention(self.arch, self.dtype, self.attention_backend, st, name="self_attn")(
+        attention = Attention(
+            self.arch, self.dtype, self.attention_backend, st, self.kind.sliding_window, name="self_attn"
+        )
+        attn_out, cache = attention(
             RMSNorm(eps, self.dtype, st, name="input_layernorm")(hidden, layer), cache, layer, batch, cos, sin
         )
         hidden = hidden + attn_out

@@ -126,6 +126,7 @@ class LayerKind:
     scans each run of consecutive layers of one kind as one stack (`ModelArch.layer_runs`)."""
 
     experts: bool = False  # its MLP is the mixture of experts (else the dense gated MLP)
+    sliding_window: int | None = None  # its attention's window (None: full attention)
 
 
 @dataclass(frozen=True)
@@ -147,12 +148,15 @@ class ModelArch:
     mlp_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] | None = None  # the layers `sliding_window` applies to; None: every layer
     eos_token_ids: tuple[int, ...] = ()
     moe: MoEConfig | None = None  # layers' MLPs are mixtures of experts (but `moe.dense_layers`)
     qk_norm_whole: bool = False  # OLMoE: q/k norms over the whole projection, not per head
 
     def layer_kind(self, layer: int) -> LayerKind:
-        return LayerKind(experts=self.moe is not None and layer not in self.moe.dense_layers)
+        experts = self.moe is not None and layer not in self.moe.dense_layers
+        windowed = self.sliding_layers is None or layer in self.sliding_layers
+        return LayerKind(experts=experts, sliding_window=self.sliding_window if windowed else None)
 
     def layer_runs(self) -> tuple[tuple[int, int, LayerKind], ...]:
         """(first layer, end, kind) of each run of consecutive layers of one kind, in order."""
@@ -189,21 +193,23 @@ def _rope_parameters(config: Any) -> dict:
     return params
 
 
-def _sliding_window(config: Any, architecture: str) -> int | None:
+def _sliding_window(config: Any, architecture: str) -> tuple[int | None, tuple[int, ...] | None]:
+    """(the window, the layers that use it: None for every layer) as transformers reads them (`layer_types`)."""
     window = _get(config, "sliding_window")
     layer_types = _get(config, "layer_types")
     if layer_types:
         kinds = set(layer_types)
-        if kinds == {"full_attention"}:
-            return None
+        unknown = kinds - {"full_attention", "sliding_attention"}
+        if unknown:
+            raise NotImplementedError(f"{architecture}: layer types {sorted(unknown)} are not supported")
+        if kinds == {"full_attention"} or not window:
+            return None, None
         if kinds == {"sliding_attention"}:
-            return window
-        raise NotImplementedError(
-            f"{architecture}: layers that mix full and sliding-window attention ({sorted(kinds)}) are not supported"
-        )
+            return window, None
+        return window, tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
     if architecture == "MistralForCausalLM":
-        return window
-    return None
+        return window, None
+    return None, None
 
 
 def arch_from_hf_config(config: Any) -> ModelArch:
@@ -251,6 +257,7 @@ def arch_from_hf_config(config: Any) -> ModelArch:
             f"{architecture}: num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}"
         )
     attention_bias = bool(_get(config, "attention_bias", False))
+    window, sliding_layers = _sliding_window(config, architecture)
     eos = _get(config, "eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (int(eos),))
     return ModelArch(
@@ -270,7 +277,8 @@ def arch_from_hf_config(config: Any) -> ModelArch:
         o_bias=attention_bias and architecture not in QWEN2_FAMILY,
         mlp_bias=bool(_get(config, "mlp_bias", False)),
         qk_norm=architecture in QK_NORM,
-        sliding_window=_sliding_window(config, architecture),
+        sliding_window=window,
+        sliding_layers=sliding_layers,
         eos_token_ids=eos_ids,
         moe=_moe(config, architecture) if architecture in MOE_ARCHITECTURES else None,
         qk_norm_whole=architecture == "OlmoeForCausalLM",
