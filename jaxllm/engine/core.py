@@ -263,8 +263,7 @@ class EngineCore:
     def _launch(self, out: SchedulerOutput, previous: InFlightStep | None) -> tuple[object | None, list]:
         """Launch `out` on the device (its KV connector instructions first); if that fails, fail its requests."""
         try:
-            grammar = self.structured
-            return self.worker.launch(out, grammar, previous.result if previous is not None else None), []
+            return self.worker.launch(out, self.structured, previous.result if previous is not None else None), []
         except Exception as e:  # the device step failed: fail the requests it carried, keep serving
             return None, self._failed_step(out, e)
 

@@ -56,7 +56,7 @@ class Stacking:
 
     def index(self, layer):
         """The running layer's index in the stack (the layer index in the carry counts every layer)."""
-        return layer - self.first_layer if self.first_layer else layer
+        return layer - self.first_layer
 
     def param(self, module: nn.Module, name: str, init, spec: tuple, shape: tuple, dtype: Dtype) -> Array:
         """The module's parameter as stored: `[L, *shape]` when stacked."""
