@@ -45,7 +45,10 @@ def drain(sched, limit=1000):
 
 
 def test_scheduler_and_the_step_contract_import_no_jax():
-    modules = "jaxllm.engine.scheduler, jaxllm.engine.kv_cache_manager, jaxllm.scheduler_output, jaxllm.request"
+    modules = ", ".join(
+        f"jaxllm.{m}"
+        for m in ("engine.scheduler", "engine.step_loop", "engine.kv_cache_manager", "scheduler_output", "request")
+    )
     code = f"import sys, {modules}; print('jax' in sys.modules)"
     assert subprocess.check_output([sys.executable, "-c", code], text=True).strip() == "False"
 
