@@ -11,25 +11,9 @@ import transformers
 from jaxllm import LLM, SamplingParams
 from jaxllm.model import arch_from_hf_config
 from tests.hf_reference import hf_greedy
-from tests.tiny_models import random_model
+from tests.tiny_models import CHUNKED_ENGINE, TINY_DECODER, random_model
 
-TINY = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=64,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-)
-ENGINE = dict(
-    max_num_seqs=4,
-    max_num_batched_tokens=16,
-    max_model_len=128,
-    dtype="float32",
-    kv_cache_memory_bytes=1 << 21,
-    progress=False,
-)
+TINY = dict(TINY_DECODER, num_hidden_layers=3)
 rng = np.random.default_rng(11)
 PROMPTS = [rng.integers(0, TINY["vocab_size"], int(n)).tolist() for n in rng.integers(20, 60, 6)]  # windows long
 
@@ -44,7 +28,7 @@ def test_full_and_sliding_window_layers_equal_transformers(tmp_path):
     arch = arch_from_hf_config(config)
     assert [(start, end, kind.sliding_window) for start, end, kind in arch.layer_runs()] == [(0, 1, None), (1, 3, 8)]
     want = [hf_greedy(model, p, 24) for p in PROMPTS]
-    llm = LLM(str(tmp_path), **ENGINE)
+    llm = LLM(str(tmp_path), **CHUNKED_ENGINE)
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     for _ in range(2):  # the second time, the prompts' blocks come from the prefix cache
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)

@@ -19,26 +19,9 @@ from jaxllm.runner.compilations import compilation_count
 from pallas_kernels.stacked_matmul.quantized import QuantizedWeight, random_weight
 from pallas_kernels.stacked_matmul.quantized import _dequant_numpy as dequant
 from tests.hf_reference import hf_greedy, hf_log_softmax
-from tests.tiny_models import MOE_CASES, random_model
+from tests.tiny_models import CHUNKED_ENGINE, MOE_CASES, TINY_DECODER, random_model
 
-TINY = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=128,
-)
-ARCHITECTURES = MOE_CASES
-ENGINE = dict(
-    max_num_seqs=4,
-    max_num_batched_tokens=16,
-    max_model_len=128,
-    dtype="float32",
-    kv_cache_memory_bytes=1 << 21,
-    progress=False,
-)
+TINY, ENGINE, ARCHITECTURES = TINY_DECODER, CHUNKED_ENGINE, MOE_CASES
 rng = np.random.default_rng(7)
 PROMPTS = [rng.integers(0, TINY["vocab_size"], int(n)).tolist() for n in rng.integers(3, 40, 12)]
 GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)

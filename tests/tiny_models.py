@@ -15,6 +15,26 @@ PANEL_LLAMA = dict(
     tie_word_embeddings=True,
 )
 
+# a tiny decoder (2 layers, 96 tokens) for whole-engine tests against transformers, and the engine that runs it:
+# four sequences of 16-token steps, so prompts prefill in chunks beside other sequences' decodes
+TINY_DECODER = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+)
+CHUNKED_ENGINE = dict(
+    max_num_seqs=4,
+    max_num_batched_tokens=16,
+    max_model_len=128,
+    dtype="float32",
+    kv_cache_memory_bytes=1 << 21,
+    progress=False,
+)
+
 # mixtures of experts: 4-8 experts, top-2 (OLMoE top-3, unnormalised), a shared expert (Qwen2-MoE);
 # name → (transformers config class, architecture, config fields)
 MOE_CASES = {
