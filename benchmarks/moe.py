@@ -7,6 +7,7 @@ dense model costs; larger batches touch more experts. Both engines live in one p
 round, so a noisy machine weighs on both alike; medians and per-round ratios are reported.
 
     python benchmarks/moe.py --rounds 3 --batches 1 16 64 --output-json benchmarks/results/moe_cpu.json
+    python benchmarks/moe.py --rounds 3 --quantization int4 --output-json benchmarks/results/moe_int4_cpu.json
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--quantization", help="int8 / int4: both models' weights, the experts' included, kept in bits")
     parser.add_argument("--output-json")
     args = parser.parse_args()
     engines = {}
@@ -87,6 +89,7 @@ def main() -> None:
                 max_num_batched_tokens=max(256, max(args.batches)),
                 max_model_len=256,
                 progress=False,
+                quantization=args.quantization,
             )
             print(f"{name}: started in {time.perf_counter() - started:.1f} s")
     rounds: dict[str, dict[int, list[float]]] = {name: {b: [] for b in args.batches} for name in engines}

@@ -7,6 +7,7 @@ beside other sequences' decodes. Routing and the grouped expert matmul are check
 (every token to one expert, an expert with no tokens, tied router scores).
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ import torch
 import transformers
 
 from jaxllm import LLM, SamplingParams
-from jaxllm.model.moe import grouped_swiglu, route, tile_rows
+from jaxllm.model.moe import PackedExperts, grouped_swiglu, pack_experts, route, tile_rows
 from jaxllm.runner.compilations import compilation_count
 from pallas_kernels.stacked_matmul.quantized import QuantizedWeight, random_weight
 from pallas_kernels.stacked_matmul.quantized import _dequant_numpy as dequant
@@ -171,7 +172,7 @@ def oracle(x, experts, weights, gate_up, down):
 @pytest.mark.parametrize("layout", ["random", "one_expert", "idle_expert"])
 def test_grouped_experts_equal_a_float64_oracle(num_tokens, layout):
     r = np.random.default_rng(num_tokens)
-    num_experts, k, hidden, inner = 8, 2, 16, 8
+    num_experts, k, hidden, inner = 8, 2, 32, 16  # N in whole panels of 32: the C++ kernel packs them
     x = r.standard_normal((num_tokens, hidden)).astype(np.float32)
     gate_up = (0.3 * r.standard_normal((num_experts, hidden, 2, inner))).astype(np.float32)
     down = (0.3 * r.standard_normal((num_experts, inner, hidden))).astype(np.float32)
@@ -187,9 +188,17 @@ def test_grouped_experts_equal_a_float64_oracle(num_tokens, layout):
     stacked = [np.stack([np.full_like(w, np.nan), w]) for w in (gate_up, down)]
     got = grouped_swiglu(x, experts, weights, *stacked, layer=jnp.int32(1))
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    # the CPU kernel: every tile against its expert packed in place, in one call
+    got = grouped_swiglu(x, experts, weights, *packed_experts(stacked), layer=jnp.int32(1))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "q8_0", "q4_0"])
+def packed_experts(stacked):
+    """Each `[L, E, K, *N]` stack (float, or a quantized weight's arrays) packed for the C++ kernel's grouped call."""
+    return [PackedExperts(jax.tree.map(pack_experts, w), kernel_max_rows=None) for w in stacked]
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "q8_0", "q4_0", "q4_1"])
 def test_quantized_experts_equal_the_oracle_on_their_dequantized_weights(fmt):
     """Experts kept in their bits (int8 / int4 quantization): each tile's experts are dequantized after the
     gather; the result is the float64 oracle's on the dequantized weights, stacked layers included."""
@@ -206,6 +215,8 @@ def test_quantized_experts_equal_the_oracle_on_their_dequantized_weights(fmt):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
     stacked = [QuantizedWeight(*(None if a is None else np.stack([a, a]) for a in w)) for w in (gate_up, down)]
     np.testing.assert_allclose(grouped_swiglu(x, experts, weights, *stacked, layer=jnp.int32(1)), got, rtol=1e-6)
+    packed = grouped_swiglu(x, experts, weights, *packed_experts(stacked), layer=jnp.int32(1))  # the C++ kernel
+    np.testing.assert_allclose(packed, want, rtol=1e-4, atol=1e-5 * np.abs(want).max())
 
 
 def test_int4_quantization_keeps_the_experts_in_their_bits(saved, monkeypatch):

@@ -28,7 +28,7 @@ from jaxtyping import Array, Float, Int
 
 import pallas_kernels
 from jaxllm.model.layers import Dtype, Embed, GatedMLP, Linear, RMSNorm, Stacking, apply_rotary, rotary_cos_sin
-from jaxllm.model.moe import SparseMoE, pack_experts, packs_experts
+from jaxllm.model.moe import SparseMoE, pack_experts, packs_expert_leaf
 from jaxllm.model.quant import QUANT_LEAVES, QuantPlan, packs_quantized
 from jaxllm.model.registry import LayerKind, ModelArch
 from pallas_kernels import stacked_matmul
@@ -188,8 +188,8 @@ class CausalLM(nn.Module):
         the stacked layers (float, or a quantized weight's arrays), and the LM head when `packs_head`; others as
         they are. Shapes unchanged. A weights `Layout`: each layer of a stack packs alone."""
         leaf, head = path[-1], path[-2:-1] in (("embed_tokens",), ("lm_head",))
-        if any(k.startswith("experts_") for k in path):  # float experts: each packed alone (model/moe.py)
-            return pack_experts(value) if leaf == "kernel" and packs_experts(value) else value
+        if any(k.startswith("experts_") for k in path):  # each expert packed alone (model/moe.py)
+            return pack_experts(value) if packs_expert_leaf(leaf, value) else value
         if any("layers" in k for k in path[:-1]):
             if leaf == "kernel" and stacked_matmul.packable(value):
                 return stacked_matmul.pack(value)

@@ -8,8 +8,8 @@ dropless: every token reaches its k experts. The T x k (token, expert) assignmen
 matmul is tiled here instead: each expert's rows are padded to whole tiles of `m` rows, and every tile is one
 small matmul against its expert's weights. With m = 1 (a decode step, T x k <= E) that reads exactly the
 experts the tokens chose; larger steps take m ~ T x k / E, so the padding at most doubles the rows. With the
-CPU kernels ("cpu_packed") each expert is packed as a layer of the dense kernel's stack and each tile runs the
-C++ kernel on it in place (`PackedExperts`); elsewhere XLA gathers each tile's expert (dequantized after the
+CPU kernels ("cpu_packed") each expert is packed as a layer of the dense kernel's stack (float or quantized) and
+one call of the C++ kernel runs every tile against its expert in place (`PackedExperts`); elsewhere XLA gathers each tile's expert (dequantized after the
 gather when kept in its quants).
 """
 
@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
 from jaxllm.model.layers import INIT_STD, Dtype, GatedMLP, Linear, Stacking
-from jaxllm.model.quant import quantized_params
+from jaxllm.model.quant import QUANT_LEAVES, packs_quantized, quantized_params
 from jaxllm.model.registry import ModelArch
 from pallas_kernels import stacked_matmul
 from pallas_kernels.stacked_matmul import quantized
@@ -55,7 +55,8 @@ Experts = Float[Array, "..."] | QuantizedWeight  # one projection of every exper
 
 def _num_experts(w) -> int:
     if isinstance(w, PackedExperts):
-        return w.weights.shape[1]
+        w = w.weights
+        return (w.qs if isinstance(w, QuantizedWeight) else w).shape[1]
     return (w.qs if isinstance(w, QuantizedWeight) else w).shape[-4]
 
 
@@ -68,27 +69,36 @@ def take_experts(w: Experts, index) -> Float[Array, "S K ..."]:
     return w[index].astype(jnp.float32)
 
 
-def packs_experts(w) -> bool:
-    """Whether "cpu_packed" packs a stack of float experts `[L, E, K, *N]` (and reads it packed): each expert as
-    `stacked_matmul.pack` lays a layer out, so the C++ kernel reads it in place."""
-    return not isinstance(w, QuantizedWeight) and stacked_matmul.packable(_flat(w))
+def packs_expert_leaf(leaf: str, a) -> bool:
+    """Whether "cpu_packed" packs this array of a stack of experts `[L, E, K, *N]` (and reads it packed), each
+    expert as `stacked_matmul.pack` lays a layer out, so the C++ kernel reads it in place: a float "kernel"
+    `packable` takes, or a quantized weight's array with N in whole panels (a dense layer's rule)."""
+    if leaf in QUANT_LEAVES:
+        return packs_quantized(_flat(a).shape)
+    return leaf == "kernel" and stacked_matmul.packable(_flat(a))
 
 
-def pack_experts(w):
-    """`[L, E, K, *N]` float experts, each packed alone (same shape)."""
-    return stacked_matmul.pack(_flat(w)).reshape(w.shape)
+def packs_experts(w: Experts) -> bool:
+    """`packs_expert_leaf` for a whole weight, float or quantized (`CausalLM.pack_leaf` packed it so)."""
+    return packs_expert_leaf("qweight", w.qs) if isinstance(w, QuantizedWeight) else packs_expert_leaf("kernel", w)
 
 
-def _flat(w):
+def pack_experts(a):
+    """One array of a stack of experts `[L, E, K, *N]` (a float kernel, or a quantized weight's quants, scales
+    or mins), each expert packed alone (same shape)."""
+    return stacked_matmul.pack(_flat(a)).reshape(a.shape)
+
+
+def _flat(a):
     """`[L, E, K, *N]` → `[L * E, K, *N]`: every expert a "layer" of one stack."""
-    return w.reshape(-1, *w.shape[2:])
+    return a.reshape(-1, *a.shape[2:])
 
 
 class PackedExperts(NamedTuple):
-    """Experts packed for the CPU kernel, which multiplies each tile's rows by its expert in place, never
-    copying a weight (a gather would copy every expert a step touches)."""
+    """Experts packed for the CPU kernel (float, or their quants), which multiplies each tile's rows by its expert
+    in place, every tile in one call, never copying a weight (a gather would copy every expert a step touches)."""
 
-    weights: Float[Array, "L E K N"]
+    weights: Float[Array, "L E K N"] | QuantizedWeight
     kernel_max_rows: int | None
 
 
@@ -96,15 +106,12 @@ def _tile_matmuls(tiles, w: Experts | PackedExperts, index) -> Float[Array, "S M
     """Each tile's rows times its expert: `index` an expert id per tile (with the layer first when stacked)."""
     if not isinstance(w, PackedExperts):
         return jnp.einsum("tmk,tk...->tm...", tiles, take_experts(w, index))
-    flat, num_experts = _flat(w.weights), w.weights.shape[1]
     layer, expert = index
-    ids = layer * num_experts + expert
-
-    def one(args):
-        rows, i = args
-        return stacked_matmul.stacked_matmul(rows, flat, i, backend="cpu_packed", kernel_max_rows=w.kernel_max_rows)
-
-    return jax.lax.map(one, (tiles, ids)).astype(jnp.float32)
+    ids = layer * _num_experts(w) + expert
+    flat = jax.tree.map(_flat, w.weights)
+    if isinstance(flat, QuantizedWeight):
+        return quantized.grouped_quantized_matmul(tiles, flat, ids, kernel_max_rows=w.kernel_max_rows)
+    return stacked_matmul.grouped_matmul(tiles, flat, ids, kernel_max_rows=w.kernel_max_rows)
 
 
 def grouped_swiglu(
@@ -245,7 +252,6 @@ class SparseMoE(nn.Module):
         index = st.index(layer) if st.num_layers is not None else None
         packed = st.matmul_backend == "cpu_packed" and index is not None
         if packed and packs_experts(gate_up) and packs_experts(down):  # (CausalLM.pack_leaf packed them)
-            assert not isinstance(gate_up, QuantizedWeight) and not isinstance(down, QuantizedWeight)
             rows = st.kernel_max_rows
             out = grouped_swiglu(x, experts, weights, PackedExperts(gate_up, rows), PackedExperts(down, rows), index)
         elif ep and self.expert_mesh is not None:

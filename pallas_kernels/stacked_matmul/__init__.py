@@ -97,6 +97,19 @@ def _packed(x, w, layer, kernel_max_rows: int | None):
     return stacked_matmul_cpu(x.astype(w.dtype), w, layer, packed=True)
 
 
+def grouped_matmul(
+    tiles: Float[Array, "S M K"], w, index: Int[Array, " S"], *, kernel_max_rows: int | None = None
+) -> Float[Array, "S M *N"]:
+    """Each tile of rows times its own layer of `w = pack(W)`, `tiles[s] @ W[index[s]]` in float32: a mixture of
+    experts' grouped matmul, each expert a layer of the stack. One kernel call runs every tile in place; above
+    `kernel_max_rows` rows a tile, XLA's dot on the packed layout tile by tile."""
+    s, m, k = tiles.shape
+    if kernel_max_rows is not None and m > kernel_max_rows:
+        return jax.lax.map(lambda a: stacked_matmul_packed_xla(a[0], w, a[1]), (tiles, index)).astype(jnp.float32)
+    out = stacked_matmul_cpu(jnp.reshape(tiles, (s * m, k)).astype(w.dtype), w, index, packed=True)
+    return jnp.reshape(out, (s, m, *w.shape[2:]))
+
+
 def kernel_applies(x, w) -> bool:
     return jax.default_backend() == "cpu" and x.dtype == jnp.float32 and w.dtype == jnp.float32 and available()
 
@@ -139,7 +152,8 @@ def stacked_matmul_packed_xla(x, w, layer):
 
 
 def stacked_matmul_cpu(x, w, layer, *, packed: bool = False):
-    """The kernel, float32 out; `packed`: `w` as `pack` returns it (float32, or bfloat16 with x bfloat16)."""
+    """The kernel, float32 out; `packed`: `w` as `pack` returns it (float32, or bfloat16 with x bfloat16).
+    `layer`: one index, or S (x's rows then S tiles, each times its own layer: `grouped_matmul`)."""
     if not available():
         raise RuntimeError("the CPU stacked-matmul kernel could not be built (see the warning above)")
     dtypes_ok = x.dtype == w.dtype == jnp.float32 or (packed and x.dtype == w.dtype == jnp.bfloat16)
@@ -149,5 +163,5 @@ def stacked_matmul_cpu(x, w, layer, *, packed: bool = False):
             f"got {x.dtype}{x.shape}, {w.dtype}{w.shape}"
         )
     out = jax.ShapeDtypeStruct((x.shape[0], math.prod(w.shape[2:])), jnp.float32)
-    flat = jax.ffi.ffi_call(TARGET, out)(x, w, jnp.reshape(jnp.asarray(layer, jnp.int32), (1,)), packed=packed)
+    flat = jax.ffi.ffi_call(TARGET, out)(x, w, jnp.reshape(jnp.asarray(layer, jnp.int32), (-1,)), packed=packed)
     return flat.reshape(x.shape[0], *w.shape[2:])

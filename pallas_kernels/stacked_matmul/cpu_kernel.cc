@@ -1,6 +1,8 @@
 // x @ w[layer], reading the layer's weights in place inside the stacked [L, K, ...] array:
-// XLA FFI custom calls (see __init__.py for why XLA's own dot cannot). This file holds the two
-// handlers, which check their buffers and call a kernel:
+// XLA FFI custom calls (see __init__.py for why XLA's own dot cannot). `layer` holds S indices and x
+// S tiles of T / S rows, tile s multiplied by w[layer[s]]: S = 1 is one layer's matmul, S > 1 the
+// grouped matmul of a mixture of experts (each tile of rows against its own expert, model/moe.py).
+// This file holds the two handlers, which check their buffers and call a kernel once per tile:
 // - StackedMatmulCpu: float32 weights, stacked or packed, or packed bfloat16 (float_panels.h);
 // - QuantizedMatmulCpu: packed int8 / 4-bit quants with float16 scales (quant_panels.h, quantized.py).
 // Every choice by instruction set is cpu_simd.h's; the threads are XLA's own pool (cpu_team.h).
@@ -17,6 +19,13 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+// Every index in `layer` names one of the stack's `num_layers` layers.
+bool InRange(ffi::Buffer<ffi::S32> layer, int64_t num_layers) {
+  for (size_t s = 0; s < layer.element_count(); ++s)
+    if (layer.typed_data()[s] < 0 || layer.typed_data()[s] >= num_layers) return false;
+  return true;
+}
+
 // `packed`: w as `pack` (__init__.py) lays it out, read by PackedPanels whatever the row count.
 // x and w both float32, or (packed only) both bfloat16; the output is float32.
 ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out,
@@ -24,36 +33,42 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::B
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() < 3 || wd[1] != xd[1])
     return ffi::Error::InvalidArgument("stacked_matmul_cpu: x must be [T, K] and w [L, K, ...]");
-  const int64_t rows = xd[0], k_dim = xd[1], num_layers = wd[0];
+  const int64_t k_dim = xd[1], num_layers = wd[0], num_tiles = layer.element_count();
+  if (num_tiles < 1 || xd[0] % num_tiles) return ffi::Error::InvalidArgument("stacked_matmul_cpu: T must be whole tiles");
+  const int64_t rows = xd[0] / num_tiles;
   int64_t n = 1;
   for (size_t i = 2; i < wd.size(); ++i) n *= wd[i];
-  const int64_t l = layer.typed_data()[0];
-  if (l < 0 || l >= num_layers) return ffi::Error::InvalidArgument("stacked_matmul_cpu: layer out of range");
+  if (!InRange(layer, num_layers)) return ffi::Error::InvalidArgument("stacked_matmul_cpu: layer out of range");
   const bool f32 = x.element_type() == ffi::F32 && w.element_type() == ffi::F32;
   const bool bf16 = x.element_type() == ffi::BF16 && w.element_type() == ffi::BF16;
   if (!f32 && !(bf16 && packed && k_dim % 2 == 0))
     return ffi::Error::InvalidArgument("stacked_matmul_cpu: x and w float32, or bfloat16 packed with K even");
   if (packed && n % kPanel != 0) return ffi::Error::InvalidArgument("stacked_matmul_cpu: packed N must divide by 32");
-  float* y = out->typed_data();
   const Team team(pool);
-  if (bf16) {
-    const auto* w16 = static_cast<const uint16_t*>(w.untyped_data()) + l * k_dim * n;
-    PackedPanels(team, Bf16Rows(static_cast<const uint16_t*>(x.untyped_data()), rows * k_dim), rows, k_dim / 2, w16, n, y);
-    return ffi::Error::Success();
+  for (int64_t s = 0; s < num_tiles; ++s) {
+    const int64_t l = layer.typed_data()[s], x_off = s * rows * k_dim, w_off = l * k_dim * n;
+    float* y = out->typed_data() + s * rows * n;
+    if (bf16) {
+      const auto* w16 = static_cast<const uint16_t*>(w.untyped_data()) + w_off;
+      const auto* x16 = static_cast<const uint16_t*>(x.untyped_data()) + x_off;
+      PackedPanels(team, Bf16Rows(x16, rows * k_dim), rows, k_dim / 2, w16, n, y);
+      continue;
+    }
+    const float* xp = x.typed_data<float>() + x_off;
+    const float* wl = w.typed_data<float>() + w_off;
+    if (packed)
+      PackedPanels(team, xp, rows, k_dim, wl, n, y);
+    else if (rows <= kStreamRows)
+      Stream(xp, rows, k_dim, wl, n, y);
+    else
+      Panels(team, xp, rows, k_dim, wl, n, y);
   }
-  const float* xp = x.typed_data<float>();
-  const float* wl = w.typed_data<float>() + l * k_dim * n;
-  if (packed)
-    PackedPanels(team, xp, rows, k_dim, wl, n, y);
-  else if (rows <= kStreamRows)
-    Stream(xp, rows, k_dim, wl, n, y);
-  else
-    Panels(team, xp, rows, k_dim, wl, n, y);
   return ffi::Error::Success();
 }
 
 // x float32 [T, K]; qs int8 [L, K, N...] or uint8 [L, K / 2, N...]; scales float16 [L, K / G, N...]; mins
-// float16 like scales, or size 0 (none); layer [1]; out [T, N]. Every weight array packed (quantized.py).
+// float16 like scales, or size 0 (none); layer [S] (S tiles of x); out [T, N]. Every weight array packed
+// (quantized.py).
 ffi::Error QuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qs, ffi::AnyBuffer scales, ffi::AnyBuffer mins,
                      ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
   auto xd = x.dimensions(), qd = qs.dimensions(), sd = scales.dimensions();
@@ -62,7 +77,9 @@ ffi::Error QuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
     return ffi::Error::InvalidArgument("quantized_matmul_cpu: qs int8 or uint8, scales and mins float16");
   if (xd.size() != 2 || qd.size() < 3 || sd.size() != qd.size() || sd[0] != qd[0])
     return ffi::Error::InvalidArgument("quantized_matmul_cpu: x [T, K], qs [L, Kq, ...], scales [L, K / G, ...]");
-  const int64_t rows = xd[0], k_dim = xd[1], num_layers = qd[0], groups = sd[1];
+  const int64_t k_dim = xd[1], num_layers = qd[0], groups = sd[1], num_tiles = layer.element_count();
+  if (num_tiles < 1 || xd[0] % num_tiles) return ffi::Error::InvalidArgument("quantized_matmul_cpu: T must be whole tiles");
+  const int64_t rows = xd[0] / num_tiles;
   int64_t n = 1, n_scales = 1;
   for (size_t i = 2; i < qd.size(); ++i) n *= qd[i], n_scales *= sd[i];
   if (qd[1] * (bits == 4 ? 2 : 1) != k_dim || n != n_scales || groups <= 0 || k_dim % groups)
@@ -73,16 +90,19 @@ ffi::Error QuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
   const bool has_min = mins.element_count() != 0;
   if (has_min && (bits == 8 || static_cast<int64_t>(mins.element_count()) != num_layers * groups * n))
     return ffi::Error::InvalidArgument("quantized_matmul_cpu: mins only for 4-bit weights, shaped like scales");
-  const int64_t l = layer.typed_data()[0];
-  if (l < 0 || l >= num_layers) return ffi::Error::InvalidArgument("quantized_matmul_cpu: layer out of range");
+  if (!InRange(layer, num_layers)) return ffi::Error::InvalidArgument("quantized_matmul_cpu: layer out of range");
   const int64_t q_layer = qd[1] * n, s_layer = groups * n;
-  QuantLayer w{static_cast<const int8_t*>(qs.untyped_data()) + l * q_layer,
-               static_cast<const uint16_t*>(scales.untyped_data()) + l * s_layer,
-               has_min ? static_cast<const uint16_t*>(mins.untyped_data()) + l * s_layer : nullptr,
-               k_dim,
-               group,
-               n};
-  QuantMatmul(Team(pool), x.typed_data(), rows, w, bits, out->typed_data());
+  const Team team(pool);
+  for (int64_t s = 0; s < num_tiles; ++s) {
+    const int64_t l = layer.typed_data()[s];
+    QuantLayer w{static_cast<const int8_t*>(qs.untyped_data()) + l * q_layer,
+                 static_cast<const uint16_t*>(scales.untyped_data()) + l * s_layer,
+                 has_min ? static_cast<const uint16_t*>(mins.untyped_data()) + l * s_layer : nullptr,
+                 k_dim,
+                 group,
+                 n};
+    QuantMatmul(team, x.typed_data() + s * rows * k_dim, rows, w, bits, out->typed_data() + s * rows * n);
+  }
   return ffi::Error::Success();
 }
 

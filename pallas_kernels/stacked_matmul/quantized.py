@@ -204,6 +204,19 @@ def quantized_matmul(
     return jnp.reshape(quantized_matmul_cpu(x, qw, layer), out_shape)
 
 
+def grouped_quantized_matmul(
+    tiles: Float[Array, "S M K"], qw: QuantizedWeight, index: Int[Array, " S"], *, kernel_max_rows: int | None = None
+) -> Float[Array, "S M *N"]:
+    """`tiles[s] @ W[index[s]]` in float32 for `qw = pack(...)`, each tile of rows times its own layer (a mixture of
+    experts' grouped matmul, `sm.grouped_matmul`'s quantized twin): one kernel call for every tile, XLA tile by
+    tile above `kernel_max_rows` rows a tile or where the kernel did not build."""
+    s, m, k = tiles.shape
+    if (kernel_max_rows is not None and m > kernel_max_rows) or not available():
+        return jax.lax.map(lambda a: quantized_matmul_packed_xla(a[0], qw, a[1]), (tiles, index))
+    out = quantized_matmul_cpu(jnp.reshape(tiles, (s * m, k)), qw, index)
+    return jnp.reshape(out, (s, m, *qw.qs.shape[2:]))
+
+
 def quantized_matmul_packed_xla(x, qw: QuantizedWeight, layer) -> Array:
     """`x @ W[layer]` by XLA on the packed arrays as they are (dequantized panels `[K, P, 32]`, one dot)."""
     lay = _layout(qw)
@@ -247,7 +260,8 @@ def available() -> bool:
 
 
 def quantized_matmul_cpu(x, qw: QuantizedWeight, layer) -> Array:
-    """The C++ kernel on packed `qw`: float32 `[T, N]` (N flattened)."""
+    """The C++ kernel on packed `qw`: float32 `[T, N]` (N flattened). `layer`: one index, or S (x's rows then S
+    tiles, each times its own layer)."""
     if not available():
         raise RuntimeError("the CPU stacked-matmul kernel could not be built (see the warning above)")
     lay = _layout(qw)
@@ -255,7 +269,7 @@ def quantized_matmul_cpu(x, qw: QuantizedWeight, layer) -> Array:
         raise ValueError(f"x [T, {lay.k}] and a packable weight expected, got x {x.shape}")
     mins = qw.mins if qw.mins is not None else jnp.zeros((0,), jnp.float16)
     out = jax.ShapeDtypeStruct((x.shape[0], lay.n), jnp.float32)
-    index = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
+    index = jnp.reshape(jnp.asarray(layer, jnp.int32), (-1,))
     return jax.ffi.ffi_call(TARGET, out)(x.astype(jnp.float32), qw.qs, qw.scales, mins, index)
 
 

@@ -87,6 +87,29 @@ def test_kernel_max_rows_hands_larger_row_counts_to_xla():
     assert qm.TARGET in jaxpr
 
 
+@needs_kernel
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_grouped_kernel_runs_each_tile_against_its_own_layer(fmt):
+    """A mixture of experts' grouped matmul: tiles of rows in one call, each against its own layer (expert) of
+    the stack; the layers no tile names have NaN scales, a tile's padding rows are NaN."""
+    rng = np.random.default_rng(5)
+    shape, index = (5, 96, 2, 32), np.array([3, 0, 0, 4], np.int32)
+    qw = qm.random_weight(rng, fmt, shape)
+    scales = np.full_like(qw.scales, np.nan)
+    scales[index] = qw.scales[index]
+    packed = jax.device_put(qm.pack(qw._replace(scales=scales)))
+    for tile_rows in (1, 5, 17):
+        for max_rows in (None, tile_rows - 1):  # the one kernel call; XLA tile by tile above kernel_max_rows
+            tiles = []
+            for layer in index:
+                x, keep = x_rows(rng, tile_rows, shape[1])
+                tiles.append((x, keep, layer))
+            fn = jax.jit(lambda t, w, i, m=max_rows: qm.grouped_quantized_matmul(t, w, i, kernel_max_rows=m))
+            got = fn(np.stack([t[0] for t in tiles]), packed, index)
+            for (x, keep, layer), out in zip(tiles, np.asarray(got), strict=True):
+                check(out, x, keep, qw, int(layer))
+
+
 def numpy_dequant32(qw: qm.QuantizedWeight, layer: int) -> np.ndarray:
     """The formulas in float32 numpy, each operation rounded once: `d * q`, `d * q + m`, `d * (q - 8)`."""
     qs, d = np.asarray(qw.qs[layer]), np.asarray(qw.scales[layer]).astype(np.float32)

@@ -78,6 +78,32 @@ def test_packed_kernel_matches_the_oracle_and_reads_only_its_layer(rows, k, out_
     np.testing.assert_allclose(got.astype(np.float64), want, rtol=rounding, atol=2e-5)
 
 
+# a mixture of experts' grouped matmul: tiles of rows, each against its own expert (a layer of the stack);
+# padding rows of a tile are NaN (they must not leak into other rows) and so is every expert no tile names
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("tile_rows", [1, 3, 8, 17])
+def test_grouped_kernel_runs_each_tile_against_its_own_layer(tile_rows, dtype):
+    rng = np.random.default_rng(tile_rows)
+    layers, k, out_shape, num_tiles = 6, 132, (2, 32), 5
+    index = np.array([4, 1, 1, 3, 4], np.int32)  # a layer twice in a row and twice apart; 0, 2, 5 unused
+    w = np.full((layers, k, *out_shape), np.nan, np.float32)
+    for layer in set(index.tolist()):
+        w[layer] = rng.normal(0, 0.05, (k, *out_shape))
+    w = w.astype(dtype)
+    tiles = rng.normal(0, 1, (num_tiles, tile_rows, k)).astype(dtype)
+    pad = rng.random((num_tiles, tile_rows)) < 0.3
+    pad[:, 0] = False
+    tiles[pad] = np.nan
+    want = np.einsum("smk,skn->smn", tiles.astype(np.float64), w[index].astype(np.float64).reshape(num_tiles, k, -1))
+    packed = jnp.asarray(stacked_matmul.pack(w))
+    for max_rows in (None, tile_rows - 1):  # the one kernel call; XLA tile by tile above kernel_max_rows
+        fn = jax.jit(lambda t, w, i, m=max_rows: stacked_matmul.grouped_matmul(t, w, i, kernel_max_rows=m))
+        got = np.asarray(fn(tiles, packed, index)).astype(np.float64)
+        assert got.shape == (num_tiles, tile_rows, *out_shape) and got.dtype == np.float64
+        rounding = 2e-4 if dtype == "float32" else 2**-8
+        np.testing.assert_allclose(got[~pad].reshape(-1, 64), want[~pad], rtol=rounding, atol=2e-5)
+
+
 def test_bfloat16_needs_packed_weights_and_an_even_k():
     w = np.ones((2, 33, 32), "bfloat16")
     assert not stacked_matmul.packable(w)  # K odd: no pairs
