@@ -19,6 +19,7 @@ from jaxllm.model.moe import PackedExperts, grouped_swiglu, pack_experts, route,
 from jaxllm.runner.compilations import compilation_count
 from pallas_kernels.stacked_matmul.quantized import QuantizedWeight, random_weight
 from pallas_kernels.stacked_matmul.quantized import _dequant_numpy as dequant
+from tests.gguf_models import write_gguf
 from tests.hf_reference import hf_greedy, hf_log_softmax
 from tests.tiny_models import CHUNKED_ENGINE, MOE_CASES, TINY_DECODER, random_model
 
@@ -67,6 +68,71 @@ def test_fused_expert_checkpoints_load_as_per_expert_ones(saved, tmp_path):
     model, model_dir = saved["qwen3_moe"]
     model.save_pretrained(tmp_path, save_original_format=False)
     assert generate(str(tmp_path)) == generate(model_dir)
+
+
+@pytest.mark.parametrize(
+    "name,expert_type", [("mixtral", "Q4_1"), ("qwen2_moe", "Q8_0"), ("qwen3_moe", "Q4_1"), ("olmoe", "Q8_0")]
+)
+def test_gguf_experts_stay_in_their_bits_and_equal_the_dequantized_model(saved, tmp_path, name, expert_type):
+    """The tiny models as GGUF files with llama.cpp's names (`ffn_*_exps`, its metadata, Mixtral as "llama"),
+    experts in Q8_0 or Q4_1: loaded in their bits, the tokens those transformers gives with the experts dequantized."""
+    model, _ = saved[name]
+    path = tmp_path / f"{name}.gguf"
+    reference = write_gguf(model, path, expert_type)
+    llm = LLM(str(path), **ENGINE)
+    params = llm.engine.runner.params
+    experts = params["layers"]["mlp"]["experts_gate_up"]
+    assert experts["qweight"].dtype == (jnp.int8 if expert_type == "Q8_0" else jnp.uint8)
+    before = compilation_count()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], GREEDY, use_tqdm=False)
+    assert compilation_count() == before
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [
+        hf_greedy(reference, p, GREEDY.max_tokens) for p in PROMPTS
+    ]
+
+
+def test_gguf_moe_metadata_and_expert_tensors(saved, tmp_path):
+    """A GGUF's MoE config as transformers reads the model's, and a layer's experts (two GGUF tensors joined as
+    transformers fuses them) as the dequantized values, in float and in their bits."""
+    from jaxllm.weights.gguf import GGUFFile
+    from jaxllm.weights.quant.gguf_blocks import dequantize
+
+    model, _ = saved["qwen2_moe"]
+    reference = write_gguf(model, tmp_path / "m.gguf", "Q8_0")
+    f = GGUFFile(tmp_path / "m.gguf")
+    config = f.hf_config()
+    assert config["architectures"] == ["Qwen2MoeForCausalLM"] and config["num_experts"] == 8
+    assert (config["num_experts_per_tok"], config["moe_intermediate_size"], config["norm_topk_prob"]) == (2, 32, False)
+    assert config["shared_expert_intermediate_size"] == 64 and config["mlp_only_layers"] == []
+    want = reference.state_dict()["model.layers.1.mlp.experts.gate_up_proj"].numpy()
+    np.testing.assert_array_equal(f.tensor("model.layers.1.mlp.experts.gate_up_proj"), want)
+    blocks = f.blocks("model.layers.1.mlp.experts.gate_up_proj")
+    np.testing.assert_array_equal(dequantize(blocks).reshape(want.shape), want)
+    assert f.tokenizer() is None  # (no tokenizer in the file: token-id prompts only, as an HF folder without one)
+
+
+def test_gguf_k_quant_experts_are_requantized_never_expanded(caplog):
+    """Experts in a type jaxllm does not keep (K-quants) are re-quantized at load, with a log line: int4 from 4
+    bits and fewer, int8 where any layer has more; attention in such types is dequantized as for dense models."""
+    from jaxllm.model.registry import arch_from_hf_config
+    from jaxllm.weights.quant.plan import make_plan
+
+    config = {**TINY, **ARCHITECTURES["qwen3_moe"][2], "architectures": ["Qwen3MoeForCausalLM"], "head_dim": 16}
+    arch = arch_from_hf_config(config)
+
+    def types(experts):
+        names = ["token_embd.weight", "output.weight"]
+        attention = [f"blk.{i}.attn_{p}.weight" for i in range(2) for p in ("q", "k", "v", "output")]
+        ffn = [f"blk.{i}.ffn_{p}_exps.weight" for i in range(2) for p in ("gate", "up", "down")]
+        return {**dict.fromkeys(names, "F32"), **dict.fromkeys(attention, "Q4_K"), **dict.fromkeys(ffn, experts)}
+
+    with caplog.at_level("INFO"):
+        plan = dict(make_plan(arch, "auto", types("Q4_K")).formats)
+    assert plan == {"experts_gate_up": "int4", "experts_down": "int4"}
+    assert "re-quantized to int4" in caplog.text
+    mixed = {**types("Q4_K"), "blk.1.ffn_down_exps.weight": "Q6_K"}
+    assert dict(make_plan(arch, "auto", mixed).formats)["experts_down"] == "int8"
+    assert dict(make_plan(arch, "auto", types("F16")).formats) == {}
 
 
 def test_tensor_parallel_experts_equal_one_device(saved):

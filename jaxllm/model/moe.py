@@ -8,9 +8,9 @@ dropless: every token reaches its k experts. The T x k (token, expert) assignmen
 matmul is tiled here instead: each expert's rows are padded to whole tiles of `m` rows, and every tile is one
 small matmul against its expert's weights. With m = 1 (a decode step, T x k <= E) that reads exactly the
 experts the tokens chose; larger steps take m ~ T x k / E, so the padding at most doubles the rows. With the
-CPU kernels ("cpu_packed") each expert is packed as a layer of the dense kernel's stack (float or quantized) and
-one call of the C++ kernel runs every tile against its expert in place (`PackedExperts`); elsewhere XLA gathers each tile's expert (dequantized after the
-gather when kept in its quants).
+CPU kernels ("cpu_packed") each expert is packed as a layer of the dense kernel's stack (float or quantized)
+and one call of the C++ kernel runs every tile against its expert in place (`PackedExperts`); elsewhere XLA
+gathers each tile's expert (dequantized after the gather when kept in its quants).
 """
 
 from __future__ import annotations

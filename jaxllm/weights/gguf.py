@@ -28,9 +28,23 @@ from jaxllm.weights.quant.gguf_blocks import QuantizedTensor, repack
 
 logger = logging.getLogger(__name__)
 
-# GGUF architecture → transformers architecture (Mistral GGUFs say "llama")
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# GGUF architecture → transformers architecture (Mistral GGUFs say "llama"; so do Mixtral's, with experts)
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen2moe": "Qwen2MoeForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
+}
+MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}  # transformers' spelling where it differs
 PERMUTED_QK = {"llama"}
+# Whether the chosen experts' weights are renormalised: no GGUF key says so for these architectures, llama.cpp's
+# graph fixes it per architecture (transformers patched the same defaults in, #41151); `expert_weights_norm`,
+# where a file has it, decides instead
+MOE_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
+# MoE metadata jaxllm's router cannot honour: (key, the value it can)
+MOE_UNSUPPORTED = {"expert_group_count": 0, "expert_gating_func": 1, "expert_weights_scale": 1.0}
 
 _LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
@@ -44,19 +58,36 @@ _LAYER_TENSORS = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # a mixture of experts' router
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",  # [H] in GGUF, [1, H] in transformers
+}
+# a layer's experts, every expert in one tensor `[E, out, in]`: transformers 5's fused names → GGUF's parts,
+# joined along `out` (gate before up, as transformers fuses them)
+_EXPERT_TENSORS = {
+    "mlp.experts.gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"),
+    "mlp.experts.down_proj": ("ffn_down_exps",),
 }
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def hf_name_to_gguf(name: str) -> str:
+def hf_name_to_gguf(name: str) -> list[str]:
+    """The GGUF tensors behind a transformers tensor name: one, or a layer's expert parts (`_EXPERT_TENSORS`).
+    KeyError for a name GGUF does not have (each expert's own tensors: GGUF keeps them fused)."""
+    name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's sparse block
+    parts = name.split(".")
+    if len(parts) > 3 and parts[:2] == ["model", "layers"] and (experts := ".".join(parts[3:])) in _EXPERT_TENSORS:
+        return [f"blk.{parts[2]}.{part}.weight" for part in _EXPERT_TENSORS[experts]]
     prefix, kind = name.rsplit(".", 1)
     for gguf_name, hf in _GLOBAL_TENSORS.items():
         if prefix == hf:
-            return f"{gguf_name}.{kind}"
+            return [f"{gguf_name}.{kind}"]
     parts = prefix.split(".")
     layer, module = parts[2], ".".join(parts[3:])
     inverse = {hf: g for g, hf in _LAYER_TENSORS.items()}
-    return f"blk.{layer}.{inverse[module]}.{kind}"
+    return [f"blk.{layer}.{inverse[module]}.{kind}"]
 
 
 def unpermute_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
@@ -187,11 +218,6 @@ class GGUFFile:
             raise ValueError(
                 f"{self.path}: unsupported GGUF architecture {arch!r}; jaxllm reads {', '.join(GGUF_ARCHITECTURES)}"
             )
-        if md.get(f"{arch}.expert_count"):  # (a Mixtral GGUF says "llama")
-            raise NotImplementedError(
-                f"{self.path}: a mixture of experts ({md[f'{arch}.expert_count']} experts) in GGUF is not supported "
-                f"yet; load the model's HF safetensors directory instead"
-            )
         if "rope_freqs.weight" in self._tensors:
             raise NotImplementedError(f"{self.path}: GGUF rope frequency tensors (llama3 scaling) are not supported")
 
@@ -201,7 +227,7 @@ class GGUFFile:
         hidden, heads = key("embedding_length"), key("attention.head_count")
         config = {
             "architectures": [GGUF_ARCHITECTURES[arch]],
-            "model_type": arch,
+            "model_type": MODEL_TYPES.get(arch, arch),
             "vocab_size": key("vocab_size") or len(md["tokenizer.ggml.tokens"]),
             "hidden_size": hidden,
             "intermediate_size": key("feed_forward_length"),
@@ -227,20 +253,70 @@ class GGUFFile:
             }
         if (window := key("attention.sliding_window")) is not None:
             config["sliding_window"] = window
+        if key("expert_count"):
+            config.update(self._moe_config())
+        return config
+
+    def _moe_config(self) -> dict:
+        """A mixture of experts' config fields, as transformers names them, from llama.cpp's metadata."""
+        md, arch = self.metadata, self.gguf_architecture
+        key = lambda name, default=None: md.get(f"{arch}.{name}", default)  # noqa: E731
+        if arch not in MOE_NORM_TOPK:
+            raise NotImplementedError(f"{self.path}: a mixture of experts in GGUF architecture {arch!r}")
+        for name, honoured in MOE_UNSUPPORTED.items():
+            if key(name, honoured) != honoured:
+                raise NotImplementedError(
+                    f"{self.path}: {arch}.{name} = {key(name)} (jaxllm's router takes {honoured}) is not supported"
+                )
+        experts, used, ff = key("expert_count"), key("expert_used_count"), key("feed_forward_length")
+        # llama.cpp's own fallbacks: Qwen2-MoE's experts are n_ff / k wide and its shared expert n_ff without keys
+        expert_ff = key("expert_feed_forward_length") or (ff // used if arch == "qwen2moe" else ff)
+        config = {
+            "num_experts": experts,
+            "num_local_experts": experts,
+            "num_experts_per_tok": used,
+            "moe_intermediate_size": expert_ff,
+            "norm_topk_prob": bool(key("expert_weights_norm", MOE_NORM_TOPK[arch])),
+            # layers without a router are dense (llama.cpp requires one in every layer; read, not assumed)
+            "mlp_only_layers": [
+                i for i in range(key("block_count")) if f"blk.{i}.ffn_gate_inp.weight" not in self._tensors
+            ],
+        }
+        if arch == "llama":
+            config.update(architectures=["MixtralForCausalLM"], model_type="mixtral", intermediate_size=expert_ff)
+        if arch == "qwen2moe":
+            config["shared_expert_intermediate_size"] = key("expert_shared_feed_forward_length") or ff
         return config
 
     def tensor(self, hf_name: str) -> np.ndarray:
-        """Dequantized float32 tensor in transformers' `[out, in]` layout."""
-        name = self._name(hf_name)
-        return self._unpermuted(name, _dequantize(self._raw(name), self._tensors[name].ggml_type))
+        """Dequantized float32 tensor in transformers' layout (`[out, in]`; a layer's experts `[E, out, in]`)."""
+        names = self._names(hf_name)
+        values = [self._unpermuted(n, _dequantize(self._raw(n), self._tensors[n].ggml_type)) for n in names]
+        value = values[0] if len(values) == 1 else np.concatenate(values, axis=-2)
+        return value[None] if names[0].endswith(".ffn_gate_inp_shexp.weight") else value
 
     def blocks(self, hf_name: str) -> QuantizedTensor:
-        """A Q8_0, Q4_0 or Q4_1 tensor in its bits (`gguf_blocks.repack`), rows as `tensor` orders them."""
-        name = self._name(hf_name)
+        """A Q8_0, Q4_0 or Q4_1 tensor in its bits (`gguf_blocks.repack`), rows as `tensor` orders them (a
+        layer's experts: `[E * out]` rows, each expert's parts joined)."""
+        names = self._names(hf_name)
+        parts = [self._blocks(name) for name in names]
+        if len(parts) == 1:
+            return parts[0]
+        experts = self._tensors[names[0]].dims[2]  # [in, out, E], innermost first
+
+        def joined(arrays):  # each part's [E * out, ...] rows → [E * (out + out'), ...], expert by expert
+            split = [a.reshape(experts, -1, a.shape[-1]) for a in arrays]
+            return np.concatenate(split, axis=1).reshape(-1, arrays[0].shape[-1])
+
+        first, rows = parts[0], sum(p.shape[0] for p in parts)
+        mins = None if first.mins is None else joined([p.mins for p in parts])
+        qs, scales = joined([p.qs for p in parts]), joined([p.scales for p in parts])
+        return QuantizedTensor(first.format, (rows, first.shape[1]), qs, scales, mins)
+
+    def _blocks(self, name: str) -> QuantizedTensor:
         qt = repack(self._raw(name), self._tensors[name].ggml_type)
-        mins = None if qt.mins is None else self._unpermuted(name, qt.mins)
-        rows = self._unpermuted(name, qt.qs), self._unpermuted(name, qt.scales)
-        return QuantizedTensor(qt.format, qt.shape, *rows, mins)
+        qs, scales, mins = (None if a is None else self._unpermuted(name, a) for a in (qt.qs, qt.scales, qt.mins))
+        return QuantizedTensor(qt.format, qt.shape, qs, scales, mins)
 
     def tensor_types(self) -> dict[str, str]:
         """GGUF tensor name → GGML type name ("Q4_1", "F32", ...)."""
@@ -248,11 +324,12 @@ class GGUFFile:
 
         return {name: gguf.GGMLQuantizationType(info.ggml_type).name for name, info in self._tensors.items()}
 
-    def _name(self, hf_name: str) -> str:
-        name = hf_name_to_gguf(hf_name)
-        if name not in self._tensors:
-            raise KeyError(f"{self.path}: tensor {name!r} (for {hf_name}) is missing")
-        return name
+    def _names(self, hf_name: str) -> list[str]:
+        names = hf_name_to_gguf(hf_name)
+        for name in names:
+            if name not in self._tensors:
+                raise KeyError(f"{self.path}: tensor {name!r} (for {hf_name}) is missing")
+        return names
 
     def _unpermuted(self, name: str, rows: np.ndarray) -> np.ndarray:
         """`rows` (a tensor's, `[out, ...]`) with llama.cpp's rotary interleaving of Q and K undone."""
@@ -297,6 +374,9 @@ class GGUFFile:
         from tokenizers import Tokenizer
         from transformers import PreTrainedTokenizerFast
 
+        if "tokenizer.ggml.model" not in self.metadata:  # as an HF directory without one
+            logger.warning("%s holds no tokenizer; only token-id prompts will work", self.path)
+            return None
         cached = self._tokenizer_cache_path()
         try:
             saved = json.loads(cached.read_text())

@@ -137,10 +137,25 @@ def _expert_leaf(path: tuple[str, ...], layer: int, arch: ModelArch, get_tensor:
         if path[-2] == "experts_down":
             return np.stack(parts)
         return np.stack([np.stack(parts[i : i + 2], axis=-2) for i in range(0, len(parts), 2)])
+    return _from_fused(path, fused)
+
+
+def _from_fused(path: tuple[str, ...], fused: np.ndarray) -> np.ndarray:
+    """transformers 5's fused experts `[E, out, in]` (or their quants' rows) → the leaf's `[E, in, *out]`."""
     if path[-2] == "experts_down":
         return fused.transpose(0, 2, 1)
     e, two_i, h = fused.shape
     return fused.transpose(0, 2, 1).reshape(e, h, 2, two_i // 2)
+
+
+def _expert_blocks(path: tuple[str, ...], layer: int, arch: ModelArch, get_blocks: GetBlocks) -> Parts:
+    """A layer's experts kept in a GGUF's own bits: (qs, scales, mins), each `[E, K', *out]` as `_from_fused`."""
+    assert arch.moe is not None
+    qt = get_blocks(fused_expert_name(path, layer, arch))  # rows [E * out], every expert's
+    fused = [
+        None if a is None else a.reshape(arch.moe.num_experts, -1, a.shape[-1]) for a in (qt.qs, qt.scales, qt.mins)
+    ]
+    return tuple(None if a is None else _from_fused(path, a) for a in fused)  # type: ignore[return-value]
 
 
 def leaf_path(key_path) -> tuple[str, ...]:
@@ -222,7 +237,10 @@ def host_params_from_hf_tensors(
                 quantized.clear()
             fmt = quant.get(module[-1])
             assert fmt is not None, module
-            if module[-1] in EXPERT_MODULES:  # every expert quantized alone, the expert axis first
+            if module[-1] in EXPERT_MODULES and get_blocks is not None and fmt in GGUF_KEPT.values():
+                assert layer is not None  # a GGUF's experts in their bits, never expanded
+                quantized[module, layer] = _expert_blocks(path, layer, arch, get_blocks)
+            elif module[-1] in EXPERT_MODULES:  # every expert quantized alone, the expert axis first
                 assert layer is not None
                 each = [quantize_kernel(e, fmt) for e in _expert_leaf(path, layer, arch, get_tensor)]
                 stacked_parts = [None if p[0] is None else np.stack(p) for p in zip(*each, strict=True)]

@@ -2,7 +2,8 @@
 
 `quantization` is vLLM's argument:
 - "auto" (the default; None, vLLM's default, means the same): a GGUF file keeps its Q8_0, Q4_0 and Q4_1 blocks
-  as they are; other formats load as float.
+  as they are; other formats load as float, but a mixture of experts' experts in other quantized types
+  (K-quants...), which are re-quantized to int4 or int8 at load (`requantized`).
 - "int8": weight-only, symmetric, one scale per output channel, quantized at load from any format.
 - "int4": weight-only, groups of 32 along the input with an fp16 scale each (GGUF's Q4_0 layout); the tied
   embedding / LM head in int8, as llama.cpp's 4-bit files keep it in 8 bits (its errors land on the logits).
@@ -48,18 +49,31 @@ def input_size(arch: ModelArch, kind: str) -> int:
 
 
 def gguf_tensor_names(arch: ModelArch, kind: str) -> list[str]:
-    """The GGUF tensors behind one kind (every layer's, every fused part's)."""
+    """The GGUF tensors behind one kind (every layer's, every fused part's; experts: the sparse layers')."""
     parts = {
         "qkv_proj": ("attn_q", "attn_k", "attn_v"),
         "o_proj": ("attn_output",),
         "gate_up_proj": ("ffn_gate", "ffn_up"),
         "down_proj": ("ffn_down",),
+        "experts_gate_up": ("ffn_gate_exps", "ffn_up_exps"),
+        "experts_down": ("ffn_down_exps",),
     }
     if kind == "embed_tokens":
         return ["token_embd.weight"]
     if kind == "lm_head":
         return ["output.weight"]
-    return [f"blk.{i}.{p}.weight" for i in range(arch.num_layers) for p in parts[kind]]
+    layers = [i for i in range(arch.num_layers) if arch.layer_kind(i).experts or not kind.startswith("experts_")]
+    return [f"blk.{i}.{p}.weight" for i in layers for p in parts[kind]]
+
+
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def requantized(types: list[str]) -> str:
+    """The kept format a GGUF's experts in other quantized types (K-quants, IQ, MXFP4...) are re-quantized to at
+    load: int8 where any is 5 bits or more, else int4 (experts are never expanded to float: they are most of
+    the model)."""
+    return "int8" if any(t.startswith(("Q5", "Q6", "Q8")) for t in types) else "int4"
 
 
 def make_plan(arch: ModelArch, quantization: str | None, gguf_types: dict[str, str] | None, tp: int = 1) -> QuantPlan:
@@ -80,7 +94,12 @@ def make_plan(arch: ModelArch, quantization: str | None, gguf_types: dict[str, s
             types = sorted({gguf_types.get(name, "missing") for name in names})
             if len(types) == 1 and types[0] in GGUF_KEPT:
                 wanted[kind] = GGUF_KEPT[types[0]]
-            elif not (len(types) == 1 and types[0] in ("F32", "F16", "BF16")):
+            elif kind.startswith("experts_") and not set(types) & {*FLOAT_TYPES, "missing"}:
+                wanted[kind] = requantized(types)
+                logger.info(
+                    "GGUF %s (%s...) are %s: re-quantized to %s at load", kind, names[0], "/".join(types), wanted[kind]
+                )
+            elif not (len(types) == 1 and types[0] in FLOAT_TYPES):
                 why = f"mixed types {'/'.join(types)}" if len(types) > 1 else f"{types[0]} is not a kept format"
                 logger.info("GGUF %s (%s...) dequantized to float: %s", kind, names[0], why)
     for kind, fmt in list(wanted.items()):
