@@ -15,7 +15,7 @@ import torch
 import transformers
 
 from jaxllm import LLM, SamplingParams
-from jaxllm.model.moe import PackedExperts, grouped_swiglu, pack_experts, route, tile_rows
+from jaxllm.model.moe import KernelExperts, grouped_swiglu, pack_experts, route, tile_rows
 from jaxllm.runner.compilations import compilation_count
 from pallas_kernels.stacked_matmul.quantized import QuantizedWeight, random_weight
 from pallas_kernels.stacked_matmul.quantized import _dequant_numpy as dequant
@@ -257,11 +257,17 @@ def test_grouped_experts_equal_a_float64_oracle(num_tokens, layout):
     # the CPU kernel: every tile against its expert packed in place, in one call
     got = grouped_swiglu(x, experts, weights, *packed_experts(stacked), layer=jnp.int32(1))
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    # the Pallas GPU kernel (interpret mode here), on the stack and on one layer's experts
+    pallas = [KernelExperts(jnp.asarray(w), "pallas") for w in stacked]
+    got = grouped_swiglu(x, experts, weights, *pallas, layer=jnp.int32(1))
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    pallas = [KernelExperts(jnp.asarray(w), "pallas") for w in (gate_up, down)]
+    np.testing.assert_allclose(grouped_swiglu(x, experts, weights, *pallas), want, rtol=2e-5, atol=2e-5)
 
 
 def packed_experts(stacked):
     """Each `[L, E, K, *N]` stack (float, or a quantized weight's arrays) packed for the C++ kernel's grouped call."""
-    return [PackedExperts(jax.tree.map(pack_experts, w), kernel_max_rows=None) for w in stacked]
+    return [KernelExperts(jax.tree.map(pack_experts, w), "cpu") for w in stacked]
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4", "q8_0", "q4_0", "q4_1"])

@@ -53,6 +53,7 @@ class Stacking:
     kernel_max_rows: int | None = None  # "cpu_packed": XLA's dot above this many rows (stacked_matmul's)
     quant: QuantPlan = field(default_factory=QuantPlan)  # which projections (by module name) are quantized
     first_layer: int = 0  # the model's layer at index 0 of the stack (a run of layers of one kind)
+    expert_kernel: str | None = None  # "pallas": a mixture of experts' grouped matmul by the Pallas kernel (one GPU)
 
     def index(self, layer):
         """The running layer's index in the stack (the layer index in the carry counts every layer)."""

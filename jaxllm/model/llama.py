@@ -170,6 +170,7 @@ class CausalLM(nn.Module):
     matmul_kernel_max_rows: int | None = None  # "cpu_packed": XLA's dot above this many rows (the self-check's)
     quant: QuantPlan = QuantPlan()  # projections kept quantized (model/quant.py); empty: all float
     expert_mesh: Mesh | None = None  # expert parallelism: the step's mesh (the experts run under shard_map)
+    expert_kernel: str | None = None  # "pallas": the experts' grouped matmul by the Pallas GPU kernel (`Stacking`)
     # pipeline parallelism: a stage runs `arch.num_layers` of the model's layers; the first embeds the tokens,
     # the last applies the final norm and the LM head; the others take and return hidden states [T, H]
     first_stage: bool = True
@@ -216,7 +217,9 @@ class CausalLM(nn.Module):
         return jax.tree_util.tree_map_with_path(leaf, params)
 
     def layer_stacking(self, num_layers: int | None, first_layer: int = 0) -> Stacking:
-        return Stacking(num_layers, self.matmul_backend, self.matmul_kernel_max_rows, self.quant, first_layer)
+        return Stacking(
+            num_layers, self.matmul_backend, self.matmul_kernel_max_rows, self.quant, first_layer, self.expert_kernel
+        )
 
     @nn.compact
     def __call__(

@@ -9,8 +9,9 @@ matmul is tiled here instead: each expert's rows are padded to whole tiles of `m
 small matmul against its expert's weights. With m = 1 (a decode step, T x k <= E) that reads exactly the
 experts the tokens chose; larger steps take m ~ T x k / E, so the padding at most doubles the rows. With the
 CPU kernels ("cpu_packed") each expert is packed as a layer of the dense kernel's stack (float or quantized)
-and one call of the C++ kernel runs every tile against its expert in place (`PackedExperts`); elsewhere XLA
-gathers each tile's expert (dequantized after the gather when kept in its quants).
+and one call of the C++ kernel runs every tile against its expert in place (`KernelExperts`); on one GPU the
+Pallas grouped kernel does the same for float experts; elsewhere XLA gathers each tile's expert (dequantized
+after the gather when kept in its quants).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from jaxtyping import Array, Float, Int
 from jaxllm.model.layers import INIT_STD, Dtype, GatedMLP, Linear, Stacking
 from jaxllm.model.quant import QUANT_LEAVES, packs_quantized, quantized_params
 from jaxllm.model.registry import ModelArch
-from pallas_kernels import stacked_matmul
+from pallas_kernels import grouped_matmul, stacked_matmul
 from pallas_kernels.stacked_matmul import quantized
 from pallas_kernels.stacked_matmul.quantized import QuantizedWeight
 
@@ -53,11 +54,14 @@ def tile_rows(num_assignments: int, num_experts: int) -> int:
 Experts = Float[Array, "..."] | QuantizedWeight  # one projection of every expert, [*L, E, K, *N]: float or quantized
 
 
-def _num_experts(w) -> int:
-    if isinstance(w, PackedExperts):
-        w = w.weights
-        return (w.qs if isinstance(w, QuantizedWeight) else w).shape[1]
-    return (w.qs if isinstance(w, QuantizedWeight) else w).shape[-4]
+def _array(w: Experts):
+    """The array whose shape a weight has: a quantized weight's quants."""
+    return w.qs if isinstance(w, QuantizedWeight) else w
+
+
+def _num_experts(gate_up) -> int:
+    """E of the experts' gate_up weights `[*L, E, H, 2, I]` (float or quantized, a kernel's or not)."""
+    return _array(gate_up.weights if isinstance(gate_up, KernelExperts) else gate_up).shape[-4]
 
 
 def take_experts(w: Experts, index) -> Float[Array, "S K ..."]:
@@ -83,6 +87,11 @@ def packs_experts(w: Experts) -> bool:
     return packs_expert_leaf("qweight", w.qs) if isinstance(w, QuantizedWeight) else packs_expert_leaf("kernel", w)
 
 
+def pallas_takes(w: Experts, stacked: bool) -> bool:
+    """Whether the Pallas GPU kernel multiplies these experts (float, tiled by its blocks)."""
+    return not isinstance(w, QuantizedWeight) and grouped_matmul.supports(_flat(w) if stacked else w)
+
+
 def pack_experts(a):
     """One array of a stack of experts `[L, E, K, *N]` (a float kernel, or a quantized weight's quants, scales
     or mins), each expert packed alone (same shape)."""
@@ -94,21 +103,25 @@ def _flat(a):
     return a.reshape(-1, *a.shape[2:])
 
 
-class PackedExperts(NamedTuple):
-    """Experts packed for the CPU kernel (float, or their quants), which multiplies each tile's rows by its expert
-    in place, every tile in one call, never copying a weight (a gather would copy every expert a step touches)."""
+class KernelExperts(NamedTuple):
+    """Experts a kernel multiplies in place, every tile in one call, never copying a weight (a gather copies every
+    expert a step touches): "cpu", the C++ kernel on experts packed for it, float or quantized (`pack_experts`);
+    "pallas", the Pallas GPU kernel (pallas_kernels/grouped_matmul) on float experts as stored."""
 
-    weights: Float[Array, "L E K N"] | QuantizedWeight
-    kernel_max_rows: int | None
+    weights: Float[Array, "*L E K N"] | QuantizedWeight
+    kernel: str
+    kernel_max_rows: int | None = None  # "cpu": XLA above this many rows a tile (the self-check's)
 
 
-def _tile_matmuls(tiles, w: Experts | PackedExperts, index) -> Float[Array, "S M N"]:
+def _tile_matmuls(tiles, w: Experts | KernelExperts, index) -> Float[Array, "S M N"]:
     """Each tile's rows times its expert: `index` an expert id per tile (with the layer first when stacked)."""
-    if not isinstance(w, PackedExperts):
+    if not isinstance(w, KernelExperts):
         return jnp.einsum("tmk,tk...->tm...", tiles, take_experts(w, index))
-    layer, expert = index
-    ids = layer * _num_experts(w) + expert
-    flat = jax.tree.map(_flat, w.weights)
+    stacked = isinstance(index, tuple)  # (layer, expert): `[L, E, ...]`, each expert a "layer" of one stack
+    ids = index[0] * _array(w.weights).shape[1] + index[1] if stacked else index
+    flat = jax.tree.map(_flat, w.weights) if stacked else w.weights
+    if w.kernel == "pallas":
+        return grouped_matmul.grouped_matmul(tiles, flat, ids)
     if isinstance(flat, QuantizedWeight):
         return quantized.grouped_quantized_matmul(tiles, flat, ids, kernel_max_rows=w.kernel_max_rows)
     return stacked_matmul.grouped_matmul(tiles, flat, ids, kernel_max_rows=w.kernel_max_rows)
@@ -118,8 +131,8 @@ def grouped_swiglu(
     x: Float[Array, "T H"],
     experts: Int[Array, "T K"],
     weights: Float[Array, "T K"],
-    gate_up: Experts | PackedExperts,
-    down: Experts | PackedExperts,
+    gate_up: Experts | KernelExperts,
+    down: Experts | KernelExperts,
     layer=None,
 ) -> Float[Array, "T H"]:
     """sum over k of weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = experts[t, k], in float32.
@@ -252,9 +265,10 @@ class SparseMoE(nn.Module):
         index = st.index(layer) if st.num_layers is not None else None
         packed = st.matmul_backend == "cpu_packed" and index is not None
         if packed and packs_experts(gate_up) and packs_experts(down):  # (CausalLM.pack_leaf packed them)
-            rows = st.kernel_max_rows
-            out = grouped_swiglu(x, experts, weights, PackedExperts(gate_up, rows), PackedExperts(down, rows), index)
-        elif ep and self.expert_mesh is not None:
+            gate_up, down = (KernelExperts(w, "cpu", st.kernel_max_rows) for w in (gate_up, down))
+        elif st.expert_kernel == "pallas" and all(pallas_takes(w, index is not None) for w in (gate_up, down)):
+            gate_up, down = (KernelExperts(w, "pallas") for w in (gate_up, down))
+        if ep and self.expert_mesh is not None:
             out = expert_parallel_swiglu(self.expert_mesh, x, experts, weights, gate_up, down, index)
         else:
             out = grouped_swiglu(x, experts, weights, gate_up, down, index)

@@ -102,6 +102,8 @@ def step_model(arch, config: EngineConfig, dtype, mesh: Mesh, quant: QuantPlan =
         matmul_kernel_max_rows=kernel_max_rows,
         quant=quant,
         expert_mesh=mesh if arch.moe is not None and arch.moe.expert_parallel else None,
+        # one GPU: the experts' grouped matmul by the Pallas kernel (it has no partitioning rule either)
+        expert_kernel="pallas" if jax.default_backend() == "gpu" and mesh.size == 1 else None,
     )
 
 
