@@ -171,6 +171,33 @@ def test_expert_parallel_refuses_experts_that_do_not_split(tmp_path):
         )
 
 
+def test_routing_metrics_count_the_tokens_transformers_routes(saved):
+    """`LLM.get_metrics()`: one `jaxllm:moe_expert_tokens` Vector per sparse layer, each expert's tokens since
+    start (padding rows of a step's bucket not counted), equal to the top-k of transformers' router logits over
+    every token the engine ran; and each layer's imbalance (busiest expert over the mean)."""
+    from jaxllm.metrics.reader import Gauge, Vector
+
+    model, model_dir = saved["qwen3_moe"]
+    llm = LLM(model_dir, **ENGINE)
+    prompts = PROMPTS[:3]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    want = np.zeros((model.config.num_hidden_layers, model.config.num_experts), np.int64)
+    for prompt, out in zip(prompts, outputs, strict=True):
+        ran = prompt + list(out.outputs[0].token_ids)[:-1]  # the last token sampled is never run
+        with torch.no_grad():
+            logits = model(torch.tensor([ran]), output_router_logits=True).router_logits
+        for layer, layer_logits in enumerate(logits):
+            for e in torch.topk(layer_logits.float(), model.config.num_experts_per_tok, dim=-1).indices.flatten():
+                want[layer, int(e)] += 1
+    metrics = llm.get_metrics()
+    got = {int(m.labels["layer"]): m.values for m in metrics if isinstance(m, Vector) and "moe" in m.name}
+    assert got == {layer: row.tolist() for layer, row in enumerate(want)}
+    imbalance = {int(m.labels["layer"]): m.value for m in metrics if m.name == "jaxllm:moe_expert_load_imbalance"}
+    assert all(isinstance(m, Gauge) for m in metrics if m.name == "jaxllm:moe_expert_load_imbalance")
+    assert imbalance == pytest.approx({layer: row.max() / row.mean() for layer, row in enumerate(want)})
+
+
 def test_prompt_logprobs_match_transformers(saved):
     model, model_dir = saved["olmoe"]
     llm = LLM(model_dir, **ENGINE)

@@ -330,8 +330,17 @@ class EngineCore:
             "prefix_cache_hits": self.kv.prefix_cache_hits,
             "num_waiting_for_remote_kvs": len(self.scheduler.waiting_for_remote),
             **self._spec_stats(),
+            **self._expert_stats(),
             **(self.kv_connector.stats.totals() if self.kv_connector is not None else {}),
         }
+
+    def _expert_stats(self) -> dict:
+        """A mixture of experts' routing since start: sparse layer → tokens routed to each of its experts."""
+        load = getattr(self.runner, "expert_load", None)  # (pipeline stages do not count yet)
+        if load is None:
+            return {}
+        layers = self.runner.loaded.arch.sparse_layers()
+        return {"moe_expert_tokens": {layer: row.tolist() for layer, row in zip(layers, load, strict=True)}}
 
     def _spec_stats(self) -> dict:
         """Speculation's running totals (vLLM's counter names), or nothing without speculation."""

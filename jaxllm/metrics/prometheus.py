@@ -106,6 +106,22 @@ class SpecDecodeCollectors:
         )
 
 
+class ExpertCollectors:
+    """A mixture of experts' routing: tokens routed to each expert of each sparse layer, and each layer's load
+    imbalance (the busiest expert's tokens over the mean, since start: 1 is perfectly even)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.tokens = Counter(
+            "jaxllm:moe_expert_tokens", "Tokens routed to each expert.", LABELS + ("layer", "expert"), registry=registry
+        )
+        self.imbalance = Gauge(
+            "jaxllm:moe_expert_load_imbalance",
+            "The busiest expert's tokens over the mean, per layer, since start.",
+            LABELS + ("layer",),
+            registry=registry,
+        )
+
+
 KV_TRANSFER_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -136,6 +152,7 @@ class Collectors:
         self._registry = registry
         self._spec: SpecDecodeCollectors | None = None
         self._kv_transfer: KVTransferCollectors | None = None
+        self._experts: ExpertCollectors | None = None
 
         def gauge(name, doc):
             return Gauge(f"jaxllm:{name}", doc, LABELS, registry=registry)
@@ -169,6 +186,13 @@ class Collectors:
         if self._kv_transfer is None:
             self._kv_transfer = KVTransferCollectors(self._registry)
         return self._kv_transfer
+
+    @property
+    def experts(self) -> ExpertCollectors:
+        """A mixture of experts' routing counters, registered on first use."""
+        if self._experts is None:
+            self._experts = ExpertCollectors(self._registry)
+        return self._experts
 
     @property
     def spec(self) -> SpecDecodeCollectors:
@@ -209,6 +233,7 @@ class PrometheusStatLogger:
         self._spec_per_pos: list = []
         self._spec_totals: dict = {}
         self._kv_totals: dict = {}  # the KV connector's running totals as last seen, by counter key
+        self._expert_totals: dict = {}  # (layer, expert) → tokens routed, as last seen
 
     def record_engine(self, stats: dict) -> None:
         """Gauges from the core's latest snapshot; its running totals become counter increments."""
@@ -228,6 +253,22 @@ class PrometheusStatLogger:
             self._record_spec(stats)
         if "external_prefix_cache_queries" in stats:  # ... and a KV connector's only with one
             self._record_kv_transfer(stats)
+        if "moe_expert_tokens" in stats:  # ... and a mixture of experts' routing only for one
+            self._record_experts(stats["moe_expert_tokens"])
+
+    def _record_experts(self, tokens: dict[int, list[int]]) -> None:
+        """Each expert's routed tokens (running totals) as counter increments; each layer's imbalance."""
+        c = self._collectors.experts
+        for layer, counts in tokens.items():
+            for expert, total in enumerate(counts):  # every expert's child, idle ones at 0
+                child = c.tokens.labels(**self._labels, layer=str(layer), expert=str(expert))
+                seen = self._expert_totals.get((layer, expert), 0)
+                if total > seen:
+                    child.inc(total - seen)
+                    self._expert_totals[layer, expert] = total
+            if sum(counts):
+                imbalance = max(counts) * len(counts) / sum(counts)
+                c.imbalance.labels(**self._labels, layer=str(layer)).set(imbalance)
 
     def _record_kv_transfer(self, stats: dict) -> None:
         """The KV connector's counters from the core's running totals, as increments; its latencies as given."""

@@ -5,7 +5,8 @@ Every `jaxllm:` collector of a Prometheus registry becomes one object per label 
 
 - `Gauge(name, labels, value)` and `Counter(name, labels, value)`;
 - `Vector(name, labels, values)`: a counter with a `position` label read as a list, index = position
-  (`jaxllm:spec_decode_num_accepted_tokens_per_pos`, as in vLLM);
+  (`jaxllm:spec_decode_num_accepted_tokens_per_pos`, as in vLLM), or with an `expert` label, one Vector per
+  sparse layer (`jaxllm:moe_expert_tokens`, labels["layer"]: tokens routed to each of the layer's experts);
 - `Histogram(name, labels, count, sum, buckets)`: `buckets` maps each upper bound (`le`, "+Inf" included)
   to the cumulative count of observations up to it.
 
@@ -21,7 +22,8 @@ from dataclasses import dataclass
 from prometheus_client import REGISTRY, CollectorRegistry
 
 PREFIX = "jaxllm:"
-VECTORS = {"jaxllm:spec_decode_num_accepted_tokens_per_pos": "position"}  # counter name → its index label
+# counter name → its index label
+VECTORS = {"jaxllm:spec_decode_num_accepted_tokens_per_pos": "position", "jaxllm:moe_expert_tokens": "expert"}
 
 
 @dataclass

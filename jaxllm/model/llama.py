@@ -28,7 +28,7 @@ from jaxtyping import Array, Float, Int
 
 import pallas_kernels
 from jaxllm.model.layers import Dtype, Embed, GatedMLP, Linear, RMSNorm, Stacking, apply_rotary, rotary_cos_sin
-from jaxllm.model.moe import SparseMoE, pack_experts, packs_expert_leaf
+from jaxllm.model.moe import EXPERT_LOAD, SparseMoE, pack_experts, packs_expert_leaf
 from jaxllm.model.quant import QUANT_LEAVES, QuantPlan, packs_quantized
 from jaxllm.model.registry import LayerKind, ModelArch
 from pallas_kernels import stacked_matmul
@@ -150,8 +150,24 @@ class DecoderLayer(nn.Module):
             mlp = SparseMoE(self.arch, self.dtype, st, self.expert_mesh, name="mlp")
         else:
             mlp = GatedMLP(self.arch, self.dtype, st, name="mlp")
-        hidden = hidden + mlp(mlp_in, layer)
+        if self.kind.experts:  # (the step's real tokens: routing metrics count no padding row)
+            hidden = hidden + mlp(mlp_in, layer, batch.cu_q_lens[batch.num_seqs[0]])
+        else:
+            hidden = hidden + mlp(mlp_in, layer)
         return (hidden, cache, layer + 1), None
+
+
+def expert_loads(intermediates) -> Int[Array, "Ls E"]:
+    """Each sparse layer's tokens per expert in one step, in layer order, from what its layers sowed
+    (`apply(..., mutable=["intermediates"])`; scanned runs sow `[L_run, E]`, unrolled layers `[E]`)."""
+    rows = []
+    for key, tree in intermediates.items():
+        start = stack_start(key)
+        start = int(key[len("layers_") :]) if start is None and key.startswith("layers_") else start
+        if start is not None and EXPERT_LOAD in tree.get("mlp", {}):
+            (load,) = tree["mlp"][EXPERT_LOAD]
+            rows.append((start, jnp.reshape(load, (-1, load.shape[-1]))))
+    return jnp.concatenate([load for _, load in sorted(rows, key=lambda r: r[0])])
 
 
 class CausalLM(nn.Module):
@@ -250,6 +266,7 @@ class CausalLM(nn.Module):
                 run = nn.scan(
                     DecoderLayer,
                     variable_broadcast="params",
+                    variable_axes={"intermediates": 0},  # what layers sow (experts' loads), stacked per layer
                     split_rngs={"params": False},
                     in_axes=(nn.broadcast, nn.broadcast, nn.broadcast),
                     length=end - start,

@@ -45,6 +45,15 @@ def route(logits: Float[Array, "T E"], top_k: int, normalize: bool) -> tuple[Flo
     return weights, experts
 
 
+EXPERT_LOAD = "expert_load"  # what a sparse layer sows: its step's tokens per expert (`jaxllm.metrics`)
+
+
+def expert_load(experts: Int[Array, "T K"], real: Array, num_experts: int) -> Int[Array, " E"]:
+    """How many of the `real` tokens chose each expert."""
+    counts = jnp.broadcast_to(real[:, None], experts.shape).astype(jnp.int32).reshape(-1)
+    return jnp.zeros(num_experts, jnp.int32).at[experts.reshape(-1)].add(counts)
+
+
 def tile_rows(num_assignments: int, num_experts: int) -> int:
     """Rows per tile for a step of `num_assignments` (token, expert) pairs: a power of two near the mean group."""
     mean = num_assignments // num_experts
@@ -229,7 +238,7 @@ class SparseMoE(nn.Module):
     expert_mesh: Mesh | None = None
 
     @nn.compact
-    def __call__(self, x: Float[Array, "T H"], layer=None) -> Float[Array, "T H"]:
+    def __call__(self, x: Float[Array, "T H"], layer=None, num_tokens=None) -> Float[Array, "T H"]:
         moe, st, hidden = self.arch.moe, self.stacking, self.arch.hidden_size
         assert moe is not None
         e, size = moe.num_experts, moe.intermediate_size
@@ -237,6 +246,9 @@ class SparseMoE(nn.Module):
         router = Linear((e,), shard_axis=None, dtype=jnp.float32, bias=False, stacking=st, name="router")
         logits = router(x.astype(jnp.float32), layer)
         weights, experts = route(logits, moe.top_k, moe.norm_topk_prob)
+        if num_tokens is not None:  # the tokens each expert got (rows past `num_tokens` are padding): metrics
+            real = jnp.arange(x.shape[0]) < num_tokens
+            self.sow("intermediates", EXPERT_LOAD, expert_load(experts, real, e))
         ep = moe.expert_parallel
         # expert parallelism splits the experts; tensor parallelism each expert's I (gate_up's columns, down's rows)
         gate_up = ExpertWeights(

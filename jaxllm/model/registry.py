@@ -158,6 +158,10 @@ class ModelArch:
         windowed = self.sliding_layers is None or layer in self.sliding_layers
         return LayerKind(experts=experts, sliding_window=self.sliding_window if windowed else None)
 
+    def sparse_layers(self) -> tuple[int, ...]:
+        """The layers whose MLP is a mixture of experts."""
+        return tuple(i for i in range(self.num_layers) if self.layer_kind(i).experts)
+
     def layer_runs(self) -> tuple[tuple[int, int, LayerKind], ...]:
         """(first layer, end, kind) of each run of consecutive layers of one kind, in order."""
         runs: list[tuple[int, int, LayerKind]] = []

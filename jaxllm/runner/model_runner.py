@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from jax.sharding import Mesh
 
 from jaxllm.config import EngineConfig
 from jaxllm.model import KVCache, StepInputs
+from jaxllm.model.llama import expert_loads
 from jaxllm.parallel.mesh import replicated
 from jaxllm.runner.buckets import Bucket, make_buckets, pick_bucket
 from jaxllm.runner.compilations import watch_compilations
@@ -143,6 +145,11 @@ class ModelRunner:
         )
         self.compile_seconds = 0.0
         self.num_executables = self.loaded_executables = 0  # how many there are, and came from the cache
+        # a mixture of experts: tokens routed to each expert of each sparse layer since start (routing metrics)
+        self.expert_load = (
+            None if arch.moe is None else np.zeros((len(arch.sparse_layers()), arch.moe.num_experts), np.int64)
+        )
+        self._step_loads: deque = deque(maxlen=8)  # launched steps' loads, on the device until collected
         self.stats = StepStats()
 
     def _allocate_cache(self, kv_dtype) -> tuple[int, KVCache]:
@@ -165,8 +172,13 @@ class ModelRunner:
         self.params = params
 
     def _forward(self, params, cache: KVCache, inputs: StepInputs):
-        logits, cache = cast(tuple[Array, KVCache], self.model.apply({"params": params}, cache, inputs))
-        return jax.lax.with_sharding_constraint(logits, replicated(self.mesh)), cache  # as the sampler takes them
+        """(logits, the cache) and, for a mixture of experts, its sparse layers' tokens per expert in this step."""
+        if self.expert_load is None:
+            logits, cache = cast(tuple[Array, KVCache], self.model.apply({"params": params}, cache, inputs))
+            return jax.lax.with_sharding_constraint(logits, replicated(self.mesh)), cache  # as the sampler takes them
+        (logits, cache), state = self.model.apply({"params": params}, cache, inputs, mutable=["intermediates"])
+        loads = jax.lax.with_sharding_constraint(expert_loads(state["intermediates"]), replicated(self.mesh))
+        return jax.lax.with_sharding_constraint(logits, replicated(self.mesh)), cache, loads
 
     def _forward_async(self, params, cache: KVCache, inputs: StepInputs, prev_sampled: Array, src: Array):
         """The forward, its placeholder tokens first taken from the previous step's sampled ids (async)."""
@@ -346,11 +358,15 @@ class ModelRunner:
             raise RuntimeError(f"bucket {bucket} was not compiled at start-up (call warm_up first)")
         if self.async_scheduling:
             assert prev_sampled is not None and src is not None, "an async step takes prev_sampled and src"
-            logits, self.cache = forward(self.params, self.cache, inputs, prev_sampled, src)
+            logits, self.cache, *loads = forward(self.params, self.cache, inputs, prev_sampled, src)
         else:
-            logits, self.cache = forward(self.params, self.cache, inputs)
+            logits, self.cache, *loads = forward(self.params, self.cache, inputs)
+        self._step_loads.extend(loads)  # (a mixture of experts: added up when the step is collected)
         return sampler(logits, sampling)
 
     def to_host(self, result: SamplerOutput, n: int) -> RunnerOutput:
         # leaf by leaf: `jax.device_get` first starts an asynchronous copy of each leaf, ~15 us apiece on CPU
-        return RunnerOutput(*(np.asarray(leaf)[:n] for leaf in result))
+        output = RunnerOutput(*(np.asarray(leaf)[:n] for leaf in result))
+        if self._step_loads:  # this step's experts' loads (steps reach the host in launch order): done, no wait
+            self.expert_load += np.asarray(self._step_loads.popleft())
+        return output
