@@ -161,6 +161,37 @@ def test_cost_model_fit_recovers_known_coefficients():
     assert fitted.base(128) > fitted.base(64)  # extrapolates to larger buckets
 
 
+def test_moe_cost_follows_the_experts_a_step_touches():
+    """A mixture of experts: the step time grows with the distinct experts its tokens read (E (1 - (1 - k/E)^T)),
+    inside one bucket too, and the fit recovers that term's coefficient beside the others."""
+    from jaxllm.sim.costmodel import MOE_FORM, experts_touched
+
+    assert experts_touched(1, 64, 8) == pytest.approx(8) and experts_touched(512, 64, 8) == pytest.approx(64)
+    rng = np.random.default_rng(2)
+    truth = CostModel(
+        [1, 2, 4, 8, 16, 32, 64],
+        [0.002 * (1 + i) for i in range(7)],
+        per_context_token_s=3e-6,
+        per_seq_s=5e-4,
+        moe_experts=64,
+        moe_top_k=8,
+        per_expert_touched_s=2e-4,
+    )
+    decode = [StepShape(t, t, 100 * t, 100 * t) for t in (33, 64)]  # one bucket: more tokens, more experts
+    assert truth.step_time(decode[1], 64) - truth.step_time(decode[0], 64) > 2e-4 * (64 * 0.99 - 64 * 0.98)
+    samples = []
+    for _ in range(400):
+        seqs = int(rng.integers(1, 17))
+        news = rng.integers(1, 5, seqs)
+        shape = StepShape(int(news.sum()), seqs, int(rng.integers(seqs, 4000)), int(rng.integers(1, 20000)))
+        samples.append((shape, truth.step_time(shape, 64) * rng.normal(1, 0.01)))
+    fitted = fit_cost_model(samples, 64, moe=(64, 8))
+    assert fitted.form == MOE_FORM and (fitted.moe_experts, fitted.moe_top_k) == (64, 8)
+    assert fitted.per_expert_touched_s == pytest.approx(2e-4, rel=0.25)
+    assert fitted.fit["mean_abs_rel_error"] < 0.02
+    assert fit_cost_model(samples, 64).per_expert_touched_s == 0.0  # a dense model's fit has no such term
+
+
 def test_host_overhead_fit_ignores_steps_slowed_by_other_work():
     rng = np.random.default_rng(1)
     seqs = rng.integers(1, 9, 200).astype(float)

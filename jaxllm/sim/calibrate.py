@@ -96,7 +96,8 @@ def calibrate(core, *, repeats: int = 5, progress: bool | Progress = True) -> Co
     points = sweep_points(sched.max_num_seqs, sched.max_num_batched_tokens, sched.max_model_len, capacity)
     say.say(f"device sweep: {len(points)} step shapes x {repeats} rounds (each point's median), after a warm run")
     samples = time_sweep(core, points, repeats, say.enabled)
-    model = fit_cost_model(samples, sched.max_num_batched_tokens)
+    moe = core.loaded.arch.moe
+    model = fit_cost_model(samples, sched.max_num_batched_tokens, moe and (moe.num_experts, moe.top_k))
     model.fit.update(verification_fit(model, samples, sched.max_num_batched_tokens))
     say.say(f"device fit: mean |error| {model.fit['mean_abs_rel_error']:.1%} over {len(samples)} steps")
 

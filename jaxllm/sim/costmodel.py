@@ -16,6 +16,11 @@ Form (fitted by `jaxllm calibrate`):
   (speculative decoding) — for the per-row host work (input assembly, sampling rows, scheduler and
   output bookkeeping). Without speculation it is the number of sequences. The logits and the sampler
   themselves are computed for the bucket's padded rows, a per-bucket constant in `base`.
+- `experts_touched(T)` (a mixture of experts only, `moe_experts` and `moe_top_k` set): the expected number of
+  distinct experts a sparse layer reads for the step's T real tokens, E · (1 - (1 - k/E)^T) for routing spread
+  evenly over the E experts (a step reads each chosen expert's weights once, model/moe.py). The bucket's
+  padding rows choose the same few experts and weigh in `base`. A decode step of 1 token reads k experts, one
+  of 64 tokens nearly all of them: the term that makes a MoE's step time grow with its tokens inside a bucket.
 - `[prefill in step]`: 1 when the step carries a prefill chunk (more tokens than rows of logits: a
   verification of d drafts is d + 1 tokens and d + 1 rows, so it is not a prefill): what
   such a step takes in a live run beyond its time in the isolated sweep. On a CPU it keeps every
@@ -52,6 +57,13 @@ from typing import TypedDict
 import numpy as np
 
 FORM = "base(bucket) + a*context_tokens + b*attention_pairs + c*num_rows + p*[prefill in step]"
+MOE_FORM = FORM + " + e*experts_touched(num_tokens)"
+
+
+def experts_touched(num_tokens: int, num_experts: int, top_k: int) -> float:
+    """Expected distinct experts a layer reads for `num_tokens` tokens each choosing `top_k` of `num_experts`
+    evenly: each expert is missed by a token with probability 1 - k/E."""
+    return num_experts * (1.0 - (1.0 - top_k / num_experts) ** num_tokens)
 
 
 @dataclass(frozen=True)
@@ -156,6 +168,9 @@ class CostModel:
     per_prefill_step_s: float = 0.0  # p: extra time of a step that carries a prefill chunk
     request_latency_s: float = 0.0  # serving front-end, per request (see the module docstring)
     idle_wake_s: float = 0.0  # extra time of the first step after the engine was idle
+    moe_experts: int = 0  # a mixture of experts: E and k of its routing (0: a dense model, no experts term)
+    moe_top_k: int = 0
+    per_expert_touched_s: float = 0.0  # e: per distinct expert a sparse layer reads (every sparse layer's share)
     fit: dict = field(default_factory=dict)  # fit error and sample counts
     engine: dict = field(default_factory=dict)  # the engine it was measured on
     form: str = FORM
@@ -176,7 +191,12 @@ class CostModel:
             + self.per_attention_pair_s * shape.attention_pairs
             + self.per_seq_s * shape.num_rows
             + (self.per_prefill_step_s if shape.num_tokens > shape.num_rows else 0.0)
+            + self.per_expert_touched_s * self.experts_touched(shape.num_tokens)
         )
+
+    def experts_touched(self, num_tokens: int) -> float:
+        """`experts_touched` for this model's routing; 0 for a dense model."""
+        return experts_touched(num_tokens, self.moe_experts, self.moe_top_k) if self.moe_experts else 0.0
 
     def event_costs(self) -> EventCosts:
         """`simulate()`'s per-request and per-wake-up costs from this model."""
@@ -197,21 +217,28 @@ class CostModel:
         return model
 
 
-def fit_cost_model(samples: list[tuple[StepShape, float]], max_num_batched_tokens: int) -> CostModel:
+def fit_cost_model(
+    samples: list[tuple[StepShape, float]], max_num_batched_tokens: int, moe: tuple[int, int] | None = None
+) -> CostModel:
     """Least squares on relative error (every step counts alike, short or long), coefficients >= 0.
 
-    Unknowns: one base per bucket seen, then a, b, c (c per row of logits). A term whose coefficient comes out negative
-    (noise, or work the hardware hides) is dropped and the rest refitted.
+    Unknowns: one base per bucket seen, then a, b, c (c per row of logits), and e for a mixture of experts (`moe`:
+    its E and k). A term whose coefficient comes out negative (noise, or work the hardware hides) is dropped and
+    the rest refitted.
     """
     if not samples:
         raise ValueError("no samples to fit")
+    experts, top_k = moe or (0, 0)
+    shell = CostModel([1], [0.0], moe_experts=experts, moe_top_k=top_k)  # (its `experts_touched`)
     buckets = sorted({bucket_tokens(s.num_tokens, max_num_batched_tokens) for s, _ in samples})
     column = {b: i for i, b in enumerate(buckets)}
-    x = np.zeros((len(samples), len(buckets) + 3))
+    x = np.zeros((len(samples), len(buckets) + 4))
     y = np.array([t for _, t in samples])
     for row, (s, _) in enumerate(samples):
         x[row, column[bucket_tokens(s.num_tokens, max_num_batched_tokens)]] = 1.0
-        x[row, len(buckets) :] = (s.context_tokens, s.attention_pairs, s.num_rows)
+        x[row, len(buckets) :] = (s.context_tokens, s.attention_pairs, s.num_rows, shell.experts_touched(s.num_tokens))
+    if not experts:
+        x = x[:, :-1]
     active = list(range(x.shape[1]))
     while True:
         weights = 1.0 / y  # relative error
@@ -225,12 +252,17 @@ def fit_cost_model(samples: list[tuple[StepShape, float]], max_num_batched_token
     base = np.maximum(coef[: len(buckets)], 0.0)
     coef[: len(buckets)] = base
     rel = np.abs(x @ coef - y) / y
+    a, b, c, *e = coef[len(buckets) :]
     return CostModel(
         bucket_tokens=buckets,
         bucket_base_s=[float(v) for v in base],
-        per_context_token_s=float(coef[-3]),
-        per_attention_pair_s=float(coef[-2]),
-        per_seq_s=float(coef[-1]),
+        per_context_token_s=float(a),
+        per_attention_pair_s=float(b),
+        per_seq_s=float(c),
+        moe_experts=experts,
+        moe_top_k=top_k,
+        per_expert_touched_s=float(e[0]) if e else 0.0,
+        form=MOE_FORM if experts else FORM,
         fit={
             "samples": len(samples),
             "mean_abs_rel_error": float(rel.mean()),
