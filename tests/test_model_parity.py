@@ -77,6 +77,33 @@ CASES = {
         "Qwen3ForCausalLM",
         dict(head_dim=16, rope_parameters={"rope_type": "linear", "rope_theta": 500.0, "factor": 2.0}),
     ),
+    # Gemma 2: sliding layer 0, global layer 1; soft-caps small enough that tanh bends the scores and logits
+    "gemma2-softcaps": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            head_dim=16,
+            sliding_window=6,
+            query_pre_attn_scalar=24,
+            attn_logit_softcapping=2.0,
+            final_logit_softcapping=3.0,
+        ),
+    ),
+    # Gemma 3: two sliding layers with their own RoPE (base 10), then a global one (linear scaling)
+    "gemma3-two-ropes": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            head_dim=16,
+            num_hidden_layers=3,
+            sliding_window=6,
+            layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+                "full_attention": {"rope_type": "linear", "rope_theta": 1000.0, "factor": 2.0},
+            },
+        ),
+    ),
 }
 CASES.update(MOE_CASES)
 

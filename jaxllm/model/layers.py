@@ -24,7 +24,7 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from jaxllm.model.quant import QuantPlan, packs_quantized, quantized_params
-from jaxllm.model.registry import ModelArch
+from jaxllm.model.registry import ModelArch, RopeConfig
 from pallas_kernels.stacked_matmul import packed_matmul, packed_rows, quantized, stacked_matmul
 
 Dtype = Any
@@ -132,11 +132,13 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 and cast back before the scale, as transformers does."""
+    """RMSNorm computed in float32 and cast back before the scale, as transformers does; `offset` 1 (Gemma): the
+    scale is 1 + weight, applied in float32 before the cast, as transformers' Gemma norms do."""
 
     eps: float
     dtype: Dtype
     stacking: Stacking = Stacking()
+    offset: float = 0.0
 
     @nn.compact
     def __call__(self, x: Float[Array, "... H"], layer=None) -> Float[Array, "... H"]:
@@ -144,6 +146,8 @@ class RMSNorm(nn.Module):
         weight = st.at(st.param(self, "weight", nn.initializers.ones, (None,), (x.shape[-1],), self.dtype), layer)
         xf = x.astype(jnp.float32)
         normed = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        if self.offset:
+            return (normed * (self.offset + weight.astype(jnp.float32))).astype(self.dtype)
         return weight * normed.astype(self.dtype)
 
 
@@ -211,12 +215,16 @@ class GatedMLP(nn.Module):
         down = Linear(
             (self.arch.hidden_size,), shard_axis=None, dtype=self.dtype, bias=bias, stacking=st, name="down_proj"
         )
-        return down(nn.silu(gate_up[:, 0]) * gate_up[:, 1], layer)
+        act = nn.silu if self.arch.hidden_act == "silu" else partial(nn.gelu, approximate=True)
+        return down(act(gate_up[:, 0]) * gate_up[:, 1], layer)
 
 
-def rotary_cos_sin(arch: ModelArch, positions: Int[Array, " T"], dtype: Dtype) -> tuple[Array, Array]:
-    """cos and sin `[T, head_dim]` for the rotate-half convention, computed in float32."""
-    inv_freq, scale = arch.rope.inv_freq_and_scale(arch.max_position_embeddings)
+def rotary_cos_sin(
+    arch: ModelArch, positions: Int[Array, " T"], dtype: Dtype, rope: RopeConfig | None = None
+) -> tuple[Array, Array]:
+    """cos and sin `[T, head_dim]` for the rotate-half convention, computed in float32; `rope`: another than the
+    model's (Gemma 3's sliding-window layers)."""
+    inv_freq, scale = (rope or arch.rope).inv_freq_and_scale(arch.max_position_embeddings)
     freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     return (jnp.cos(emb) * scale).astype(dtype), (jnp.sin(emb) * scale).astype(dtype)

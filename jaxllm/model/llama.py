@@ -69,6 +69,11 @@ class KVCache(NamedTuple):
     v: Float[Array, "L N B Hkv D"]
 
 
+def norm(arch: ModelArch, dtype: Dtype, stacking: Stacking, name: str) -> RMSNorm:
+    """An RMSNorm as the architecture has it (Gemma's scale by 1 + w)."""
+    return RMSNorm(arch.rms_norm_eps, dtype, stacking, 1.0 if arch.gemma else 0.0, name=name)
+
+
 class Attention(nn.Module):
     arch: ModelArch
     dtype: Dtype
@@ -93,12 +98,12 @@ class Attention(nn.Module):
         q = qkv[:, :, :group].reshape(num_tokens, a.num_heads, a.head_dim)
         k, v = qkv[:, :, group], qkv[:, :, group + 1]
         if a.qk_norm_whole:  # OLMoE: each norm over the whole projection, all heads at once
-            q = RMSNorm(a.rms_norm_eps, self.dtype, st, name="q_norm")(q.reshape(num_tokens, -1), layer)
-            k = RMSNorm(a.rms_norm_eps, self.dtype, st, name="k_norm")(k.reshape(num_tokens, -1), layer)
+            q = norm(a, self.dtype, st, "q_norm")(q.reshape(num_tokens, -1), layer)
+            k = norm(a, self.dtype, st, "k_norm")(k.reshape(num_tokens, -1), layer)
             q, k = q.reshape(num_tokens, a.num_heads, a.head_dim), k.reshape(num_tokens, a.num_kv_heads, a.head_dim)
         elif a.qk_norm:
-            q = RMSNorm(a.rms_norm_eps, self.dtype, st, name="q_norm")(q, layer)
-            k = RMSNorm(a.rms_norm_eps, self.dtype, st, name="k_norm")(k, layer)
+            q = norm(a, self.dtype, st, "q_norm")(q, layer)
+            k = norm(a, self.dtype, st, "k_norm")(k, layer)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         cache = KVCache(
             *pallas_kernels.write_kv(
@@ -113,8 +118,9 @@ class Attention(nn.Module):
             batch.block_tables,
             batch.cu_q_lens,
             batch.num_seqs,
-            sm_scale=a.head_dim**-0.5,
+            sm_scale=(a.gemma.query_pre_attn_scalar if a.gemma else a.head_dim) ** -0.5,
             sliding_window=self.sliding_window,
+            soft_cap=a.gemma.attn_softcap if a.gemma else None,
             layer=layer,
             backend=self.attention_backend,
         )
@@ -136,25 +142,30 @@ class DecoderLayer(nn.Module):
     @nn.compact
     def __call__(self, carry, batch: StepInputs[Array], cos, sin):
         hidden, cache, layer = carry
-        eps, st = self.arch.rms_norm_eps, self.stacking
+        st = self.stacking
         attention = Attention(
             self.arch, self.dtype, self.attention_backend, st, self.kind.sliding_window, name="self_attn"
         )
-        attn_out, cache = attention(
-            RMSNorm(eps, self.dtype, st, name="input_layernorm")(hidden, layer), cache, layer, batch, cos, sin
-        )
-        hidden = hidden + attn_out
-        mlp_in = RMSNorm(eps, self.dtype, st, name="post_attention_layernorm")(hidden, layer)
+        a, dtype = self.arch, self.dtype
+        attn_out, cache = attention(norm(a, dtype, st, "input_layernorm")(hidden, layer), cache, layer, batch, cos, sin)
+        if a.gemma:  # Gemma: a norm after attention, and one on each side of the MLP
+            hidden = hidden + norm(a, dtype, st, "post_attention_layernorm")(attn_out, layer)
+            mlp_in = norm(a, dtype, st, "pre_feedforward_layernorm")(hidden, layer)
+        else:
+            hidden = hidden + attn_out
+            mlp_in = norm(a, dtype, st, "post_attention_layernorm")(hidden, layer)
         mlp: nn.Module
         if self.kind.experts:
             mlp = SparseMoE(self.arch, self.dtype, st, self.expert_mesh, name="mlp")
         else:
             mlp = GatedMLP(self.arch, self.dtype, st, name="mlp")
         if self.kind.experts:  # (the step's real tokens: routing metrics count no padding row)
-            hidden = hidden + mlp(mlp_in, layer, batch.cu_q_lens[batch.num_seqs[0]])
+            mlp_out = mlp(mlp_in, layer, batch.cu_q_lens[batch.num_seqs[0]])
         else:
-            hidden = hidden + mlp(mlp_in, layer)
-        return (hidden, cache, layer + 1), None
+            mlp_out = mlp(mlp_in, layer)
+        if a.gemma:
+            mlp_out = norm(a, dtype, st, "post_feedforward_layernorm")(mlp_out, layer)
+        return (hidden + mlp_out, cache, layer + 1), None
 
 
 def expert_loads(intermediates) -> Int[Array, "Ls E"]:
@@ -256,8 +267,13 @@ class CausalLM(nn.Module):
         )
         if self.first_stage:
             hidden = embed(batch.token_ids).astype(self.dtype)
+            if a.gemma:  # scaled by sqrt(hidden), the factor rounded to the activations' type as transformers does
+                hidden = hidden * jnp.asarray(a.hidden_size**0.5, self.dtype)
         assert hidden is not None, "a stage after the first takes the previous stage's hidden states"
-        cos, sin = rotary_cos_sin(a, batch.positions, self.dtype)
+        # (cos, sin) of full-attention layers, then of sliding-window ones (Gemma 3's have their own RoPE)
+        rotary = [rotary_cos_sin(a, batch.positions, self.dtype)] * 2
+        if a.gemma and a.gemma.local_rope:
+            rotary[1] = rotary_cos_sin(a, batch.positions, self.dtype, a.gemma.local_rope)
         carry = (hidden, cache, jnp.int32(0))
         if self.scan_layers:
             # one scan per run of layers of one kind (the layer index in the carry runs on across them);
@@ -274,7 +290,7 @@ class CausalLM(nn.Module):
                 stacking = self.layer_stacking(end - start, start)
                 name = stack_name(start, a.num_layers, end)
                 layers = run(a, self.dtype, self.attention_backend, stacking, kind, self.expert_mesh, name=name)
-                carry, _ = layers(carry, batch, cos, sin)
+                carry, _ = layers(carry, batch, *rotary[kind.sliding_window is not None])
         else:
             for i in range(a.num_layers):
                 stacking = self.layer_stacking(None)
@@ -282,11 +298,11 @@ class CausalLM(nn.Module):
                 layer = DecoderLayer(
                     a, self.dtype, self.attention_backend, stacking, kind, self.expert_mesh, name=f"layers_{i}"
                 )
-                carry, _ = layer(carry, batch, cos, sin)
+                carry, _ = layer(carry, batch, *rotary[kind.sliding_window is not None])
         hidden, cache, _ = carry
         if not self.last_stage:
             return hidden, cache
-        hidden = RMSNorm(a.rms_norm_eps, self.dtype, name="norm")(hidden[batch.logits_indices])
+        hidden = norm(a, self.dtype, Stacking(), "norm")(hidden[batch.logits_indices])
         if a.tie_word_embeddings:
             logits = embed.attend(hidden)
         else:
@@ -300,4 +316,7 @@ class CausalLM(nn.Module):
                 name="lm_head",
             )
             logits = head(hidden)
-        return logits.astype(jnp.float32), cache
+        logits = logits.astype(jnp.float32)
+        if a.gemma and a.gemma.final_softcap:  # Gemma 2: logits → cap * tanh(logits / cap)
+            logits = a.gemma.final_softcap * jnp.tanh(logits / a.gemma.final_softcap)
+        return logits, cache

@@ -13,7 +13,15 @@ from typing import Any
 
 import numpy as np
 
-DENSE_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+DENSE_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
+)
+GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # mixtures of experts: a layer's MLP is a routed set of experts (model/moe.py), or dense between them
 MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
 SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
@@ -26,7 +34,11 @@ MODEL_TYPES = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3_text": "Gemma3ForCausalLM",
 }
+# the gated MLP's activation: transformers' names (`hidden_act`, Gemma's `hidden_activation`) → jaxllm's
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
 
 
 @dataclass(frozen=True)
@@ -121,6 +133,16 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class GemmaStyle:
+    """What Gemma 2 and 3 do differently from a Llama-family decoder."""
+
+    query_pre_attn_scalar: float  # attention scores scaled by its inverse square root (not head_dim's)
+    attn_softcap: float | None = None  # scores → cap * tanh(scores / cap) (Gemma 2: 50)
+    final_softcap: float | None = None  # logits → cap * tanh(logits / cap) (Gemma 2: 30)
+    local_rope: RopeConfig | None = None  # Gemma 3: the sliding-window layers' own RoPE (base 10k)
+
+
+@dataclass(frozen=True)
 class LayerKind:
     """What a decoder layer runs, as far as its parameters and compiled code differ from another's: the decoder
     scans each run of consecutive layers of one kind as one stack (`ModelArch.layer_runs`)."""
@@ -152,6 +174,9 @@ class ModelArch:
     eos_token_ids: tuple[int, ...] = ()
     moe: MoEConfig | None = None  # layers' MLPs are mixtures of experts (but `moe.dense_layers`)
     qk_norm_whole: bool = False  # OLMoE: q/k norms over the whole projection, not per head
+    hidden_act: str = "silu"  # the gated MLP's: "silu" or "gelu_tanh" (`ACTIVATIONS`)
+    # Gemma: RMSNorm scales by 1 + w, embeddings times sqrt(hidden), norms after attention and around the MLP
+    gemma: GemmaStyle | None = None
 
     def layer_kind(self, layer: int) -> LayerKind:
         experts = self.moe is not None and layer not in self.moe.dense_layers
@@ -185,9 +210,12 @@ def _get(config: Any, name: str, default: Any = None) -> Any:
     return getattr(config, name, default)
 
 
-def _rope_parameters(config: Any) -> dict:
-    """transformers 5 keeps rope settings in `rope_parameters`; 4.x in `rope_theta` + `rope_scaling`."""
+def _rope_parameters(config: Any, layer_type: str = "full_attention") -> dict:
+    """transformers 5 keeps rope settings in `rope_parameters` (Gemma 3: one dict per layer type); 4.x in
+    `rope_theta` + `rope_scaling`."""
     params = dict(_get(config, "rope_parameters") or {})
+    if isinstance(params.get(layer_type), dict):
+        params = dict(params[layer_type])
     scaling = _get(config, "rope_scaling") or {}
     for key, value in scaling.items():
         params.setdefault(key, value)
@@ -213,25 +241,16 @@ def _sliding_window(config: Any, architecture: str) -> tuple[int | None, tuple[i
         return window, tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
     if architecture == "MistralForCausalLM":
         return window, None
+    if architecture in GEMMA and window:  # Hub configs before `layer_types`: every n-th layer is global
+        pattern = _get(config, "sliding_window_pattern") or _get(config, "_sliding_window_pattern")
+        pattern = int(pattern or (2 if architecture == "Gemma2ForCausalLM" else 6))
+        num_layers = _get(config, "num_hidden_layers")
+        return window, tuple(i for i in range(num_layers) if (i + 1) % pattern)
     return None, None
 
 
-def arch_from_hf_config(config: Any) -> ModelArch:
-    """Read a `ModelArch` from a transformers config object or its dict."""
-    architectures = _get(config, "architectures") or []
-    architecture = architectures[0] if architectures else None
-    if architecture is None:
-        model_type = _get(config, "model_type")
-        architecture = MODEL_TYPES.get(model_type, str(model_type))
-    if architecture not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(
-            f"unsupported architecture {architecture!r}; jaxllm supports {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
-    hidden = _get(config, "hidden_size")
-    num_heads = _get(config, "num_attention_heads")
-    head_dim = _get(config, "head_dim") or hidden // num_heads
-    rope = _rope_parameters(config)
-    max_pos = _get(config, "max_position_embeddings") or 2048
+def _rope(config: Any, architecture: str, head_dim: int, max_pos: int, rope: dict) -> RopeConfig:
+    """One RoPE's settings (`_rope_parameters`), checked: ValueError / NotImplementedError naming the field."""
     rope_cfg = RopeConfig(
         theta=float(rope["rope_theta"]),
         rotary_dim=int(head_dim * rope.get("partial_rotary_factor", 1.0)),
@@ -252,8 +271,46 @@ def arch_from_hf_config(config: Any) -> ModelArch:
     if rope_cfg.rope_type == "llama3" and rope_cfg.original_max_position_embeddings is None:
         raise ValueError(f"{architecture}: llama3 rope scaling needs original_max_position_embeddings")
     rope_cfg.inv_freq_and_scale(max_pos)  # fail now on an unsupported rope type
-    if (act := _get(config, "hidden_act", "silu")) != "silu":
-        raise NotImplementedError(f"{architecture}: activation {act!r} is not supported (silu is)")
+    return rope_cfg
+
+
+def _gemma(config: Any, architecture: str, head_dim: int, max_pos: int) -> GemmaStyle | None:
+    """Gemma 2/3's settings; Gemma 3's sliding layers' RoPE from `rope_parameters["sliding_attention"]`
+    (transformers 5) or the Hub configs' `rope_local_base_freq` (default RoPE, base 10k)."""
+    if architecture not in GEMMA:
+        return None
+    local = None
+    if architecture == "Gemma3ForCausalLM":
+        params = _get(config, "rope_parameters") or {}
+        if isinstance(params.get("sliding_attention"), dict):
+            local_params = _rope_parameters(config, "sliding_attention")
+        else:
+            local_params = {"rope_type": "default", "rope_theta": _get(config, "rope_local_base_freq") or 10000.0}
+        local = _rope(config, architecture, head_dim, max_pos, local_params)
+    scalar = _get(config, "query_pre_attn_scalar") or head_dim
+    soft = lambda name: float(v) if (v := _get(config, name)) else None  # noqa: E731
+    return GemmaStyle(float(scalar), soft("attn_logit_softcapping"), soft("final_logit_softcapping"), local)
+
+
+def arch_from_hf_config(config: Any) -> ModelArch:
+    """Read a `ModelArch` from a transformers config object or its dict."""
+    architectures = _get(config, "architectures") or []
+    architecture = architectures[0] if architectures else None
+    if architecture is None:
+        model_type = _get(config, "model_type")
+        architecture = MODEL_TYPES.get(model_type, str(model_type))
+    if architecture not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"unsupported architecture {architecture!r}; jaxllm supports {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    hidden = _get(config, "hidden_size")
+    num_heads = _get(config, "num_attention_heads")
+    head_dim = _get(config, "head_dim") or hidden // num_heads
+    max_pos = _get(config, "max_position_embeddings") or 2048
+    rope_cfg = _rope(config, architecture, head_dim, max_pos, _rope_parameters(config))
+    act = _get(config, "hidden_activation") or _get(config, "hidden_act") or "silu"  # (Gemma's name first)
+    if act not in ACTIVATIONS:
+        raise NotImplementedError(f"{architecture}: activation {act!r} is not supported ({', '.join(ACTIVATIONS)} are)")
 
     num_kv_heads = _get(config, "num_key_value_heads") or num_heads
     if num_heads % num_kv_heads:
@@ -286,11 +343,13 @@ def arch_from_hf_config(config: Any) -> ModelArch:
         eos_token_ids=eos_ids,
         moe=_moe(config, architecture) if architecture in MOE_ARCHITECTURES else None,
         qk_norm_whole=architecture == "OlmoeForCausalLM",
+        hidden_act=ACTIVATIONS[act],
+        gemma=_gemma(config, architecture, head_dim, max_pos),
     )
 
 
 QWEN2_FAMILY = ("Qwen2ForCausalLM", "Qwen2MoeForCausalLM")  # q/k/v biases, none on o_proj
-QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+QK_NORM = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM", "Gemma3ForCausalLM")
 
 
 def with_expert_parallel(arch: ModelArch, num_devices: int) -> ModelArch:
