@@ -8,16 +8,20 @@ round, so a noisy machine weighs on both alike; medians and per-round ratios are
 
     python benchmarks/moe.py --rounds 3 --batches 1 16 64 --output-json benchmarks/results/moe_cpu.json
     python benchmarks/moe.py --rounds 3 --quantization int4 --output-json benchmarks/results/moe_int4_cpu.json
+    python benchmarks/moe.py --olmoe --quantization int4 --rounds 1 --output-json benchmarks/results/moe_olmoe_int4.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import tempfile
 import time
 from pathlib import Path
+
+import jax
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.bench.offline import machine_info
@@ -34,9 +38,23 @@ LAYOUT = dict(
 )
 
 
-def configs(num_experts: int, top_k: int, expert_size: int) -> dict[str, dict]:
+# OLMoE-1B-7B's shape (allenai/OLMoE-1B-7B-0924): 64 experts of 1024, top-8, 16 layers of 2048; ~6.9B weights,
+# ~1.3B active per token
+OLMOE = dict(
+    vocab_size=50304,
+    hidden_size=2048,
+    num_hidden_layers=16,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    head_dim=128,
+    max_position_embeddings=4096,
+    tie_word_embeddings=False,
+)
+
+
+def configs(num_experts: int, top_k: int, expert_size: int, layout: dict) -> dict[str, dict]:
     moe = {
-        **LAYOUT,
+        **layout,
         "architectures": ["Qwen3MoeForCausalLM"],
         "model_type": "qwen3_moe",
         "num_experts": num_experts,
@@ -46,12 +64,17 @@ def configs(num_experts: int, top_k: int, expert_size: int) -> dict[str, dict]:
         "norm_topk_prob": True,
     }
     dense = {
-        **LAYOUT,
+        **layout,
         "architectures": ["Qwen3ForCausalLM"],
         "model_type": "qwen3",
         "intermediate_size": top_k * expert_size,
     }
     return {"moe": moe, "dense_same_active": dense}
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far (Linux reports kilobytes)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def decode_rate(llm: LLM, batch: int, output_len: int) -> float:
@@ -60,8 +83,11 @@ def decode_rate(llm: LLM, batch: int, output_len: int) -> float:
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.engine.reset_prefix_cache()
     started = time.perf_counter()
-    llm.generate(prompts, params, use_tqdm=False)
-    return batch * output_len / (time.perf_counter() - started)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - started
+    if any(len(o.outputs[0].token_ids) != output_len for o in outputs):  # a failed step must not read as speed
+        raise SystemExit(f"batch {batch}: not every request generated {output_len} tokens (see the errors above)")
+    return batch * output_len / elapsed
 
 
 def main() -> None:
@@ -73,11 +99,17 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quantization", help="int8 / int4: both models' weights, the experts' included, kept in bits")
+    parser.add_argument("--olmoe", action="store_true", help="OLMoE-1B-7B's shape (64 experts of 1024, top-8)")
     parser.add_argument("--output-json")
     args = parser.parse_args()
-    engines = {}
+    engines, loads = {}, {}
+    if args.olmoe:
+        args.num_experts, args.top_k, args.expert_size = 64, 8, 1024
     with tempfile.TemporaryDirectory() as folder:
-        for name, config in configs(args.num_experts, args.top_k, args.expert_size).items():
+        for name, config in configs(
+            args.num_experts, args.top_k, args.expert_size, OLMOE if args.olmoe else LAYOUT
+        ).items():
+            rss_before = peak_rss_bytes()
             path = Path(folder) / f"{name}.json"
             path.write_text(json.dumps(config))
             started = time.perf_counter()
@@ -91,13 +123,23 @@ def main() -> None:
                 progress=False,
                 quantization=args.quantization,
             )
-            print(f"{name}: started in {time.perf_counter() - started:.1f} s")
+            weights = sum(a.nbytes for a in jax.tree.leaves(engines[name].engine.runner.params))
+            # the process's peak so far: the MoE loads first, so its figure is its own
+            loads[name] = {
+                "start_seconds": time.perf_counter() - started,
+                "weights_bytes": weights,
+                "peak_rss_growth_bytes": peak_rss_bytes() - rss_before,
+            }
+            print(
+                f"{name}: started in {loads[name]['start_seconds']:.1f} s, weights {weights / 1e9:.2f} GB, peak RSS "
+                f"+{loads[name]['peak_rss_growth_bytes'] / 1e9:.2f} GB"
+            )
     rounds: dict[str, dict[int, list[float]]] = {name: {b: [] for b in args.batches} for name in engines}
     for _ in range(args.rounds):
         for batch in args.batches:
             for name, llm in engines.items():
                 rounds[name][batch].append(decode_rate(llm, batch, args.output_len))
-    result = {"machine": machine_info(), "args": vars(args), "batches": {}}
+    result = {"machine": machine_info(), "args": vars(args), "load": loads, "batches": {}}
     for batch in args.batches:
         moe, dense = rounds["moe"][batch], rounds["dense_same_active"][batch]
         ratios = [m / d for m, d in zip(moe, dense, strict=True)]

@@ -148,8 +148,7 @@ class ModelSource:
         if self.dummy:
             from jaxllm.weights.dummy import dummy_params
 
-            params = dummy_params(arch, jdtype, mesh, seed, quant)
-            laid_out = False
+            params = dummy_params(arch, jdtype, mesh, seed, quant, layout)  # each leaf laid out as it is drawn
         elif self.format == "gguf":  # converting takes seconds: later starts map what the first converted
             gguf = self.gguf_file
             params = converted.load_or_convert(
