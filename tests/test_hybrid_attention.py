@@ -1,16 +1,18 @@
 """Layers that attend differently in one model: full attention beside sliding-window layers (transformers'
-`layer_types`), run through a whole engine against transformers on the same weights.
+`layer_types`; Qwen2's `max_window_layers`, Gemma 2's alternation, Gemma 3's five local to one global with their
+own RoPE), run through a whole engine against transformers on the same weights.
 
 Each run of layers of one kind is its own scanned stack with its own window (`ModelArch.layer_runs`); the KV cache
 is still one pool for every layer (blocks out of a window are not freed yet: issue 47's hybrid KV manager).
 """
 
 import numpy as np
+import pytest
 import transformers
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.model import arch_from_hf_config
-from tests.hf_reference import hf_greedy
+from tests.hf_reference import hf_greedy, hf_log_softmax
 from tests.tiny_models import CHUNKED_ENGINE, TINY_DECODER, random_model
 
 TINY = dict(TINY_DECODER, num_hidden_layers=3)
@@ -34,3 +36,70 @@ def test_full_and_sliding_window_layers_equal_transformers(tmp_path):
         outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
         assert [list(o.outputs[0].token_ids) for o in outputs] == want
     assert llm.engine.stats()["prefix_cache_hits"] > 0
+
+
+GEMMA = {
+    # layers 0, 2 local (an 8-token window), 1, 3 global; soft-caps low enough to bend scores and logits
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            head_dim=16, num_hidden_layers=4, sliding_window=8, attn_logit_softcapping=5.0, final_logit_softcapping=8.0
+        ),
+    ),
+    # five local layers (RoPE base 10k) then a global one (base 1M): transformers 5's defaults, window 8
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(head_dim=16, num_hidden_layers=6, sliding_window=8)),
+}
+GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+GEMMA_PROMPTS = [rng.integers(0, TINY["vocab_size"], int(n)).tolist() for n in rng.integers(20, 60, 12)]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+
+
+@pytest.fixture(scope="module", params=list(GEMMA))
+def gemma(request, tmp_path_factory):
+    """(the transformers model, the engine on its saved weights, with n-gram speculation)."""
+    config_cls, model_cls, overrides = GEMMA[request.param]
+    config = getattr(transformers, config_cls)(**{**TINY, **overrides})
+    config.architectures = [model_cls]
+    model = random_model(getattr(transformers, model_cls), config).eval()
+    path = tmp_path_factory.mktemp(request.param)
+    model.save_pretrained(path)
+    return model, LLM(str(path), **CHUNKED_ENGINE, speculative_config=NGRAM)
+
+
+def test_gemma_greedy_tokens_equal_transformers(gemma):
+    """12 prompts up to 7 windows long, 32 tokens each: prefilled in 16-token chunks beside decodes, with n-gram
+    drafts verified; then again from the prefix cache."""
+    model, llm = gemma
+    want = [hf_greedy(model, p, GREEDY.max_tokens) for p in GEMMA_PROMPTS]
+    for _ in range(2):
+        outputs = llm.generate([{"prompt_token_ids": p} for p in GEMMA_PROMPTS], GREEDY, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outputs] == want
+    stats = llm.engine.stats()
+    assert stats["prefix_cache_hits"] > 0 and stats["spec_decode_num_draft_tokens"] > 0
+
+
+def test_gemma_prompt_logprobs_equal_transformers(gemma):
+    model, llm = gemma
+    prompt = GEMMA_PROMPTS[0]
+    (out,) = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=0, prompt_logprobs=0))
+    ref = hf_log_softmax(model, prompt)
+    got = [out.prompt_logprobs[i][t].logprob for i, t in enumerate(prompt) if i]
+    np.testing.assert_allclose(got, [ref[i - 1][t] for i, t in enumerate(prompt) if i], atol=2e-3)
+
+
+def test_gemma_configs_as_the_hub_writes_them():
+    """Hub configs from before transformers 5: `rope_local_base_freq`, `sliding_window_pattern`, no `layer_types`;
+    an activation jaxllm does not have is refused, naming it (never run as SiLU)."""
+    hub = dict(TINY, architectures=["Gemma3ForCausalLM"], head_dim=16, num_hidden_layers=7, sliding_window=8)
+    hub.update(rope_theta=1e6, rope_local_base_freq=10000.0, sliding_window_pattern=6, query_pre_attn_scalar=32)
+    arch = arch_from_hf_config(hub)
+    assert [(start, end, kind.sliding_window) for start, end, kind in arch.layer_runs()] == [
+        (0, 5, 8),
+        (5, 6, None),
+        (6, 7, 8),
+    ]
+    assert arch.rope.theta == 1e6 and arch.gemma.local_rope.theta == 10000.0
+    assert arch.gemma.query_pre_attn_scalar == 32 and arch.hidden_act == "gelu_tanh"  # (Gemma's default)
+    with pytest.raises(NotImplementedError, match="relu2"):
+        arch_from_hf_config(dict(hub, hidden_activation="relu2"))

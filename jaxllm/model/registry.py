@@ -308,7 +308,8 @@ def arch_from_hf_config(config: Any) -> ModelArch:
     head_dim = _get(config, "head_dim") or hidden // num_heads
     max_pos = _get(config, "max_position_embeddings") or 2048
     rope_cfg = _rope(config, architecture, head_dim, max_pos, _rope_parameters(config))
-    act = _get(config, "hidden_activation") or _get(config, "hidden_act") or "silu"  # (Gemma's name first)
+    default_act = "gelu_pytorch_tanh" if architecture in GEMMA else "silu"  # (transformers' config defaults)
+    act = _get(config, "hidden_activation") or _get(config, "hidden_act") or default_act  # (Gemma's name first)
     if act not in ACTIVATIONS:
         raise NotImplementedError(f"{architecture}: activation {act!r} is not supported ({', '.join(ACTIVATIONS)} are)")
 
