@@ -154,15 +154,11 @@ class DecoderLayer(nn.Module):
         else:
             hidden = hidden + attn_out
             mlp_in = norm(a, dtype, st, "post_attention_layernorm")(hidden, layer)
-        mlp: nn.Module
-        if self.kind.experts:
-            mlp = SparseMoE(self.arch, self.dtype, st, self.expert_mesh, name="mlp")
-        else:
-            mlp = GatedMLP(self.arch, self.dtype, st, name="mlp")
         if self.kind.experts:  # (the step's real tokens: routing metrics count no padding row)
-            mlp_out = mlp(mlp_in, layer, batch.cu_q_lens[batch.num_seqs[0]])
+            moe = SparseMoE(self.arch, self.dtype, st, self.expert_mesh, name="mlp")
+            mlp_out = moe(mlp_in, layer, batch.cu_q_lens[batch.num_seqs[0]])
         else:
-            mlp_out = mlp(mlp_in, layer)
+            mlp_out = GatedMLP(self.arch, self.dtype, st, name="mlp")(mlp_in, layer)
         if a.gemma:
             mlp_out = norm(a, dtype, st, "post_feedforward_layernorm")(mlp_out, layer)
         return (hidden + mlp_out, cache, layer + 1), None

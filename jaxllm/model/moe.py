@@ -130,6 +130,7 @@ def _tile_matmuls(tiles, w: Experts | KernelExperts, index) -> Float[Array, "S M
     ids = index[0] * _array(w.weights).shape[1] + index[1] if stacked else index
     flat = jax.tree.map(_flat, w.weights) if stacked else w.weights
     if w.kernel == "pallas":
+        assert not isinstance(flat, QuantizedWeight)  # (`pallas_takes`: float experts only)
         return grouped_matmul.grouped_matmul(tiles, flat, ids)
     if isinstance(flat, QuantizedWeight):
         return quantized.grouped_quantized_matmul(tiles, flat, ids, kernel_max_rows=w.kernel_max_rows)
@@ -276,14 +277,16 @@ class SparseMoE(nn.Module):
         weights = weights.astype(self.dtype)  # (transformers casts them to the activations' type)
         index = st.index(layer) if st.num_layers is not None else None
         packed = st.matmul_backend == "cpu_packed" and index is not None
+        run_gate_up: Experts | KernelExperts = gate_up  # as the grouped matmul reads them: a kernel's, or XLA's
+        run_down: Experts | KernelExperts = down
         if packed and packs_experts(gate_up) and packs_experts(down):  # (CausalLM.pack_leaf packed them)
-            gate_up, down = (KernelExperts(w, "cpu", st.kernel_max_rows) for w in (gate_up, down))
+            run_gate_up, run_down = (KernelExperts(w, "cpu", st.kernel_max_rows) for w in (gate_up, down))
         elif st.expert_kernel == "pallas" and all(pallas_takes(w, index is not None) for w in (gate_up, down)):
-            gate_up, down = (KernelExperts(w, "pallas") for w in (gate_up, down))
+            run_gate_up, run_down = (KernelExperts(w, "pallas") for w in (gate_up, down))
         if ep and self.expert_mesh is not None:
             out = expert_parallel_swiglu(self.expert_mesh, x, experts, weights, gate_up, down, index)
         else:
-            out = grouped_swiglu(x, experts, weights, gate_up, down, index)
+            out = grouped_swiglu(x, experts, weights, run_gate_up, run_down, index)
         out = out.astype(self.dtype)
         if moe.shared_expert_intermediate_size:
             shared = GatedMLP(self.arch, self.dtype, st, moe.shared_expert_intermediate_size, name="shared_expert")

@@ -20,6 +20,7 @@ import struct
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -260,7 +261,10 @@ class GGUFFile:
     def _moe_config(self) -> dict:
         """A mixture of experts' config fields, as transformers names them, from llama.cpp's metadata."""
         md, arch = self.metadata, self.gguf_architecture
-        key = lambda name, default=None: md.get(f"{arch}.{name}", default)  # noqa: E731
+
+        def key(name: str, default: Any = None) -> Any:
+            return md.get(f"{arch}.{name}", default)
+
         if arch not in MOE_NORM_TOPK:
             raise NotImplementedError(f"{self.path}: a mixture of experts in GGUF architecture {arch!r}")
         for name, honoured in MOE_UNSUPPORTED.items():
@@ -268,7 +272,9 @@ class GGUFFile:
                 raise NotImplementedError(
                     f"{self.path}: {arch}.{name} = {key(name)} (jaxllm's router takes {honoured}) is not supported"
                 )
-        experts, used, ff = key("expert_count"), key("expert_used_count"), key("feed_forward_length")
+        experts, used, ff = (int(key(k) or 0) for k in ("expert_count", "expert_used_count", "feed_forward_length"))
+        if not used:
+            raise ValueError(f"{self.path}: {arch}.expert_count is set but {arch}.expert_used_count is not")
         # llama.cpp's own fallbacks: Qwen2-MoE's experts are n_ff / k wide and its shared expert n_ff without keys
         expert_ff = key("expert_feed_forward_length") or (ff // used if arch == "qwen2moe" else ff)
         config = {
@@ -279,7 +285,7 @@ class GGUFFile:
             "norm_topk_prob": bool(key("expert_weights_norm", MOE_NORM_TOPK[arch])),
             # layers without a router are dense (llama.cpp requires one in every layer; read, not assumed)
             "mlp_only_layers": [
-                i for i in range(key("block_count")) if f"blk.{i}.ffn_gate_inp.weight" not in self._tensors
+                i for i in range(int(key("block_count", 0))) if f"blk.{i}.ffn_gate_inp.weight" not in self._tensors
             ],
         }
         if arch == "llama":
@@ -315,8 +321,10 @@ class GGUFFile:
 
     def _blocks(self, name: str) -> QuantizedTensor:
         qt = repack(self._raw(name), self._tensors[name].ggml_type)
-        qs, scales, mins = (None if a is None else self._unpermuted(name, a) for a in (qt.qs, qt.scales, qt.mins))
-        return QuantizedTensor(qt.format, qt.shape, qs, scales, mins)
+        mins = None if qt.mins is None else self._unpermuted(name, qt.mins)
+        return QuantizedTensor(
+            qt.format, qt.shape, self._unpermuted(name, qt.qs), self._unpermuted(name, qt.scales), mins
+        )
 
     def tensor_types(self) -> dict[str, str]:
         """GGUF tensor name → GGML type name ("Q4_1", "F32", ...)."""
