@@ -18,11 +18,13 @@ EXIT_STATUS = 3
 
 def die(message: str) -> NoReturn:
     """One line on stderr, then exit at once: a thread blocked in a collective cannot be unwound."""
-    sys.stderr.write(f"jaxllm: error: {message}\n")
     sys.stderr.flush()
-    # nothing after it: JAX's coordination agent logs from its own thread when a peer is gone, and could
-    # write between this line and the exit
+    # nothing after it: JAX's coordination agent logs from its own thread when a peer is gone. So stderr goes to
+    # /dev/null first (any other thread's line from now on is dropped), and this line goes to the stderr it was
+    # (writing it first left a window: a CI run saw the agent's warning land after it)
+    ours = os.dup(2)
     os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+    os.write(ours, f"jaxllm: error: {message}\n".encode())
     os._exit(EXIT_STATUS)
 
 
