@@ -173,12 +173,17 @@ class ModelRunner:
 
     def _forward(self, params, cache: KVCache, inputs: StepInputs):
         """(logits, the cache) and, for a mixture of experts, its sparse layers' tokens per expert in this step."""
+        loads: tuple = ()
         if self.expert_load is None:
             logits, cache = cast(tuple[Array, KVCache], self.model.apply({"params": params}, cache, inputs))
-            return jax.lax.with_sharding_constraint(logits, replicated(self.mesh)), cache  # as the sampler takes them
-        (logits, cache), state = self.model.apply({"params": params}, cache, inputs, mutable=["intermediates"])
-        loads = jax.lax.with_sharding_constraint(expert_loads(state["intermediates"]), replicated(self.mesh))
-        return jax.lax.with_sharding_constraint(logits, replicated(self.mesh)), cache, loads
+        else:
+            (logits, cache), state = self.model.apply({"params": params}, cache, inputs, mutable=["intermediates"])
+            loads = (jax.lax.with_sharding_constraint(expert_loads(state["intermediates"]), replicated(self.mesh)),)
+        return (
+            jax.lax.with_sharding_constraint(logits, replicated(self.mesh)),
+            cache,
+            *loads,
+        )  # as the sampler takes them
 
     def _forward_async(self, params, cache: KVCache, inputs: StepInputs, prev_sampled: Array, src: Array):
         """The forward, its placeholder tokens first taken from the previous step's sampled ids (async)."""

@@ -152,10 +152,9 @@ def _expert_blocks(path: tuple[str, ...], layer: int, arch: ModelArch, get_block
     """A layer's experts kept in a GGUF's own bits: (qs, scales, mins), each `[E, K', *out]` as `_from_fused`."""
     assert arch.moe is not None
     qt = get_blocks(fused_expert_name(path, layer, arch))  # rows [E * out], every expert's
-    fused = [
-        None if a is None else a.reshape(arch.moe.num_experts, -1, a.shape[-1]) for a in (qt.qs, qt.scales, qt.mins)
-    ]
-    return tuple(None if a is None else _from_fused(path, a) for a in fused)  # type: ignore[return-value]
+    experts = arch.moe.num_experts
+    arrays = (qt.qs, qt.scales, qt.mins)
+    return tuple(None if a is None else _from_fused(path, a.reshape(experts, -1, a.shape[-1])) for a in arrays)  # type: ignore[return-value]
 
 
 def leaf_path(key_path) -> tuple[str, ...]:
