@@ -52,10 +52,10 @@ def step_inputs(arch, num_seqs: int, tokens_per_seq: int, context: int, block_si
     inputs = StepInputs(
         token_ids=i32(np.arange(t) % arch.vocab_size),
         positions=i32(positions),
-        slot_mapping=i32(slots),
+        slot_mapping=i32([slots]),  # one KV cache group
         cu_q_lens=i32(np.arange(num_seqs + 1) * tokens_per_seq),
         kv_lens=i32(np.full(num_seqs, context)),
-        block_tables=i32(tables),
+        block_tables=i32([tables]),
         num_seqs=i32([num_seqs]),
         logits_indices=i32((np.arange(num_seqs) + 1) * tokens_per_seq - 1),
     )

@@ -22,7 +22,7 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int  # tokens computed this step, from `start` (draft tokens included)
     start: int  # num_computed_tokens when scheduled: the position of the first new token
-    block_ids: list[int]  # the request's block table (the manager's list)
+    block_ids: list[list[int]]  # the request's block table of each KV cache group (the manager's lists)
     draft_token_ids: list[int] = field(default_factory=list)  # proposed tokens the step verifies (speculation)
     scores_prompt: bool = False  # prompt_logprobs: a row of logits per new token, each scoring the next
     logits_row: int = 0  # its first row of logits (SchedulerOutput.add)

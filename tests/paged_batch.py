@@ -33,10 +33,10 @@ def make_step(seqs, block_size: int, max_blocks: int, pad_tokens: int = 0, pad_s
     return StepInputs(
         token_ids=i32(tokens),
         positions=i32(positions),
-        slot_mapping=i32(slots),
+        slot_mapping=i32([slots]),  # one KV cache group
         cu_q_lens=i32(cu),
         kv_lens=i32(kv_lens),
-        block_tables=i32(tables),
+        block_tables=i32([tables]),
         num_seqs=i32([len(seqs)]),
         logits_indices=i32(np.arange(len(tokens))),  # every row; callers read the first real ones
     )

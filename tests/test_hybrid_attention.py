@@ -2,8 +2,9 @@
 `layer_types`; Qwen2's `max_window_layers`, Gemma 2's alternation, Gemma 3's five local to one global with their
 own RoPE), run through a whole engine against transformers on the same weights.
 
-Each run of layers of one kind is its own scanned stack with its own window (`ModelArch.layer_runs`); the KV cache
-is still one pool for every layer (blocks out of a window are not freed yet: issue 47's hybrid KV manager).
+Each run of layers of one kind is its own scanned stack with its own window (`ModelArch.layer_runs`). The KV cache
+has a block table per group of layers of one kind (kv_cache_groups.py): windowed groups hand back the blocks that
+leave their window while the engine runs, and every test below runs with them doing so.
 """
 
 import numpy as np
@@ -12,6 +13,8 @@ import transformers
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.model import arch_from_hf_config
+from jaxllm.runner.compilations import compilation_count
+from jaxllm.scheduler_output import SCRATCH_BLOCK
 from tests.hf_reference import hf_greedy, hf_log_softmax
 from tests.tiny_models import CHUNKED_ENGINE, TINY_DECODER, random_model
 
@@ -103,3 +106,61 @@ def test_gemma_configs_as_the_hub_writes_them():
     assert arch.gemma.query_pre_attn_scalar == 32 and arch.hidden_act == "gelu_tanh"  # (Gemma's default)
     with pytest.raises(NotImplementedError, match="relu2"):
         arch_from_hf_config(dict(hub, hidden_activation="relu2"))
+
+
+def test_windowed_groups_hold_at_most_their_window_in_every_step(gemma):
+    """vLLM's bound, checked on every scheduled request of every step (chunked prefill, decodes, n-gram drafts): a
+    windowed group holds at most ceil((window - 1 + tokens this step) / block_size) + 1 blocks; the full group holds
+    the whole context. Nothing compiles after warm-up, and once all requests end every block of every group is free."""
+    _, llm = gemma
+    core = llm.engine
+    windows, bs = core.kv.windows, core.kv.block_size
+    assert len(windows) > 1 and None in windows  # the hybrid manager is on
+    schedule, checked = core.scheduler.schedule, []
+
+    def checking_schedule():
+        out = schedule()
+        for s in out.scheduled:
+            for window, table in zip(windows, s.block_ids, strict=True):
+                held = sum(b != SCRATCH_BLOCK for b in table)
+                if window is None:
+                    assert held == len(table) >= -(-(s.start + s.num_new_tokens) // bs)
+                else:
+                    reserved = max(s.num_new_tokens, len(table) * bs - s.start)  # (rejected drafts' slots stay)
+                    assert held <= -(-(window - 1 + reserved) // bs) + 1, (s.start, s.num_new_tokens, table)
+                checked.append(held)
+        return out
+
+    core.scheduler.schedule = checking_schedule
+    compiled = compilation_count()
+    try:
+        llm.generate([{"prompt_token_ids": p} for p in GEMMA_PROMPTS], GREEDY, use_tqdm=False)
+    finally:
+        core.scheduler.schedule = schedule
+    assert compilation_count() == compiled and checked
+    assert core.kv.num_free_blocks == core.kv.num_usable_blocks
+
+
+def test_gemma_preempted_in_a_small_pool_equals_transformers(tmp_path):
+    """Gemma 3 in a pool that holds about two sequences: requests are preempted and recomputed, windowed blocks come
+    and go, and the greedy tokens stay transformers'; the hybrid manager off (every block kept) gives the same
+    tokens with fewer sequences running."""
+    config_cls, model_cls, overrides = GEMMA["gemma3"]
+    config = getattr(transformers, config_cls)(**{**TINY, **overrides})
+    config.architectures = [model_cls]
+    model = random_model(getattr(transformers, model_cls), config).eval()
+    model.save_pretrained(tmp_path)
+    prompts = GEMMA_PROMPTS[:6]
+    want = [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+    small = dict(CHUNKED_ENGINE, kv_cache_memory_bytes=48 * 4096)  # 48 one-layer blocks (a slot per group)
+    llm = LLM(str(tmp_path), **small)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == want
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.kv.num_free_blocks == llm.engine.kv.num_usable_blocks
+    uniform = LLM(
+        str(tmp_path), **dict(small, kv_cache_memory_bytes=6 * 48 * 4096), disable_hybrid_kv_cache_manager=True
+    )
+    assert uniform.engine.kv.windows == (None,) and uniform.engine.runner.kv_groups.slots == 6
+    outputs = uniform.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == want

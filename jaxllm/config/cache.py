@@ -15,6 +15,8 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None  # explicit budget; else a share of device memory
     gpu_memory_utilization: float = 0.9
     cache_dtype: str = "auto"  # vLLM's kv_cache_dtype: "auto" (the model's dtype) or a float dtype
+    # vLLM's: keep every layer's blocks (one block table) even when some layers attend only a sliding window
+    disable_hybrid_kv_cache_manager: bool = False
 
     def __post_init__(self):
         if self.cache_dtype != "auto" and str(self.cache_dtype).lower() not in DTYPES:

@@ -42,6 +42,8 @@ HELP = {
     "(docs/disaggregated.md)",
     "pipeline_parallel_size": "pipeline stages: the layers split over this many groups of tensor-parallel devices, "
     "a batch in flight per stage (docs/scaling.md)",
+    "disable_hybrid_kv_cache_manager": "keep every layer's KV blocks for the whole context, even for layers that "
+    "attend only a sliding window (by default such layers free the blocks that leave their window: docs/models.md)",
     "kv_offloading_size": "GiB of host memory for KV blocks evicted from the device cache (the OffloadingConnector)",
 }
 
@@ -68,6 +70,7 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     kv_cache_dtype: str = "auto"  # "auto": the model's dtype; "bfloat16" halves KV memory and bytes read
+    disable_hybrid_kv_cache_manager: bool = False  # vLLM's: sliding-window layers keep every block too
     tensor_parallel_size: int = 1
     enable_expert_parallel: bool = False  # vLLM's: a mixture of experts' experts split whole over the TP devices
     pipeline_parallel_size: int = 1  # stages (docs/scaling.md): layers split over PP groups of TP devices
@@ -139,6 +142,7 @@ class EngineArgs:
                 self.kv_cache_memory_bytes,
                 self.gpu_memory_utilization,
                 cache_dtype=self.kv_cache_dtype,
+                disable_hybrid_kv_cache_manager=self.disable_hybrid_kv_cache_manager,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs,

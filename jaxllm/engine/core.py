@@ -91,6 +91,7 @@ class EngineCore:
             self.config.cache.enable_prefix_caching,
             root=self.kv_scope.root,
             record_evictions=kv_transfer is not None and kv_transfer.records_evictions,
+            windows=self.runner.kv_groups.windows,
         )
         self.kv_connector: KVConnector | None = None
         if kv_transfer is not None:

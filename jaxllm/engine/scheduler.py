@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from jaxllm.config import SchedulerConfig, SpeculativeConfig
 from jaxllm.engine.drafts import add_drafts
 from jaxllm.engine.in_flight import InFlightRequests, Pending
-from jaxllm.engine.kv_cache_manager import KVCacheManager
+from jaxllm.engine.kv_cache_manager import NO_HIT, KVCacheManager
 from jaxllm.engine.policy import make_waiting_queue
 from jaxllm.request import Request, RequestStatus
 from jaxllm.scheduler_output import ScheduledRequest, SchedulerOutput, max_logits_rows, request_rows
@@ -258,8 +258,8 @@ class Scheduler:
                 break
             # a request scoring its prompt computes every position, and so reads nothing from the prefix cache
             reads_cache = not request.num_computed_tokens and request.sampling_params.prompt_logprobs is None
-            computed = self.kv.get_computed_blocks(request) if reads_cache else []
-            num_computed = request.num_computed_tokens + len(computed) * self.kv.block_size
+            computed = self.kv.get_computed_blocks(request) if reads_cache else NO_HIT
+            num_computed = request.num_computed_tokens + computed.num_blocks * self.kv.block_size
             external = self._external_tokens(request, num_computed)
             if external is None:
                 continue  # failed
@@ -324,9 +324,9 @@ class Scheduler:
         if request.metrics.first_scheduled_time is None:
             request.metrics.first_scheduled_time = now
         start = request.num_computed_tokens if start is None else start
-        block_ids = self.kv.block_ids(request.request_id)
+        tables = self.kv.block_tables(request.request_id)
         scores = _scores_prompt(request, start)
-        out.add(ScheduledRequest(request, num_new, start, block_ids, [], scores, 0, placeholders, prev_row))
+        out.add(ScheduledRequest(request, num_new, start, tables, [], scores, 0, placeholders, prev_row))
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)

@@ -27,6 +27,7 @@ from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int
 
 import pallas_kernels
+from jaxllm.kv_cache_groups import KVCacheGroups
 from jaxllm.model.layers import Dtype, Embed, GatedMLP, Linear, RMSNorm, Stacking, apply_rotary, rotary_cos_sin
 from jaxllm.model.moe import EXPERT_LOAD, SparseMoE, pack_experts, packs_expert_leaf
 from jaxllm.model.quant import QUANT_LEAVES, QuantPlan, packs_quantized
@@ -42,10 +43,10 @@ class StepInputs(NamedTuple, Generic[ArrayT]):
 
     token_ids: Int[ArrayT, " T"]
     positions: Int[ArrayT, " T"]
-    slot_mapping: Int[ArrayT, " T"]  # cache slot of each token's K/V; padding → a scratch slot
+    slot_mapping: Int[ArrayT, "G T"]  # per KV cache group: the cache slot of each token's K/V; padding → scratch
     cu_q_lens: Int[ArrayT, " S1"]  # sequence i owns rows cu_q_lens[i]:cu_q_lens[i+1]
     kv_lens: Int[ArrayT, " S"]  # context length of each sequence after this step
-    block_tables: Int[ArrayT, "S M"]
+    block_tables: Int[ArrayT, "G S M"]  # per KV cache group (kv_cache_groups.py)
     num_seqs: Int[ArrayT, " 1"]
     logits_indices: Int[ArrayT, " R"]  # rows whose logits are wanted
 
@@ -80,6 +81,16 @@ class Attention(nn.Module):
     attention_backend: str
     stacking: Stacking = Stacking()
     sliding_window: int | None = None  # this layer's (`LayerKind`)
+    kv_groups: KVCacheGroups | None = None  # None: one group, slot = layer
+
+    def _kv_place(self, layer, batch: StepInputs[Array]):
+        """(the cache slot, slot mapping and block tables) of this layer: those of its KV cache group."""
+        groups = self.kv_groups
+        if groups is None or groups.num_groups == 1:  # (one group: a slot per layer)
+            return layer, batch.slot_mapping[0], batch.block_tables[0]
+        group = jnp.asarray(groups.layer_groups, jnp.int32)[layer]
+        slot = jnp.asarray(groups.layer_slots, jnp.int32)[layer]
+        return slot, batch.slot_mapping[group], batch.block_tables[group]
 
     @nn.compact
     def __call__(self, x, cache: KVCache, layer, batch: StepInputs[Array], cos, sin):
@@ -105,23 +116,22 @@ class Attention(nn.Module):
             q = norm(a, self.dtype, st, "q_norm")(q, layer)
             k = norm(a, self.dtype, st, "k_norm")(k, layer)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        slot, slot_mapping, block_tables = self._kv_place(layer, batch)
         cache = KVCache(
-            *pallas_kernels.write_kv(
-                cache.k, cache.v, k, v, batch.slot_mapping, layer=layer, backend=self.attention_backend
-            )
+            *pallas_kernels.write_kv(cache.k, cache.v, k, v, slot_mapping, layer=slot, backend=self.attention_backend)
         )
         out = pallas_kernels.ragged_paged_attention(
             q,
             cache.k,
             cache.v,
             batch.kv_lens,
-            batch.block_tables,
+            block_tables,
             batch.cu_q_lens,
             batch.num_seqs,
             sm_scale=(a.gemma.query_pre_attn_scalar if a.gemma else a.head_dim) ** -0.5,
             sliding_window=self.sliding_window,
             soft_cap=a.gemma.attn_softcap if a.gemma else None,
-            layer=layer,
+            layer=slot,
             backend=self.attention_backend,
         )
         out = out.reshape(num_tokens, a.num_heads * a.head_dim)
@@ -138,14 +148,14 @@ class DecoderLayer(nn.Module):
     stacking: Stacking = Stacking()
     kind: LayerKind = LayerKind()
     expert_mesh: Mesh | None = None  # expert parallelism: the mesh the experts are split over
+    kv_groups: KVCacheGroups | None = None  # where each layer's K/V lives (`Attention`)
 
     @nn.compact
     def __call__(self, carry, batch: StepInputs[Array], cos, sin):
         hidden, cache, layer = carry
         st = self.stacking
-        attention = Attention(
-            self.arch, self.dtype, self.attention_backend, st, self.kind.sliding_window, name="self_attn"
-        )
+        window, groups = self.kind.sliding_window, self.kv_groups
+        attention = Attention(self.arch, self.dtype, self.attention_backend, st, window, groups, name="self_attn")
         a, dtype = self.arch, self.dtype
         attn_out, cache = attention(norm(a, dtype, st, "input_layernorm")(hidden, layer), cache, layer, batch, cos, sin)
         if a.gemma:  # Gemma: a norm after attention, and one on each side of the MLP
@@ -194,6 +204,7 @@ class CausalLM(nn.Module):
     quant: QuantPlan = QuantPlan()  # projections kept quantized (model/quant.py); empty: all float
     expert_mesh: Mesh | None = None  # expert parallelism: the step's mesh (the experts run under shard_map)
     expert_kernel: str | None = None  # "pallas": the experts' grouped matmul by the Pallas GPU kernel (`Stacking`)
+    kv_groups: KVCacheGroups | None = None  # the cache's KV cache groups (None: one group, a slot per layer)
     # pipeline parallelism: a stage runs `arch.num_layers` of the model's layers; the first embeds the tokens,
     # the last applies the final norm and the LM head; the others take and return hidden states [T, H]
     first_stage: bool = True
@@ -285,14 +296,23 @@ class CausalLM(nn.Module):
                 )
                 stacking = self.layer_stacking(end - start, start)
                 name = stack_name(start, a.num_layers, end)
-                layers = run(a, self.dtype, self.attention_backend, stacking, kind, self.expert_mesh, name=name)
+                layers = run(
+                    a, self.dtype, self.attention_backend, stacking, kind, self.expert_mesh, self.kv_groups, name=name
+                )
                 carry, _ = layers(carry, batch, *rotary[kind.sliding_window is not None])
         else:
             for i in range(a.num_layers):
                 stacking = self.layer_stacking(None)
                 kind = a.layer_kind(i)
                 layer = DecoderLayer(
-                    a, self.dtype, self.attention_backend, stacking, kind, self.expert_mesh, name=f"layers_{i}"
+                    a,
+                    self.dtype,
+                    self.attention_backend,
+                    stacking,
+                    kind,
+                    self.expert_mesh,
+                    self.kv_groups,
+                    name=f"layers_{i}",
                 )
                 carry, _ = layer(carry, batch, *rotary[kind.sliding_window is not None])
         hidden, cache, _ = carry

@@ -183,6 +183,10 @@ class ModelArch:
         windowed = self.sliding_layers is None or layer in self.sliding_layers
         return LayerKind(experts=experts, sliding_window=self.sliding_window if windowed else None)
 
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window (None: full attention), what its KV cache group follows."""
+        return tuple(self.layer_kind(i).sliding_window for i in range(self.num_layers))
+
     def sparse_layers(self) -> tuple[int, ...]:
         """The layers whose MLP is a mixture of experts."""
         return tuple(i for i in range(self.num_layers) if self.layer_kind(i).experts)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from jaxllm.config import EngineConfig
+from jaxllm.kv_cache_groups import KVCacheGroups
 from jaxllm.model import CausalLM
 from jaxllm.model.quant import NO_QUANT, QuantPlan, packs_quantized
 from jaxllm.model.registry import ModelArch
@@ -74,8 +75,11 @@ def cpu_kernel_choice(arch, config: EngineConfig, dtype, mesh: Mesh, quant: Quan
     return kernel_choice(arch, config, dtype, quant, matmul=packable)
 
 
-def step_model(arch, config: EngineConfig, dtype, mesh: Mesh, quant: QuantPlan = NO_QUANT) -> CausalLM:
-    """The model the step runs: attention and matmul backends, and the dtype it computes in, for this platform."""
+def step_model(
+    arch, config: EngineConfig, dtype, mesh: Mesh, quant: QuantPlan = NO_QUANT, kv_groups: KVCacheGroups | None = None
+) -> CausalLM:
+    """The model the step runs: attention and matmul backends, and the dtype it computes in, for this platform;
+    `kv_groups`: where each layer's K/V lives (None: a slot per layer, one block table)."""
     scan, attention = config.model.scan_layers, config.model.attention_backend
     matmul, compute_dtype, kernel_max_rows = "auto", dtype, None
     choice = cpu_kernel_choice(arch, config, dtype, mesh, quant)
@@ -104,6 +108,7 @@ def step_model(arch, config: EngineConfig, dtype, mesh: Mesh, quant: QuantPlan =
         expert_mesh=mesh if arch.moe is not None and arch.moe.expert_parallel else None,
         # one GPU: the experts' grouped matmul by the Pallas kernel (it has no partitioning rule either)
         expert_kernel="pallas" if jax.default_backend() == "gpu" and mesh.size == 1 else None,
+        kv_groups=kv_groups,
     )
 
 

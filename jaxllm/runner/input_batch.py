@@ -33,16 +33,17 @@ class InputBatch:
         max_model_len: int,
         vocab_size: int,
         block_size: int,
+        num_groups: int = 1,
     ):
         self.block_size = block_size
         i32, f32 = np.int32, np.float32
         self.token_ids = np.zeros(max_tokens, i32)
         self.src = np.full(max_tokens, -1, i32)  # async: previous step's sampler row giving the token, or -1
         self.positions = np.zeros(max_tokens, i32)
-        self.slot_mapping = np.zeros(max_tokens, i32)
+        self.slot_mapping = np.zeros((num_groups, max_tokens), i32)  # per KV cache group
         self.cu_q_lens = np.zeros(max_seqs + 1, i32)
         self.kv_lens = np.zeros(max_seqs, i32)
-        self.block_tables = np.zeros((max_seqs, max_blocks_per_seq), i32)
+        self.block_tables = np.zeros((num_groups, max_seqs, max_blocks_per_seq), i32)
         self.logits_indices = np.zeros(max_seqs, i32)
         self.num_seqs = np.zeros(1, i32)
         self.temperature = np.zeros(max_seqs, f32)
@@ -74,7 +75,7 @@ class InputBatch:
         self._reset_sampling_rows(S)
         if grammar is not None:  # grammar masks first: the min_tokens bans below narrow them further
             self._masked_rows.update(grammar.fill_bitmask(out.scheduled, self.allowed))
-        self.block_tables[:S] = SCRATCH_BLOCK
+        self.block_tables[:, :S] = SCRATCH_BLOCK
         self.src[:T] = -1
         num_tokens = 0
         for seq, scheduled in enumerate(out.scheduled):
@@ -82,7 +83,6 @@ class InputBatch:
             drafts, row = scheduled.draft_token_ids, scheduled.logits_row
             end, d = num_tokens + n, len(drafts)
             positions = np.arange(start, start + n, dtype=np.int32)
-            blocks = np.asarray(scheduled.block_ids, np.int32)
             if scheduled.num_placeholders:  # a decode whose input token the previous step samples
                 assert n == 1 and not d and scheduled.prev_row >= 0, "a placeholder is a decode's only token"
                 self.token_ids[num_tokens] = 0
@@ -91,8 +91,10 @@ class InputBatch:
                 self.token_ids[num_tokens : end - d] = _token_slice(request, start, start + n - d)
             self.token_ids[end - d : end] = drafts
             self.positions[num_tokens:end] = positions
-            self.slot_mapping[num_tokens:end] = blocks[positions // bs] * bs + positions % bs
-            self.block_tables[seq, : len(blocks)] = blocks
+            for group, table in enumerate(scheduled.block_ids):
+                blocks = np.asarray(table, np.int32)
+                self.slot_mapping[group, num_tokens:end] = blocks[positions // bs] * bs + positions % bs
+                self.block_tables[group, seq, : len(blocks)] = blocks
             self.kv_lens[seq] = start + n
             self.cu_q_lens[seq + 1] = end
             if scheduled.scores_prompt:  # a row per token, each scoring the next prompt token (the last may sample)
@@ -109,7 +111,7 @@ class InputBatch:
         num_seqs = len(out.scheduled)
         self.token_ids[num_tokens:T] = 0
         self.positions[num_tokens:T] = 0
-        self.slot_mapping[num_tokens:T] = SCRATCH_BLOCK * bs
+        self.slot_mapping[:, num_tokens:T] = SCRATCH_BLOCK * bs
         self.cu_q_lens[0] = 0
         self.cu_q_lens[num_seqs + 1 : S + 1] = num_tokens
         self.kv_lens[num_seqs:S] = 0
@@ -118,10 +120,10 @@ class InputBatch:
         inputs = StepInputs(
             self.token_ids[:T],
             self.positions[:T],
-            self.slot_mapping[:T],
+            self.slot_mapping[:, :T],
             self.cu_q_lens[: S + 1],
             self.kv_lens[:S],
-            self.block_tables[:S],
+            self.block_tables[:, :S],
             self.num_seqs,
             self.logits_indices[:S],
         )

@@ -1,6 +1,7 @@
 """The paged KV cache on device: sized from a memory budget, sharded over KV heads.
 
-Layout (docs/design.md): K and V each `[num_layers, num_blocks, block_size, num_kv_heads, head_dim]`.
+Layout (docs/design.md): K and V each `[slots, num_blocks, block_size, num_kv_heads, head_dim]`, a slot per layer
+of a KV cache group (kv_cache_groups.py): one per layer unless the hybrid manager groups the layers.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from jaxllm.config import CacheConfig
+from jaxllm.config import CacheConfig, EngineConfig
 from jaxllm.distributed.runtime import agree_min
+from jaxllm.kv_cache_groups import KVCacheGroups
 from jaxllm.model import KVCache, ModelArch
 from jaxllm.parallel.mesh import kv_cache_sharding
 
@@ -25,10 +27,23 @@ CPU_SHARE_OF_FREE_RAM = 0.5  # but never more than this share of what is free no
 ACCELERATOR_HEADROOM_BYTES = 1 << 30  # activations, compiled code, allocator slack
 
 
-def bytes_per_block(arch: ModelArch, block_size: int, dtype, num_shards: int = 1) -> int:
-    """K and V of one block across all layers, on one device of a mesh sharding KV heads `num_shards` ways."""
+def kv_cache_groups(arch: ModelArch, config: EngineConfig) -> KVCacheGroups:
+    """The KV cache groups the engine runs `arch` with: by attention kind (the hybrid manager), unless it is off —
+    by `disable_hybrid_kv_cache_manager`, or because pipeline stages or KV connectors move whole layers' blocks."""
+    hybrid = not (
+        config.cache.disable_hybrid_kv_cache_manager
+        or config.kv_transfer is not None
+        or config.parallel.pipeline_parallel_size > 1
+    )
+    return KVCacheGroups.plan(arch.layer_windows(), config.scheduler.max_model_len, hybrid)
+
+
+def bytes_per_block(arch: ModelArch, block_size: int, dtype, num_shards: int = 1, slots: int | None = None) -> int:
+    """K and V of one block in all its slots (None: every layer), on one device of a mesh sharding KV heads
+    `num_shards` ways."""
     heads = -(-arch.num_kv_heads // num_shards)
-    return 2 * arch.num_layers * block_size * heads * arch.head_dim * jnp.dtype(dtype).itemsize
+    layers = arch.num_layers if slots is None else slots
+    return 2 * layers * block_size * heads * arch.head_dim * jnp.dtype(dtype).itemsize
 
 
 def _ram() -> tuple[int, int]:
@@ -64,15 +79,17 @@ def _stable(num_blocks: int, significant_bits: int = 4) -> int:
     return num_blocks >> drop << drop
 
 
-def num_kv_blocks(arch: ModelArch, config: CacheConfig, dtype, mesh: Mesh) -> int:
-    per_block = bytes_per_block(arch, config.block_size, dtype, mesh.shape["model"])
+def num_kv_blocks(arch: ModelArch, config: CacheConfig, dtype, mesh: Mesh, slots: int | None = None) -> int:
+    per_block = bytes_per_block(arch, config.block_size, dtype, mesh.shape["model"], slots)
     blocks = kv_cache_budget(config) // per_block
     if config.kv_cache_memory_bytes is None:  # a budget taken from free memory: keep the shape stable
         blocks = _stable(blocks)
     return agree_min(blocks)  # multi-host: one compiled cache shape everywhere
 
 
-def allocate_kv_cache(arch: ModelArch, num_blocks: int, block_size: int, dtype, mesh: Mesh) -> KVCache:
-    shape = (arch.num_layers, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
+def allocate_kv_cache(
+    arch: ModelArch, num_blocks: int, block_size: int, dtype, mesh: Mesh, slots: int | None = None
+) -> KVCache:
+    shape = (arch.num_layers if slots is None else slots, num_blocks, block_size, arch.num_kv_heads, arch.head_dim)
     zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=kv_cache_sharding(mesh))
     return KVCache(zeros(), zeros())

@@ -34,6 +34,7 @@ from jax import Array
 from jax.sharding import Mesh
 
 from jaxllm.config import EngineConfig
+from jaxllm.kv_cache_groups import KVCacheGroups
 from jaxllm.model import KVCache, StepInputs
 from jaxllm.model.llama import expert_loads
 from jaxllm.parallel.mesh import replicated
@@ -42,7 +43,7 @@ from jaxllm.runner.compilations import watch_compilations
 from jaxllm.runner.cpu_kernels import cpu_kernel_choice, step_model
 from jaxllm.runner.executable_cache import ExecutableCache, abstract_signature, environment_fingerprint, fingerprint
 from jaxllm.runner.input_batch import InputBatch
-from jaxllm.runner.kv_cache import allocate_kv_cache, num_kv_blocks
+from jaxllm.runner.kv_cache import allocate_kv_cache, kv_cache_groups, num_kv_blocks
 from jaxllm.runner.sampler import SamplerOutput, SamplingInputs, sample
 from jaxllm.scheduler_output import SchedulerOutput, max_logits_rows, request_rows
 from jaxllm.weights import LoadedModel
@@ -96,6 +97,7 @@ class ModelRunner:
         arch, cache_cfg, sched_cfg = loaded.arch, config.cache, config.scheduler
         self.block_size = cache_cfg.block_size
         self.max_blocks_per_seq = -(-sched_cfg.max_model_len // self.block_size)
+        self.kv_groups = self._kv_groups()
         started = time.perf_counter()
         self.num_blocks, self.cache = self._allocate_cache(cache_cfg.kv_dtype(loaded.dtype))
         self.startup_seconds = {"kv_cache": time.perf_counter() - started}  # phases, for the start-up report
@@ -115,6 +117,7 @@ class ModelRunner:
                 sched_cfg.max_model_len,
                 arch.vocab_size,
                 self.block_size,
+                self.kv_groups.num_groups,
             )
             # a launched step may still read its arrays: one per step in flight (async: +1, the one being filled)
             for _ in range(sched_cfg.max_steps_in_flight)
@@ -122,7 +125,7 @@ class ModelRunner:
         self.batch = self._filled = self._batches[0]
         self._turn = 0  # the batch the next step fills
         self.max_rows = largest.num_seqs
-        self.model = step_model(arch, config, loaded.dtype, mesh, loaded.quant)
+        self.model = step_model(arch, config, loaded.dtype, mesh, loaded.quant, self.kv_groups)
         # for reports (cached: no second check)
         self.cpu_kernels = cpu_kernel_choice(arch, config, loaded.dtype, mesh, loaded.quant)
         self.set_params(loaded.params, laid_out=loaded.laid_out)
@@ -152,11 +155,14 @@ class ModelRunner:
         self._step_loads: deque = deque(maxlen=8)  # launched steps' loads, on the device until collected
         self.stats = StepStats()
 
+    def _kv_groups(self) -> KVCacheGroups:
+        return kv_cache_groups(self.loaded.arch, self.config)
+
     def _allocate_cache(self, kv_dtype) -> tuple[int, KVCache]:
-        """(blocks, the cache): as many blocks as the memory budget holds."""
-        arch, mesh = self.loaded.arch, self.mesh
-        num_blocks = num_kv_blocks(arch, self.config.cache, kv_dtype, mesh)
-        return num_blocks, allocate_kv_cache(arch, num_blocks, self.block_size, kv_dtype, mesh)
+        """(blocks, the cache): as many blocks as the memory budget holds, each a slot per layer of a group."""
+        arch, mesh, slots = self.loaded.arch, self.mesh, self.kv_groups.slots
+        num_blocks = num_kv_blocks(arch, self.config.cache, kv_dtype, mesh, slots)
+        return num_blocks, allocate_kv_cache(arch, num_blocks, self.block_size, kv_dtype, mesh, slots)
 
     def set_params(self, params, *, laid_out: bool = False) -> None:
         """The weights, stacked `[L, ...]` as loaders make them (`laid_out`: in `weight_layout` already),
@@ -212,6 +218,7 @@ class ModelRunner:
             model.matmul_backend,
             model.matmul_kernel_max_rows,
             model.quant,
+            model.kv_groups,
             kernels,
             self.mesh.shape,
             devices,

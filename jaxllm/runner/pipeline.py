@@ -24,12 +24,13 @@ from jax import Array
 from jax.sharding import Mesh, NamedSharding
 
 from jaxllm.config import EngineConfig
+from jaxllm.kv_cache_groups import KVCacheGroups
 from jaxllm.model import KVCache, StepInputs
 from jaxllm.parallel.mesh import replicated
 from jaxllm.parallel.pipeline import layer_ranges, local_stages
 from jaxllm.runner.buckets import Bucket
 from jaxllm.runner.cpu_kernels import step_model
-from jaxllm.runner.kv_cache import allocate_kv_cache, num_kv_blocks
+from jaxllm.runner.kv_cache import allocate_kv_cache, kv_cache_groups, num_kv_blocks
 from jaxllm.runner.model_runner import ModelRunner
 from jaxllm.weights import LoadedModel
 
@@ -82,6 +83,11 @@ class PipelineRunner(ModelRunner):
     def holds_last_stage(self) -> bool:
         """Whether the LM head and the sampler run here."""
         return self.local[-1] == self.num_stages - 1
+
+    def _kv_groups(self) -> KVCacheGroups:
+        """One group, a slot per layer: each stage's cache holds its own layers (mixed layer kinds are refused)."""
+        arch = self.loaded.arch
+        return KVCacheGroups.uniform(arch.num_layers, kv_cache_groups(arch, self.config).windows[0])
 
     def _allocate_cache(self, kv_dtype) -> tuple[int, KVCache]:
         """A cache per stage with its layers only (None for another process's stage), all with the block count the

@@ -73,11 +73,14 @@ class Worker:
             else:  # stages on several nodes
                 self.runner = HostsPipelineRunner(model, config, meshes, config.parallel.distributed_timeout)
             usable = max(self.runner.num_blocks - 1, 0)  # block 0 is scratch
-            capacity = usable * config.cache.block_size
-            if capacity < config.scheduler.max_model_len:
+            sched = config.scheduler
+            needed = self.runner.kv_groups.blocks_needed(
+                sched.max_model_len, config.cache.block_size, sched.max_num_batched_tokens
+            )
+            if usable < needed:
                 raise ValueError(
-                    f"the KV cache of {source.name} holds {capacity} tokens ({usable} blocks), "
-                    f"fewer than max_model_len={config.scheduler.max_model_len}: raise kv_cache_memory_bytes or "
+                    f"the KV cache of {source.name} holds {usable} blocks, fewer than the {needed} one sequence of "
+                    f"max_model_len={sched.max_model_len} tokens needs: raise kv_cache_memory_bytes or "
                     f"gpu_memory_utilization, or lower max_model_len"
                 )
             self.runner.warm_up(progress=progress)

@@ -164,8 +164,15 @@ def engine_description(core) -> dict:
         "tensor_parallel_size": core.config.parallel.tensor_parallel_size,
         "pipeline_parallel_size": core.config.parallel.pipeline_parallel_size,
         "kv_bytes_per_block": bytes_per_block(
-            core.loaded.arch, core.kv.block_size, core.loaded.dtype, core.runner.mesh.shape["model"]
+            core.loaded.arch,
+            core.kv.block_size,
+            core.loaded.dtype,
+            core.runner.mesh.shape["model"],
+            core.runner.kv_groups.slots,
         ),
+        # the hybrid KV manager's groups (a window per group, None: full attention) and the layers a block holds
+        "kv_cache_groups": list(core.kv.windows),
+        "kv_cache_slots": core.runner.kv_groups.slots,
         "machine": platform.node(),
         "processor": platform.processor() or platform.machine(),
         **machine_speed_keys(),

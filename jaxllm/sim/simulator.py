@@ -31,6 +31,7 @@ from jaxllm.config import SchedulerConfig, SpeculativeConfig
 from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.step_loop import InFlightStep, StepLoop
+from jaxllm.kv_cache_groups import blocks_needed
 from jaxllm.request import Request
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.scheduler_output import SchedulerOutput
@@ -57,6 +58,9 @@ class SimConfig:
     speculative: SpeculativeConfig | None = None  # n-gram speculation (see the module docstring)
     pipeline_parallel_size: int = 1  # stages; the scheduler config gets max_concurrent_batches = this
     pp_stage_layers: tuple[int, ...] | None = None  # layers of each stage (`stage_layers`); None: an even split
+    # one per KV cache group (kv_cache_groups.py): its layers' sliding window, None for full attention; a block is
+    # a slot of each group's layers, and windowed groups free what leaves the window, as the engine's manager does
+    kv_cache_windows: tuple[int | None, ...] = (None,)
 
     def __post_init__(self):
         if self.speculative is not None and self.speculative.method != "ngram":
@@ -233,11 +237,14 @@ class _Simulation:
         self.trace, self.config, self.seed = trace, config, seed
         self.oracle_output_len, self.request_latency_s = oracle_output_len, request_latency_s
         self.speculation = speculation
-        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
-        if self.kv.num_usable_blocks * config.block_size < config.scheduler.max_model_len:
+        windows = config.kv_cache_windows
+        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching, windows=windows)
+        sched = config.scheduler
+        needed = blocks_needed(windows, sched.max_model_len, config.block_size, sched.max_num_batched_tokens)
+        if self.kv.num_usable_blocks < needed:
             raise ValueError(
-                f"the KV pool holds {self.kv.num_usable_blocks * config.block_size} tokens, fewer than "
-                f"max_model_len={config.scheduler.max_model_len}: raise the number of blocks"
+                f"the KV pool holds {self.kv.num_usable_blocks} blocks, fewer than the {needed} one sequence of "
+                f"max_model_len={sched.max_model_len} tokens needs: raise the number of blocks"
             )
         self.scheduler = Scheduler(config.scheduler, self.kv, config.speculative)
         depth = config.scheduler.max_concurrent_batches  # = the stages (SimConfig): a batch in flight per stage

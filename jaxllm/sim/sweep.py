@@ -71,8 +71,8 @@ def _time_step(core, layout: list[tuple[int, ...]], warm: bool) -> tuple[StepSha
             if not kv.allocate_slots(request, start + n):
                 raise ValueError(f"the KV pool is too small for calibration step {layout}")
             requests.append(request)
-            block_ids = kv.block_ids(request.request_id)
-            scheduled.append(ScheduledRequest(request, n, start, block_ids, tokens[start + n - d :]))
+            tables = kv.block_tables(request.request_id)
+            scheduled.append(ScheduledRequest(request, n, start, tables, tokens[start + n - d :]))
         out = SchedulerOutput(step=-1, scheduled=scheduled)  # assigns each request its rows of logits
         if warm:
             core.runner.execute(out)  # first use of this bucket's executable

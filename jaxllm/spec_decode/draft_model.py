@@ -72,7 +72,10 @@ class DraftModelProposer:
             source, self.config, mesh, seed=model.seed, executable_dir=executable_dir, progress=progress
         )
         cache: CacheConfig = self.config.cache
-        self.kv = KVCacheManager(self.worker.runner.num_blocks, cache.block_size, enable_prefix_caching=False)
+        runner = self.worker.runner
+        self.kv = KVCacheManager(
+            runner.num_blocks, cache.block_size, enable_prefix_caching=False, windows=runner.kv_groups.windows
+        )
         self._shadows: dict[str, Request] = {}  # target request id → the draft's copy (its KV, its drafts)
 
     def propose(self, requests: list[Request], k: int) -> list[list[int]]:
@@ -123,7 +126,8 @@ class DraftModelProposer:
         out = SchedulerOutput(step=-1)
         for shadow, n in chunks:
             if self.kv.allocate_slots(shadow, n):
-                out.add(ScheduledRequest(shadow, n, shadow.num_computed_tokens, self.kv.block_ids(shadow.request_id)))
+                tables = self.kv.block_tables(shadow.request_id)
+                out.add(ScheduledRequest(shadow, n, shadow.num_computed_tokens, tables))
         if out.is_empty:
             return [], []
         result = self.worker.runner.execute(out)

@@ -40,10 +40,10 @@ def _tiny_inputs(arch: ModelArch, dtype) -> tuple[KVCache, StepInputs[jax.Array]
     batch = StepInputs(
         token_ids=jnp.zeros((1,), i32),
         positions=jnp.zeros((1,), i32),
-        slot_mapping=jnp.zeros((1,), i32),
+        slot_mapping=jnp.zeros((1, 1), i32),
         cu_q_lens=jnp.array([0, 1], i32),
         kv_lens=jnp.ones((1,), i32),
-        block_tables=jnp.zeros((1, 1), i32),
+        block_tables=jnp.zeros((1, 1, 1), i32),
         num_seqs=jnp.ones((1,), i32),
         logits_indices=jnp.zeros((1,), i32),
     )
