@@ -62,6 +62,15 @@ class KVCacheGroups:
     def is_hybrid(self) -> bool:
         return self.num_groups > 1 or self.windows[0] is not None
 
+    def describe(self) -> str:
+        """For the ready line: "" for one full-attention group, else the groups and their windows."""
+        if not self.is_hybrid:
+            return ""
+        windowed = sorted({w for w in self.windows if w is not None})
+        kinds = [f"{self.windows.count(w)} of a {w}-token window" for w in windowed]
+        kinds += [f"{self.windows.count(None)} full attention"] if None in self.windows else []
+        return f"{self.num_groups} KV cache groups of {self.slots} layers ({', '.join(kinds)})"
+
     def blocks_needed(self, num_tokens: int, block_size: int, step_tokens: int) -> int:
         return blocks_needed(self.windows, num_tokens, block_size, step_tokens)
 

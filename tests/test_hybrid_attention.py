@@ -143,8 +143,8 @@ def test_windowed_groups_hold_at_most_their_window_in_every_step(gemma):
 
 def test_gemma_preempted_in_a_small_pool_equals_transformers(tmp_path):
     """Gemma 3 in a pool that holds about two sequences: requests are preempted and recomputed, windowed blocks come
-    and go, and the greedy tokens stay transformers'; the hybrid manager off (every block kept) gives the same
-    tokens with fewer sequences running."""
+    and go, and the greedy tokens stay transformers'; so do they with the hybrid manager off (every block kept), and
+    with the groups' cache sharded over two devices (tensor parallelism)."""
     config_cls, model_cls, overrides = GEMMA["gemma3"]
     config = getattr(transformers, config_cls)(**{**TINY, **overrides})
     config.architectures = [model_cls]
@@ -163,4 +163,8 @@ def test_gemma_preempted_in_a_small_pool_equals_transformers(tmp_path):
     )
     assert uniform.engine.kv.windows == (None,) and uniform.engine.runner.kv_groups.slots == 6
     outputs = uniform.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == want
+    del llm, uniform
+    sharded = LLM(str(tmp_path), **small, tensor_parallel_size=2)  # each device its KV heads of every group
+    outputs = sharded.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == want

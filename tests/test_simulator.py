@@ -535,7 +535,7 @@ def test_verification_steps_are_priced_by_their_rows():
     from jaxllm.scheduler_output import ScheduledRequest, SchedulerOutput
 
     request = Request("r", list(range(100, 140)), SamplingParams())
-    out = SchedulerOutput(0, [ScheduledRequest(request, 4, 39, [0, 1, 2], [7, 8, 9])])
+    out = SchedulerOutput(0, [ScheduledRequest(request, 4, 39, [[0, 1, 2]], [7, 8, 9])])
     shape = StepShape.of(out)
     assert shape == StepShape(num_tokens=4, num_seqs=1, context_tokens=43, attention_pairs=4 * 43, num_rows=4)
     model = replace(COST, per_prefill_step_s=0.5)

@@ -461,7 +461,7 @@ def verify_batch(seeds):
         request = Request(f"r{seed}", [3, 1, 4], params, sample_seed=int(seed))
         request.num_computed_tokens = 2  # the last prompt token is computed this step, then the drafts
         assert kv.allocate_slots(request, 1 + d)
-        out.add(ScheduledRequest(request, 1 + d, 2, kv.block_ids(request.request_id), list(DRAFTS)))
+        out.add(ScheduledRequest(request, 1 + d, 2, kv.block_tables(request.request_id), list(DRAFTS)))
         requests.append(request)
     batch = InputBatch(out.num_tokens, out.num_rows, 2, 64, V, 16)
     _, sampling = batch.fill(out, Bucket(out.num_tokens, out.num_rows))

@@ -58,7 +58,7 @@ def log_ready(core, cache_folder: str | None) -> None:
     block_size = core.config.cache.block_size
     capacity = core.kv.num_usable_blocks * block_size
     logger.info(
-        "model %s (%s, %s; quantized: %s) loaded in %.1fs; KV cache %d blocks x %d = %d tokens; max_model_len %d, "
+        "model %s (%s, %s; quantized: %s) loaded in %.1fs; KV cache %d blocks x %d = %d tokens%s; max_model_len %d, "
         "max_num_seqs %d, max_num_batched_tokens %d; %d buckets (%d executables) ready in %.1fs (%d loaded "
         "compiled; cache: %s); "
         "ready in %.1fs",
@@ -70,6 +70,7 @@ def log_ready(core, cache_folder: str | None) -> None:
         core.kv.num_usable_blocks,
         block_size,
         capacity,
+        f" in {groups}" if (groups := core.runner.kv_groups.describe()) else "",
         sched.max_model_len,
         sched.max_num_seqs,
         sched.max_num_batched_tokens,

@@ -92,7 +92,8 @@ def calibrate(core, *, repeats: int = 5, progress: bool | Progress = True) -> Co
     per part and bars on stderr."""
     say = progress if isinstance(progress, Progress) else Progress(progress)
     sched = core.config.scheduler
-    capacity = core.kv.num_free_blocks * core.kv.block_size
+    # tokens of context the pool holds for sure: a step's new tokens take a block per group (windows or not)
+    capacity = core.kv.num_free_blocks * core.kv.block_size // len(core.kv.windows)
     points = sweep_points(sched.max_num_seqs, sched.max_num_batched_tokens, sched.max_model_len, capacity)
     say.say(f"device sweep: {len(points)} step shapes x {repeats} rounds (each point's median), after a warm run")
     samples = time_sweep(core, points, repeats, say.enabled)
