@@ -63,7 +63,8 @@ def admit(llm: LLM, context: int, limit: int, computed: int) -> list[Request]:
     admitted: list[Request] = []
     while len(admitted) < limit:
         tokens = [(len(admitted) * 7919 + i) % 50000 + 1 for i in range(context)]  # distinct: no prefix sharing
-        request = Request(f"seq{len(admitted)}", tokens, SamplingParams(max_tokens=1 << 20, ignore_eos=True))
+        params = SamplingParams(temperature=0, max_tokens=1 << 20, ignore_eos=True)  # greedy, as batch 1 below
+        request = Request(f"seq{len(admitted)}", tokens, params)
         while request.num_computed_tokens < context:
             n = min(chunk, context - request.num_computed_tokens)
             if not kv.allocate_slots(request, n):

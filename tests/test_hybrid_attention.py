@@ -15,6 +15,7 @@ from jaxllm import LLM, SamplingParams
 from jaxllm.model import arch_from_hf_config
 from jaxllm.runner.compilations import compilation_count
 from jaxllm.scheduler_output import SCRATCH_BLOCK
+from tests.gguf_models import write_gguf
 from tests.hf_reference import hf_greedy, hf_log_softmax
 from tests.tiny_models import CHUNKED_ENGINE, TINY_DECODER, random_model
 
@@ -168,3 +169,21 @@ def test_gemma_preempted_in_a_small_pool_equals_transformers(tmp_path):
     sharded = LLM(str(tmp_path), **small, tensor_parallel_size=2)  # each device its KV heads of every group
     outputs = sharded.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == want
+
+
+@pytest.mark.parametrize("name", list(GEMMA))
+def test_gemma_gguf_equals_transformers(name, tmp_path):
+    """A GGUF as llama.cpp's converter writes Gemma: norms stored as 1 + w, `ffn_norm` the norm before the MLP,
+    Gemma 2's soft-caps in the metadata, the window pattern, local RoPE base and query scale left to the
+    architecture's defaults (the query scale: head_dim, as every released Gemma but the 27B ones has it);
+    projections kept in their Q8_0 blocks. Greedy tokens equal transformers' on the dequantized weights."""
+    config_cls, model_cls, overrides = GEMMA[name]
+    config = getattr(transformers, config_cls)(**{**TINY, **overrides, "query_pre_attn_scalar": overrides["head_dim"]})
+    config.architectures = [model_cls]
+    model = random_model(getattr(transformers, model_cls), config).eval()
+    reference = write_gguf(model, tmp_path / "model.gguf", "Q8_0")
+    llm = LLM(str(tmp_path / "model.gguf"), **CHUNKED_ENGINE)
+    assert llm.engine.loaded.quant.describe() != "none" and len(llm.engine.kv.windows) > 1
+    prompts = GEMMA_PROMPTS[:4]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [hf_greedy(reference, p, 32) for p in prompts]

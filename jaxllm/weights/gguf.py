@@ -37,8 +37,11 @@ GGUF_ARCHITECTURES = {
     "qwen2moe": "Qwen2MoeForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
-MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe"}  # transformers' spelling where it differs
+# transformers' spelling where it differs
+MODEL_TYPES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gemma3": "gemma3_text"}
 PERMUTED_QK = {"llama"}
 # Whether the chosen experts' weights are renormalised: no GGUF key says so for these architectures, llama.cpp's
 # graph fixes it per architecture (transformers patched the same defaults in, #41151); `expert_weights_norm`,
@@ -65,6 +68,20 @@ _LAYER_TENSORS = {
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
     "ffn_gate_inp_shexp": "mlp.shared_expert_gate",  # [H] in GGUF, [1, H] in transformers
 }
+# Gemma's four norms a layer: llama.cpp's `ffn_norm` is the norm before the MLP, not after attention
+_GEMMA_LAYER_TENSORS = {
+    **_LAYER_TENSORS,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+LAYER_TENSORS = {"gemma2": _GEMMA_LAYER_TENSORS, "gemma3": _GEMMA_LAYER_TENSORS}  # by GGUF architecture
+# Gemma in llama.cpp: its converter stores RMSNorm weights as 1 + w (transformers keeps w); no key gives the layers'
+# window pattern (every 2nd layer global in Gemma 2, every 6th in Gemma 3), Gemma 3's local RoPE base (10k) or the
+# query scale (head_dim, but hidden / heads for the 27B models): llama.cpp fixes them per architecture and size
+GEMMA_SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+GEMMA_LOCAL_ROPE_BASE = 10000.0
 # a layer's experts, every expert in one tensor `[E, out, in]`: transformers 5's fused names → GGUF's parts,
 # joined along `out` (gate before up, as transformers fuses them)
 _EXPERT_TENSORS = {
@@ -74,9 +91,10 @@ _EXPERT_TENSORS = {
 _GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 
 
-def hf_name_to_gguf(name: str) -> list[str]:
-    """The GGUF tensors behind a transformers tensor name: one, or a layer's expert parts (`_EXPERT_TENSORS`).
-    KeyError for a name GGUF does not have (each expert's own tensors: GGUF keeps them fused)."""
+def hf_name_to_gguf(name: str, architecture: str = "llama") -> list[str]:
+    """The GGUF tensors behind a transformers tensor name in a GGUF of `architecture`: one, or a layer's expert
+    parts (`_EXPERT_TENSORS`). KeyError for a name GGUF does not have (each expert's own tensors: GGUF keeps them
+    fused)."""
     name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's sparse block
     parts = name.split(".")
     if len(parts) > 3 and parts[:2] == ["model", "layers"] and (experts := ".".join(parts[3:])) in _EXPERT_TENSORS:
@@ -87,7 +105,7 @@ def hf_name_to_gguf(name: str) -> list[str]:
             return [f"{gguf_name}.{kind}"]
     parts = prefix.split(".")
     layer, module = parts[2], ".".join(parts[3:])
-    inverse = {hf: g for g, hf in _LAYER_TENSORS.items()}
+    inverse = {hf: g for g, hf in LAYER_TENSORS.get(architecture, _LAYER_TENSORS).items()}
     return [f"blk.{layer}.{inverse[module]}.{kind}"]
 
 
@@ -256,6 +274,30 @@ class GGUFFile:
             config["sliding_window"] = window
         if key("expert_count"):
             config.update(self._moe_config())
+        if arch in GEMMA_SWA_PATTERN:
+            config.update(self._gemma_config())
+        return config
+
+    def _gemma_config(self) -> dict:
+        """Gemma 2/3's config fields from llama.cpp's metadata, and its per-architecture defaults where none."""
+        arch = self.gguf_architecture
+
+        def key(name: str, default: Any = None) -> Any:
+            return self.metadata.get(f"{arch}.{name}", default)
+
+        layers, hidden, heads = key("block_count"), key("embedding_length"), key("attention.head_count")
+        pattern = int(key("attention.sliding_window_pattern") or GEMMA_SWA_PATTERN[arch])
+        config = {
+            "hidden_activation": "gelu_pytorch_tanh",
+            "layer_types": ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)],
+            "query_pre_attn_scalar": hidden // heads
+            if layers == GEMMA_27B_LAYERS[arch]
+            else key("attention.key_length", hidden // heads),
+            "attn_logit_softcapping": key("attn_logit_softcapping"),
+            "final_logit_softcapping": key("final_logit_softcapping"),
+        }
+        if arch == "gemma3":
+            config["rope_local_base_freq"] = GEMMA_LOCAL_ROPE_BASE
         return config
 
     def _moe_config(self) -> dict:
@@ -299,6 +341,8 @@ class GGUFFile:
         names = self._names(hf_name)
         values = [self._unpermuted(n, _dequantize(self._raw(n), self._tensors[n].ggml_type)) for n in names]
         value = values[0] if len(values) == 1 else np.concatenate(values, axis=-2)
+        if self.gguf_architecture in GEMMA_SWA_PATTERN and names[0].endswith("norm.weight"):
+            return value - 1.0  # stored as 1 + w (`GEMMA_SWA_PATTERN`'s comment)
         return value[None] if names[0].endswith(".ffn_gate_inp_shexp.weight") else value
 
     def blocks(self, hf_name: str) -> QuantizedTensor:
@@ -333,7 +377,7 @@ class GGUFFile:
         return {name: gguf.GGMLQuantizationType(info.ggml_type).name for name, info in self._tensors.items()}
 
     def _names(self, hf_name: str) -> list[str]:
-        names = hf_name_to_gguf(hf_name)
+        names = hf_name_to_gguf(hf_name, self.gguf_architecture)
         for name in names:
             if name not in self._tensors:
                 raise KeyError(f"{self.path}: tensor {name!r} (for {hf_name}) is missing")
