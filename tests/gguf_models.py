@@ -63,9 +63,9 @@ def roundtrip(w: np.ndarray, kind: gguf.GGMLQuantizationType) -> tuple[np.ndarra
     return q, gguf.quants.dequantize(q, kind).reshape(w.shape)
 
 
-def write_gguf(model, path: Path, quant_type: str):
-    """`model` as a GGUF at `path`, experts (else projections) in `quant_type`; returns the transformers model it
-    holds (a copy of `model` with those weights dequantized)."""
+def write_gguf(model, path: Path, quant_type: str, end_of_turn: int | None = None):
+    """`model` as a GGUF at `path`, experts (else projections) in `quant_type`, `end_of_turn` as its
+    `eot_token_id`; returns the transformers model it holds (a copy of `model` with those weights dequantized)."""
     c = model.config
     arch = GGUF_ARCHITECTURE[c.model_type]
     gemma = arch.startswith("gemma")
@@ -83,6 +83,8 @@ def write_gguf(model, path: Path, quant_type: str):
     w.add_rope_freq_base(getattr(c, "rope_theta", None) or rope["rope_theta"])
     w.add_vocab_size(c.vocab_size)
     w.add_feed_forward_length(c.intermediate_size)
+    if end_of_turn is not None:
+        w.add_eot_token_id(end_of_turn)
     num_experts = getattr(c, "num_experts", None) or getattr(c, "num_local_experts", None)
     if num_experts:
         w.add_expert_count(num_experts)

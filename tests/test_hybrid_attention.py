@@ -7,6 +7,8 @@ has a block table per group of layers of one kind (kv_cache_groups.py): windowed
 leave their window while the engine runs, and every test below runs with them doing so.
 """
 
+import json
+
 import numpy as np
 import pytest
 import transformers
@@ -181,9 +183,28 @@ def test_gemma_gguf_equals_transformers(name, tmp_path):
     config = getattr(transformers, config_cls)(**{**TINY, **overrides, "query_pre_attn_scalar": overrides["head_dim"]})
     config.architectures = [model_cls]
     model = random_model(getattr(transformers, model_cls), config).eval()
-    reference = write_gguf(model, tmp_path / "model.gguf", "Q8_0")
+    reference = write_gguf(model, tmp_path / "model.gguf", "Q8_0", end_of_turn=END_OF_TURN)
     llm = LLM(str(tmp_path / "model.gguf"), **CHUNKED_ENGINE)
     assert llm.engine.loaded.quant.describe() != "none" and len(llm.engine.kv.windows) > 1
+    assert END_OF_TURN in llm.engine.eos_token_ids  # llama.cpp's `eot_token_id` stops generation too
     prompts = GEMMA_PROMPTS[:4]
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == [hf_greedy(reference, p, 32) for p in prompts]
+
+
+END_OF_TURN = 7  # the tiny vocabulary's stand-in for Gemma's <end_of_turn>
+
+
+def test_generation_config_eos_tokens_stop_generation(tmp_path):
+    """Gemma 2's config.json names only <eos>; its end-of-turn token is in generation_config.json, and a chat reply
+    must stop there (vLLM reads both)."""
+    config_cls, model_cls, overrides = GEMMA["gemma2"]
+    config = getattr(transformers, config_cls)(**{**TINY, **overrides}, eos_token_id=1)
+    config.architectures = [model_cls]
+    random_model(getattr(transformers, model_cls), config).save_pretrained(tmp_path)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, END_OF_TURN]}))
+    llm = LLM(str(tmp_path), **CHUNKED_ENGINE)
+    assert {1, END_OF_TURN} <= set(llm.engine.eos_token_ids)
+    params = SamplingParams(max_tokens=8, logit_bias={END_OF_TURN: 100.0})  # the first token ends the turn
+    (out,) = llm.generate([{"prompt_token_ids": GEMMA_PROMPTS[0]}], params, use_tqdm=False)
+    assert list(out.outputs[0].token_ids) == [END_OF_TURN] and out.outputs[0].finish_reason == "stop"

@@ -261,7 +261,10 @@ class GGUFFile:
             "attention_bias": "blk.0.attn_q.bias" in self._tensors,
             "hidden_act": "silu",
             "bos_token_id": md.get("tokenizer.ggml.bos_token_id"),
-            "eos_token_id": md.get("tokenizer.ggml.eos_token_id"),
+            # llama.cpp stops at the end-of-turn token too (Gemma's `<end_of_turn>`, Llama 3's `<|eot_id|>`)
+            "eos_token_id": [
+                md[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if md.get(k) is not None
+            ],
         }
         scaling = key("rope.scaling.type")
         if scaling and scaling != "none":

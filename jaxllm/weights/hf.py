@@ -13,13 +13,29 @@ def is_hf_dir(path: Path) -> bool:
 
 
 def read_config(path: Path) -> dict:
+    """`config.json`, its `eos_token_id` joined by `generation_config.json`'s: chat models often name their
+    end-of-turn token only there (Gemma 2's `<end_of_turn>`, Llama 3's `<|eot_id|>`), and vLLM stops at both."""
     config_file = path / "config.json" if path.is_dir() else path
+    config = _read_json(config_file, "an HF model directory needs config.json")
+    generation_file = config_file.with_name("generation_config.json")
+    if generation_file.is_file():
+        eos = [*_ids(config.get("eos_token_id")), *_ids(_read_json(generation_file).get("eos_token_id"))]
+        if eos:
+            config["eos_token_id"] = list(dict.fromkeys(eos))
+    return config
+
+
+def _ids(value) -> list[int]:
+    return [] if value is None else [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _read_json(file: Path, missing: str = "") -> dict:
     try:
-        return json.loads(config_file.read_text())
+        return json.loads(file.read_text())
     except FileNotFoundError:
-        raise FileNotFoundError(f"{config_file}: no such file (an HF model directory needs config.json)") from None
+        raise FileNotFoundError(f"{file}: no such file ({missing})" if missing else f"{file}: no such file") from None
     except json.JSONDecodeError as e:
-        raise ValueError(f"{config_file}: not valid JSON ({e})") from None
+        raise ValueError(f"{file}: not valid JSON ({e})") from None
 
 
 class SafetensorsReader:
