@@ -19,7 +19,8 @@ from jaxllm.runner.compilations import compilation_count
 from jaxllm.scheduler_output import SCRATCH_BLOCK
 from tests.gguf_models import write_gguf
 from tests.hf_reference import hf_greedy, hf_log_softmax
-from tests.tiny_models import CHUNKED_ENGINE, TINY_DECODER, random_model
+from tests.served_app import Served
+from tests.tiny_models import CHUNKED_ENGINE, GEMMA_SPECIAL, TINY_DECODER, random_model, save_gemma_test_tokenizer
 
 TINY = dict(TINY_DECODER, num_hidden_layers=3)
 rng = np.random.default_rng(11)
@@ -192,7 +193,7 @@ def test_gemma_gguf_equals_transformers(name, tmp_path):
     assert [list(o.outputs[0].token_ids) for o in outputs] == [hf_greedy(reference, p, 32) for p in prompts]
 
 
-END_OF_TURN = 7  # the tiny vocabulary's stand-in for Gemma's <end_of_turn>
+END_OF_TURN = GEMMA_SPECIAL.index("<end_of_turn>")  # 5, as in the test tokenizer (Gemma's own is 106)
 
 
 def test_generation_config_eos_tokens_stop_generation(tmp_path):
@@ -208,3 +209,44 @@ def test_generation_config_eos_tokens_stop_generation(tmp_path):
     params = SamplingParams(max_tokens=8, logit_bias={END_OF_TURN: 100.0})  # the first token ends the turn
     (out,) = llm.generate([{"prompt_token_ids": GEMMA_PROMPTS[0]}], params, use_tqdm=False)
     assert list(out.outputs[0].token_ids) == [END_OF_TURN] and out.outputs[0].finish_reason == "stop"
+
+
+def test_gemma_chat_through_llm_and_the_server(tmp_path):
+    """A Gemma 3 model with Gemma's chat format (a test tokenizer: Gemma's own is gated): `LLM.chat` and the
+    server's chat completions render the template (system folded into the first user turn, the reply after
+    `<start_of_turn>model`), stop at `<end_of_turn>` (generation_config.json's eos) and show no special token."""
+    import httpx
+
+    from jaxllm import EngineArgs
+    from jaxllm.engine.async_llm import AsyncLLM
+    from jaxllm.entrypoints.openai.api_server import build_app
+
+    config_cls, model_cls, overrides = GEMMA["gemma3"]
+    config = getattr(transformers, config_cls)(**{**TINY, **overrides}, eos_token_id=1, bos_token_id=2)
+    config.architectures = [model_cls]
+    random_model(getattr(transformers, model_cls), config).save_pretrained(tmp_path)
+    save_gemma_test_tokenizer(tmp_path, TINY["vocab_size"])
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, END_OF_TURN]}))
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    end_after_three = {END_OF_TURN: 100.0}  # (min_tokens holds it back for three tokens)
+    llm = LLM(str(tmp_path), **CHUNKED_ENGINE)
+    (out,) = llm.chat(messages, SamplingParams(max_tokens=8, min_tokens=3, logit_bias=end_after_three), use_tqdm=False)
+    assert out.prompt == "<bos><start_of_turn>user\nBe brief.\n\nHi there<end_of_turn>\n<start_of_turn>model\n"
+    assert out.prompt_token_ids[:2] == [2, 4]  # one <bos>: the template's, none added by the tokenizer
+    completion = out.outputs[0]
+    assert len(completion.token_ids) == 4 and completion.token_ids[-1] == END_OF_TURN
+    assert completion.finish_reason == "stop" and "turn>" not in completion.text
+    assert completion.text == llm.get_tokenizer().decode(completion.token_ids[:3])
+    del llm
+    engine = AsyncLLM(EngineArgs(model=str(tmp_path), **{k: v for k, v in CHUNKED_ENGINE.items() if k != "progress"}))
+    served = Served(build_app(engine, served_model_names=["gemma"]))
+    try:
+        body = {"model": "gemma", "messages": messages, "max_tokens": 8, "min_tokens": 3, "logit_bias": {"5": 100}}
+        reply = httpx.post(f"{served.url}/v1/chat/completions", json=body, timeout=60).json()
+        choice = reply["choices"][0]
+        assert choice["finish_reason"] == "stop" and reply["usage"]["completion_tokens"] == 4
+        assert reply["usage"]["prompt_tokens"] == len(out.prompt_token_ids)
+        assert "turn>" not in choice["message"]["content"]
+    finally:
+        served.stop()
+        engine.shutdown()

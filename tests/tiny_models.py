@@ -62,3 +62,41 @@ def random_model(model_class, config, std: float = 0.1, seed: int = 0):
         for p in model.parameters():
             p.copy_(std * torch.randn_like(p))
     return model
+
+
+# Gemma's chat format, written for the tiny models (Gemma's own tokenizer is gated): turns between <start_of_turn>
+# and <end_of_turn>, the assistant called "model", a system message folded into the first user turn as Gemma 3's
+# template does
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- set system = messages[0]['content'] + '\\n\\n' if messages[0]['role'] == 'system' else '' -%}"
+    "{%- for m in (messages[1:] if system else messages) -%}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else m['role']) + '\\n' }}"
+    "{{ ((system if loop.first else '') + m['content']) | trim }}{{ '<end_of_turn>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
+)
+GEMMA_SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+
+
+def save_gemma_test_tokenizer(path, vocab_size: int) -> None:
+    """A character-level tokenizer with Gemma's special tokens (ids 0-5: <end_of_turn> is 5) and chat template, for
+    a tiny model of `vocab_size` tokens: newline and printable ASCII after the specials, the rest unknown."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = ["\n", *(chr(c) for c in range(32, 127))][: vocab_size - len(GEMMA_SPECIAL)]
+    vocab = {token: i for i, token in enumerate(GEMMA_SPECIAL + chars)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")  # every character a token
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        unk_token="<unk>",
+        additional_special_tokens=GEMMA_SPECIAL[4:],
+    )
+    tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
+    tokenizer.save_pretrained(path)
