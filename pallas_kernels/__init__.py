@@ -49,13 +49,15 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: Float[Array, " Hq"] | None = None,
     layer: Int[Array, ""] | int | None = None,
     backend: str = "auto",
 ) -> Float[Array, "T Hq D"]:
     """Causal attention of a flattened ragged batch over a paged KV cache.
 
     Sequence i owns query rows `cu_q_lens[i]:cu_q_lens[i+1]`; its last query sits at
-    position `kv_lens[i] - 1` and its keys live in the blocks `block_tables[i]`.
+    position `kv_lens[i] - 1` and its keys live in the blocks `block_tables[i]`. `sinks`: a learned logit per query
+    head that joins each row's softmax denominator and attends to nothing (gpt-oss's attention sinks).
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -76,7 +78,7 @@ def ragged_paged_attention(
         kernel = functools.partial(ragged_paged_attention_triton, interpret=platform != "gpu")
     else:
         kernel = ragged_paged_attention_cpu if backend == "cpu" else ragged_paged_attention_reference
-    return kernel(*args, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, layer=layer)
+    return kernel(*args, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, sinks=sinks, layer=layer)
 
 
 def _cpu_kernel_serves(k_cache) -> bool:

@@ -49,7 +49,7 @@ inline void axpy(float a, const T* v, float* acc, int64_t n) {
 template <typename T>
 void attend_tile(const float* q, const T* k_layer, const T* v_layer, const int32_t* table,
                  const Shape& sh, int64_t row0, int64_t nrows, int64_t pos0, float sm_scale,
-                 int32_t window, float soft_cap, float* out, std::vector<float>& scratch) {
+                 int32_t window, float soft_cap, const float* sinks, float* out, std::vector<float>& scratch) {
   const int64_t D = sh.head_dim, Hq = sh.q_heads, Hkv = sh.kv_heads, B = sh.block_size;
   const int64_t G = Hq / Hkv, heads = nrows * Hq;
   scratch.assign(heads * (D + 2 + B), 0.f);
@@ -127,7 +127,8 @@ void attend_tile(const float* q, const T* k_layer, const T* v_layer, const int32
     }
   }
   for (int64_t i = 0; i < heads; ++i) {
-    const float inv = l[i] > 0.f ? 1.f / l[i] : 0.f;
+    const float li = l[i] + (sinks ? std::exp(sinks[i % Hq] - m[i]) : 0.f);  // a sink: the denominator only
+    const float inv = li > 0.f ? 1.f / li : 0.f;
     for (int64_t d = 0; d < D; ++d) out[row0 * Hq * D + i * D + d] = acc[i * D + d] * inv;
   }
 }
@@ -307,8 +308,9 @@ void attend_decode(const float* q_row, const T* k_layer, const T* v_layer, const
   }
 }
 
-// out[Hq, D] from the softmax states of the n slices of one row (each as attend_decode writes it).
-inline void merge_states(const float* states, int64_t n, int64_t Hq, int64_t D, float* out) {
+// out[Hq, D] from the softmax states of the n slices of one row (each as attend_decode writes it); `sinks` (a logit
+// per head, or null) join the denominator.
+inline void merge_states(const float* states, int64_t n, int64_t Hq, int64_t D, const float* sinks, float* out) {
   const int64_t size = Hq * (D + 2);
   for (int64_t h = 0; h < Hq; ++h) {
     float mx = kMask;
@@ -322,6 +324,7 @@ inline void merge_states(const float* states, int64_t n, int64_t Hq, int64_t D, 
       l += w * st[Hq * D + Hq + h];
       for (int64_t d = 0; d < D; ++d) o[d] += w * st[h * D + d];
     }
+    if (sinks) l += std::exp(sinks[h] - mx);
     const float inv = l > 0.f ? 1.f / l : 0.f;
     for (int64_t d = 0; d < D; ++d) o[d] *= inv;
   }

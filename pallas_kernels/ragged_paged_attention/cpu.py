@@ -50,6 +50,7 @@ def ragged_paged_attention_cpu(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks=None,
     layer=None,
 ):
     """The reference's contract; caches float32 or bfloat16; computes in float32."""
@@ -67,6 +68,7 @@ def ragged_paged_attention_cpu(
         i32(cu_q_lens),
         jnp.reshape(i32(num_seqs), (-1,))[:1],
         jnp.reshape(i32(0 if layer is None else layer), (1,)),
+        jnp.zeros((0,), jnp.float32) if sinks is None else jnp.asarray(sinks, jnp.float32).reshape(-1),
         sm_scale=np.float32(sm_scale),
         sliding_window=np.int32(sliding_window or 0),
         soft_cap=np.float32(soft_cap or 0.0),

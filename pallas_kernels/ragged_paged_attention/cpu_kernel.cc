@@ -60,7 +60,7 @@ constexpr int64_t kMinTeamCost = 128;
 template <typename T>
 void run(const Team& team, const float* q, const T* k, const T* v, const int32_t* kv_lens, const int32_t* tables,
          const int32_t* cu, int64_t num_seqs, int64_t layer, const Shape& sh, int64_t num_tokens,
-         float sm_scale, int32_t window, float soft_cap, float* out) {
+         float sm_scale, int32_t window, float soft_cap, const float* sinks, float* out) {
   const int64_t Hq = sh.q_heads, D = sh.head_dim, B = sh.block_size;
   std::memset(out, 0, sizeof(float) * num_tokens * Hq * D);
   const bool decode_path = D % 16 == 0 && D <= kMaxHeadDim && Hq / sh.kv_heads <= 8;
@@ -116,7 +116,8 @@ void run(const Team& team, const float* q, const T* k, const T* v, const int32_t
     const Unit& w = units[u];
     const int32_t* table = tables + w.seq * sh.max_blocks;
     if (!w.decode()) {
-      attend_tile(q, k_layer, v_layer, table, sh, w.row, w.nrows, w.pos, sm_scale, window, soft_cap, out, scratch);
+      attend_tile(q, k_layer, v_layer, table, sh, w.row, w.nrows, w.pos, sm_scale, window, soft_cap, sinks, out,
+                  scratch);
     } else if (w.slice >= 0) {
       attend_decode(q + w.row * Hq * D, k_layer, v_layer, table, sh, w.key_lo, w.key_hi, sm_scale, soft_cap,
                     states.data() + w.slice * state_size, scratch);
@@ -124,11 +125,11 @@ void run(const Team& team, const float* q, const T* k, const T* v, const int32_t
       state.resize(state_size);
       attend_decode(q + w.row * Hq * D, k_layer, v_layer, table, sh, w.key_lo, w.key_hi, sm_scale, soft_cap,
                     state.data(), scratch);
-      merge_states(state.data(), 1, Hq, D, out + w.row * Hq * D);
+      merge_states(state.data(), 1, Hq, D, sinks, out + w.row * Hq * D);
     }
   });
   team.ForEach(threads, n_split, 1, [&](int64_t i) {
-    merge_states(states.data() + split_first[i] * state_size, split_first[i + 1] - split_first[i], Hq, D,
+    merge_states(states.data() + split_first[i] * state_size, split_first[i + 1] - split_first[i], Hq, D, sinks,
                  out + split_rows[i] * Hq * D);
   });
 }
@@ -136,8 +137,8 @@ void run(const Team& team, const float* q, const T* k, const T* v, const int32_t
 ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_cache, ffi::AnyBuffer v_cache,
                 ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> block_tables,
                 ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> num_seqs,
-                ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, float sm_scale,
-                int32_t sliding_window, float soft_cap) {
+                ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> sinks, ffi::ResultBuffer<ffi::F32> out,
+                float sm_scale, int32_t sliding_window, float soft_cap) {
   auto qd = q.dimensions(), kd = k_cache.dimensions(), td = block_tables.dimensions();
   if (qd.size() != 3 || (kd.size() != 4 && kd.size() != 5) || td.size() != 2)
     return ffi::Error::InvalidArgument("ragged_paged_attention_cpu: bad ranks");
@@ -152,18 +153,21 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k_
   const int64_t max_seqs = kv_lens.dimensions()[0];
   const int64_t n = std::min<int64_t>(std::max<int32_t>(num_seqs.typed_data()[0], 0), max_seqs);
   const auto* qp = q.typed_data();
+  if (sinks.element_count() != 0 && sinks.element_count() != qd[1])
+    return ffi::Error::InvalidArgument("ragged_paged_attention_cpu: sinks must hold one logit per query head");
+  const float* sp = sinks.element_count() ? sinks.typed_data() : nullptr;  // none: an empty buffer
   float* op = out->typed_data();
   const Team team(pool);
   switch (k_cache.element_type()) {
     case ffi::DataType::F32:
       run(team, qp, static_cast<const float*>(k_cache.untyped_data()), static_cast<const float*>(v_cache.untyped_data()),
           kv_lens.typed_data(), block_tables.typed_data(), cu_q_lens.typed_data(), n, lay, sh, qd[0], sm_scale,
-          sliding_window, soft_cap, op);
+          sliding_window, soft_cap, sp, op);
       break;
     case ffi::DataType::BF16:
       run(team, qp, static_cast<const uint16_t*>(k_cache.untyped_data()),
           static_cast<const uint16_t*>(v_cache.untyped_data()), kv_lens.typed_data(), block_tables.typed_data(),
-          cu_q_lens.typed_data(), n, lay, sh, qd[0], sm_scale, sliding_window, soft_cap, op);
+          cu_q_lens.typed_data(), n, lay, sh, qd[0], sm_scale, sliding_window, soft_cap, sp, op);
       break;
     default:
       return ffi::Error::InvalidArgument("ragged_paged_attention_cpu: cache dtype must be float32 or bfloat16");
@@ -244,6 +248,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(RaggedPagedAttentionCpu, Impl,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // sinks: [Hq], or empty
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<float>("sm_scale")
                                   .Attr<int32_t>("sliding_window")

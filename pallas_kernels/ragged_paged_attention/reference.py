@@ -64,6 +64,7 @@ def ragged_paged_attention_reference(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: Float[Array, " Hq"] | None = None,
     layer: Int[Array, ""] | int | None = None,
     chunk_tokens: int = 64,
     block_q: int | None = None,
@@ -149,7 +150,9 @@ def ragged_paged_attention_reference(
 
     stats = jnp.full((num_tiles + 1, block_q, num_kv_heads, group), MASK_VALUE, jnp.float32)
     init = (jnp.int32(0), stats, jnp.zeros_like(stats), jnp.zeros((*stats.shape, head_dim), jnp.float32))
-    _, _, denom, acc = jax.lax.while_loop(lambda c: c[0] * per_step < total_items, body, init)
+    _, m, denom, acc = jax.lax.while_loop(lambda c: c[0] * per_step < total_items, body, init)
+    if sinks is not None:  # a logit per head in the denominator only
+        denom = denom + jnp.exp(jnp.asarray(sinks, jnp.float32).reshape(num_kv_heads, group) - m)
 
     out = acc / jnp.where(denom > 0, denom, 1.0)[..., None]  # [NT+1, BQ, Hkv, G, D]
     out = out[plan.row_tile, plan.row_slot].reshape(num_tokens, num_q_heads, head_dim)
@@ -169,6 +172,7 @@ def ragged_paged_attention_dense(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: Float[Array, " Hq"] | None = None,
     layer: Int[Array, ""] | int | None = None,
 ) -> Float[Array, "T Hq D"]:
     """Naive version: every row gathers all `max_blocks` blocks of its table and masks."""
@@ -197,7 +201,11 @@ def ragged_paged_attention_dense(
     if soft_cap is not None:
         s = soft_cap * jnp.tanh(s / soft_cap)
     s = jnp.where(mask[:, None, None, :], s, MASK_VALUE)
-    p = jnp.where(mask[:, None, None, :], jnp.exp(s - s.max(-1, keepdims=True)), 0.0)
-    out = jnp.einsum("thgk,tkhd->thgd", p, v) / jnp.maximum(p.sum(-1), 1e-30)[..., None]
+    top = s.max(-1, keepdims=True)
+    p = jnp.where(mask[:, None, None, :], jnp.exp(s - top), 0.0)
+    denom = p.sum(-1)
+    if sinks is not None:
+        denom = denom + jnp.exp(jnp.asarray(sinks, jnp.float32).reshape(num_kv_heads, group) - top[..., 0])
+    out = jnp.einsum("thgk,tkhd->thgd", p, v) / jnp.maximum(denom, 1e-30)[..., None]
     out = jnp.where(plan.row_real[:, None, None, None], out, 0.0)
     return out.reshape(num_tokens, num_q_heads, head_dim).astype(q.dtype)

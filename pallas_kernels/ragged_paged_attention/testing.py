@@ -136,9 +136,15 @@ def make_batch(
 
 
 def reference_f64(
-    batch: Batch, *, sm_scale: float, sliding_window: int | None = None, soft_cap: float | None = None
+    batch: Batch,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    sinks: np.ndarray | None = None,
 ) -> np.ndarray:
-    """Float64 attention of every real row, computed from the stored (rounded) values."""
+    """Float64 attention of every real row, computed from the stored (rounded) values; `sinks` (a logit per query
+    head) join the softmax as one more column whose value is dropped, as transformers' gpt-oss writes it."""
     q = batch.q.astype(np.float64)
     k_cache = batch.k_cache if batch.layer is None else batch.k_cache[batch.layer]
     v_cache = batch.v_cache if batch.layer is None else batch.v_cache[batch.layer]
@@ -164,8 +170,11 @@ def reference_f64(
             s = np.einsum("hgd,khd->hgk", qg, k[ok]) * sm_scale
             if soft_cap is not None:
                 s = soft_cap * np.tanh(s / soft_cap)
+            if sinks is not None:
+                s = np.concatenate([s, np.asarray(sinks, np.float64).reshape(hkv, group, 1)], axis=-1)
             p = np.exp(s - s.max(-1, keepdims=True))
             p /= p.sum(-1, keepdims=True)
+            p = p[..., :-1] if sinks is not None else p
             out[start + j] = np.einsum("hgk,khd->hgd", p, v[ok]).reshape(hq, d)
     return out
 

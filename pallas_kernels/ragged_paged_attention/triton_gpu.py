@@ -120,6 +120,7 @@ def _kernel(
     group_p,
     chunk_blocks,
     num_kv_splits,
+    write_stats,
 ):
     head = pl.program_id(1)
     split = pl.program_id(2)
@@ -184,7 +185,7 @@ def _kernel(
     m = jnp.full((block_m,), MASK_VALUE, jnp.float32)
     denom = jnp.zeros((block_m,), jnp.float32)
     acc, m, denom = lax.fori_loop(c_lo, c_hi, body, (acc, m, denom))
-    if num_kv_splits == 1:
+    if not write_stats:
         o_ref[...] = (acc / jnp.where(denom > 0, denom, 1.0)[:, None]).astype(o_ref.dtype)
     else:
         m_ref, l_ref = stat_refs
@@ -280,9 +281,11 @@ def launch(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    write_stats: bool = False,
     interpret: bool = False,
 ):
-    """The pallas_call: grid (tile, kv_head, kv_split). Returns (acc,) or (acc, m, denom) per split."""
+    """The pallas_call: grid (tile, kv_head, kv_split). Returns (acc,), or (acc, m, denom) per split with several
+    splits or `write_stats` (attention sinks join the denominator in `finish`)."""
     num_tiles, num_kv_heads, block_m, head_dim = prep.q_tiles.shape
     grid = (num_tiles, num_kv_heads, cfg.num_kv_splits)
 
@@ -298,7 +301,7 @@ def launch(
         full(k_cache),
         full(v_cache),
     ]
-    split_out = cfg.num_kv_splits > 1
+    split_out = cfg.num_kv_splits > 1 or write_stats
     o_dtype = jnp.float32 if split_out else prep.q_tiles.dtype
     out_shape = [jax.ShapeDtypeStruct((cfg.num_kv_splits, num_tiles, num_kv_heads, block_m, head_dim), o_dtype)]
     out_specs = [pl.BlockSpec((None, None, None, block_m, head_dim), lambda t, h, j: (j, t, h, 0, 0))]
@@ -315,6 +318,7 @@ def launch(
         group_p=_next_pow2(group),
         chunk_blocks=cfg.chunk_blocks,
         num_kv_splits=cfg.num_kv_splits,
+        write_stats=split_out,
     )
     params = {}
     if _TritonParams is not None:
@@ -331,19 +335,24 @@ def launch(
     )(prep.meta, prep.layer, prep.block_tables, prep.q_tiles, k_cache, v_cache)
 
 
-def finish(outs, plan: TilePlan, *, q_shape, group: int, block_q: int, dtype):
-    """Merge KV splits (flash decoding) and scatter tile rows back to [T, Hq, D]."""
+def finish(outs, plan: TilePlan, *, q_shape, group: int, block_q: int, dtype, sinks=None):
+    """Merge KV splits (flash decoding), add `sinks` to the denominators, and scatter tile rows back to
+    [T, Hq, D]."""
     num_tokens, num_q_heads, head_dim = q_shape
+    group_p = _next_pow2(group)
     if len(outs) == 3:
         acc, m, denom = outs
         m_all = m.max(axis=0)
         w = jnp.exp(m - m_all[None])
         l_all = (denom * w).sum(axis=0)
+        if sinks is not None:  # [Hkv, BM]: row r of a tile is query head `r % group_p` of its KV head
+            rows = jnp.asarray(sinks, jnp.float32).reshape(-1, group)
+            rows = jnp.tile(jnp.pad(rows, ((0, 0), (0, group_p - group))), (1, block_q))
+            l_all = l_all + jnp.exp(rows[None] - m_all)
         out = (acc * w[..., None]).sum(axis=0) / jnp.where(l_all > 0, l_all, 1.0)[..., None]
     else:
         out = outs[0][0]
     num_tiles, num_kv_heads = out.shape[:2]
-    group_p = _next_pow2(group)
     out = out.reshape(num_tiles, num_kv_heads, block_q, group_p, head_dim).transpose(0, 2, 1, 3, 4)
     out = out[plan.row_tile, plan.row_slot][:, :, :group].reshape(num_tokens, num_q_heads, head_dim)
     return jnp.where(plan.row_real[:, None, None], out, 0).astype(dtype)
@@ -361,6 +370,7 @@ def ragged_paged_attention_triton(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    sinks: Float[Array, " Hq"] | None = None,
     layer: Int[Array, ""] | int | None = None,
     interpret: bool | None = None,
     block_q: int | None = None,
@@ -407,6 +417,7 @@ def ragged_paged_attention_triton(
         sm_scale=sm_scale,
         sliding_window=sliding_window,
         soft_cap=soft_cap,
+        write_stats=sinks is not None,
         interpret=interpret,
     )
-    return finish(outs, prep.plan, q_shape=q.shape, group=group, block_q=cfg.block_q, dtype=q.dtype)
+    return finish(outs, prep.plan, q_shape=q.shape, group=group, block_q=cfg.block_q, dtype=q.dtype, sinks=sinks)

@@ -172,6 +172,56 @@ def test_cpu_decode_rows_split_into_slices(dtype, sliding_window, soft_cap):
     _check(batch, out, dtype, sm_scale=64**-0.5, sliding_window=sliding_window, soft_cap=soft_cap)
 
 
+# --- attention sinks (gpt-oss): a logit per query head in each row's denominator ---------------
+
+
+@pytest.mark.parametrize(
+    "backend,cfg",
+    [
+        ("reference", {}),
+        ("cpu", {}),  # decode rows (one unit, merged) and prefill tiles
+        ("pallas", {}),
+        ("pallas", dict(num_kv_splits=2, block_q=4)),  # the sinks join the merged splits
+    ],
+)
+@pytest.mark.parametrize("sliding_window", [None, 8])
+def test_attention_sinks(backend, cfg, sliding_window):
+    """Sinks large and small against the scores (some rows give most of their weight to the sink), with and
+    without a window whose outside blocks are NaN, every batch kind, GQA 3."""
+    group, head_dim = 3, 64
+    sinks = np.random.default_rng(5).normal(0.0, 2.0, NUM_KV_HEADS * group).astype(np.float32)
+    sm_scale = head_dim**-0.5
+    fn = _compiled(backend, sm_scale, sliding_window, None, **cfg)
+    for kind in KINDS:
+        batch = _batch(
+            kind, group=group, block_size=8, head_dim=head_dim, dtype="float32", sliding_window=sliding_window
+        )
+        out = np.asarray(fn(*batch.args(), sinks=jnp.asarray(sinks)))
+        ref = reference_f64(batch, sm_scale=sm_scale, sliding_window=sliding_window, sinks=sinks)
+        assert not np.isnan(out[: sum(batch.q_lens)]).any()
+        assert relative_error(out, ref, batch.q_lens) <= TOL["float32"]
+        plain = reference_f64(batch, sm_scale=sm_scale, sliding_window=sliding_window)
+        assert relative_error(plain, ref, batch.q_lens) > 0.05  # the sinks matter
+
+
+def test_cpu_decode_slices_merge_with_sinks():
+    """Long decode rows split over threads: the sinks join once, after the slices merge."""
+    batch = make_batch(
+        np.random.default_rng(2),
+        [1] * 4,
+        [2900, 37, 1333, 2500],
+        num_q_heads=6,
+        num_kv_heads=2,
+        head_dim=64,
+        block_size=16,
+        dtype=jnp.dtype("float32"),
+    )
+    sinks = np.linspace(-3.0, 6.0, 6).astype(np.float32)
+    out = _compiled("cpu", 64**-0.5)(*batch.args(), sinks=jnp.asarray(sinks))
+    ref = reference_f64(batch, sm_scale=64**-0.5, sinks=sinks)
+    assert relative_error(out, ref, batch.q_lens) <= TOL["float32"]
+
+
 @pytest.mark.parametrize("group,head_dim", [(2, 40), (12, 64)])
 def test_cpu_decode_fallback_layouts(group, head_dim):
     """Head dims that are not a multiple of 16 and groups wider than 8 take the row-tile path."""

@@ -353,7 +353,7 @@ void CheckAttention(Rng& rng, const AttentionCase& c) {
   const float sm_scale = 1.f / std::sqrt(float(D));
   std::vector<float> out(num_tokens * Hq * D, kNaN);
   attention::run<T>(kTeam, q.data(), k.data(), v.data(), kv_lens.data(), tables.data(), cu.data(), kNumSeqs, kCacheLayer,
-                    sh, num_tokens, sm_scale, c.window, c.soft_cap, out.data());
+                    sh, num_tokens, sm_scale, c.window, c.soft_cap, /*sinks=*/nullptr, out.data());
 
   // The oracle, per real row and head: softmax over the row's keys read through the table, in float64.
   // The worst relative L2 error of a (row, head) must be <= 2e-4; padding rows must be zeros.
