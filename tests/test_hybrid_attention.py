@@ -20,7 +20,14 @@ from jaxllm.scheduler_output import SCRATCH_BLOCK
 from tests.gguf_models import write_gguf
 from tests.hf_reference import hf_greedy, hf_log_softmax
 from tests.served_app import Served
-from tests.tiny_models import CHUNKED_ENGINE, GEMMA_SPECIAL, TINY_DECODER, random_model, save_gemma_test_tokenizer
+from tests.tiny_models import (
+    CHUNKED_ENGINE,
+    GEMMA_SPECIAL,
+    MOE_CASES,
+    TINY_DECODER,
+    random_model,
+    save_gemma_test_tokenizer,
+)
 
 TINY = dict(TINY_DECODER, num_hidden_layers=3)
 rng = np.random.default_rng(11)
@@ -57,15 +64,17 @@ GEMMA = {
     # five local layers (RoPE base 10k) then a global one (base 1M): transformers 5's defaults, window 8
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(head_dim=16, num_hidden_layers=6, sliding_window=8)),
 }
+# every model whose layers attend differently: Gemma's, and gpt-oss's (sinks, alternating 8-token windows, experts)
+HYBRID = {**GEMMA, "gpt_oss": MOE_CASES["gpt_oss"]}
 GREEDY = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
 GEMMA_PROMPTS = [rng.integers(0, TINY["vocab_size"], int(n)).tolist() for n in rng.integers(20, 60, 12)]
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 
 
-@pytest.fixture(scope="module", params=list(GEMMA))
+@pytest.fixture(scope="module", params=list(HYBRID))
 def gemma(request, tmp_path_factory):
     """(the transformers model, the engine on its saved weights, with n-gram speculation)."""
-    config_cls, model_cls, overrides = GEMMA[request.param]
+    config_cls, model_cls, overrides = HYBRID[request.param]
     config = getattr(transformers, config_cls)(**{**TINY, **overrides})
     config.architectures = [model_cls]
     model = random_model(getattr(transformers, model_cls), config).eval()

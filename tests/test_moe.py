@@ -350,3 +350,18 @@ def test_routing_follows_transformers_ties_to_the_lowest_expert():
     weights, experts = route(logits, 3, normalize=False)
     np.testing.assert_array_equal(np.asarray(experts), torch_experts.numpy())
     np.testing.assert_allclose(np.asarray(weights), torch_weights.numpy(), rtol=1e-6)
+
+
+def test_quantized_checkpoints_are_refused_naming_the_method():
+    """gpt-oss's released checkpoints keep their experts in MXFP4 (`quantization_config`): refused at start-up with
+    the method named, never loaded as if the tensors were float."""
+    from jaxllm.model import arch_from_hf_config
+
+    config = transformers.GptOssConfig(**{**TINY, **MOE_CASES["gpt_oss"][2]}).to_dict()
+    config.update(architectures=["GptOssForCausalLM"], quantization_config={"quant_method": "mxfp4"})
+    with pytest.raises(NotImplementedError, match="mxfp4"):
+        arch_from_hf_config(config)
+    del config["quantization_config"]
+    arch = arch_from_hf_config(config)
+    assert arch.attention_sinks and arch.moe.biases and arch.moe.clamped_glu == (1.702, 7.0)
+    assert arch.layer_windows() == (8, None)

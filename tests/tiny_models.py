@@ -50,6 +50,13 @@ MOE_CASES = {
         dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
     ),
     "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=8, num_experts_per_tok=3)),
+    # attention sinks, q/k/v/o biases, 8-token windows every other layer, YaRN; biased router and experts, gate and
+    # up interleaved, the clamped SwiGLU
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, head_dim=16, sliding_window=8),
+    ),
 }
 
 

@@ -131,6 +131,9 @@ class Attention(nn.Module):
             sm_scale=(a.gemma.query_pre_attn_scalar if a.gemma else a.head_dim) ** -0.5,
             sliding_window=self.sliding_window,
             soft_cap=a.gemma.attn_softcap if a.gemma else None,
+            sinks=st.at(st.param(self, "sinks", nn.initializers.zeros, (None,), (a.num_heads,), jnp.float32), layer)
+            if a.attention_sinks
+            else None,
             layer=slot,
             backend=self.attention_backend,
         )

@@ -137,6 +137,23 @@ def _tile_matmuls(tiles, w: Experts | KernelExperts, index) -> Float[Array, "S M
     return stacked_matmul.grouped_matmul(tiles, flat, ids, kernel_max_rows=w.kernel_max_rows)
 
 
+class ExpertBiases(NamedTuple):
+    """gpt-oss: every expert's projections have biases, `[*L, E, 2, I]` and `[*L, E, H]`."""
+
+    gate_up: Float[Array, "*L E 2 I"]
+    down: Float[Array, "*L E H"]
+
+
+def glu(h: Float[Array, "... 2 I"], clamped: tuple[float, float] | None) -> Float[Array, "... I"]:
+    """The experts' gated activation of gate_up's output: SwiGLU, or gpt-oss's clamped form (`MoEConfig`)."""
+    gate, up = h[..., 0, :], h[..., 1, :]
+    if clamped is None:
+        return nn.silu(gate) * up
+    alpha, limit = clamped
+    gate = jnp.minimum(gate, limit)
+    return (jnp.clip(up, -limit, limit) + 1) * gate * jax.nn.sigmoid(gate * alpha)
+
+
 def grouped_swiglu(
     x: Float[Array, "T H"],
     experts: Int[Array, "T K"],
@@ -144,11 +161,13 @@ def grouped_swiglu(
     gate_up: Experts | KernelExperts,
     down: Experts | KernelExperts,
     layer=None,
+    biases: ExpertBiases | None = None,
+    clamped_glu: tuple[float, float] | None = None,
 ) -> Float[Array, "T H"]:
-    """sum over k of weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = experts[t, k], in float32.
-    `gate_up` `[E, H, 2, I]`, `down` `[E, I, H]` (float, or their quants). `layer`: the weights are stacked
-    `[L, E, ...]` and this layer's are read, only the tiles' experts of it (a slice of the layer first would
-    copy every expert's weights each step)."""
+    """sum over k of weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = experts[t, k], in float32 (the
+    activation `glu`'s, and each projection plus its bias with `biases`). `gate_up` `[E, H, 2, I]`, `down`
+    `[E, I, H]` (float, or their quants). `layer`: the weights are stacked `[L, E, ...]` and this layer's are read,
+    only the tiles' experts of it (a slice of the layer first would copy every expert's weights each step)."""
     num_tokens, k = experts.shape
     num_experts = _num_experts(gate_up)
     hidden = x.shape[-1]
@@ -169,40 +188,45 @@ def grouped_swiglu(
     rows = jnp.zeros((num_rows, hidden), jnp.float32).at[dest].set(x[token].astype(jnp.float32))
     tiles = rows.reshape(num_tiles, m, hidden)
     h = _tile_matmuls(tiles, gate_up, index)
-    act = nn.silu(h[:, :, 0]) * h[:, :, 1]
-    y = _tile_matmuls(act, down, index).reshape(num_rows, hidden)
+    if biases is not None:  # each tile's expert's (padding rows get one too: they are never read)
+        h = h + biases.gate_up[index][:, None].astype(jnp.float32)
+    y = _tile_matmuls(glu(h, clamped_glu), down, index)
+    if biases is not None:
+        y = y + biases.down[index][:, None].astype(jnp.float32)
+    y = y.reshape(num_rows, hidden)
     y = y[dest] * weights.reshape(-1)[order][:, None].astype(jnp.float32)
     return jnp.zeros((num_tokens, hidden), jnp.float32).at[token].add(y)
 
 
-def expert_parallel_swiglu(mesh: Mesh, x, experts, weights, gate_up, down, layer):
+def expert_parallel_swiglu(mesh: Mesh, x, experts, weights, gate_up, down, layer, biases=None, clamped_glu=None):
     """`grouped_swiglu` with the experts split whole over the mesh axis "model": each device runs the assignments
     to its own experts (the others with weight zero) and the partial sums are added up. Every device reads only
     its E/N experts; none ever gathers another's."""
     stacked = layer is not None
     expert_axis = (None, "model") if stacked else ("model",)
 
-    def local(x, experts, weights, gate_up, down, layer):
+    def local(x, experts, weights, gate_up, down, layer, biases):
         num_local = _num_experts(gate_up)
         local_id = experts - jax.lax.axis_index("model") * num_local
         mine = (local_id >= 0) & (local_id < num_local)
         ids, kept = jnp.where(mine, local_id, 0), jnp.where(mine, weights, 0)
-        out = grouped_swiglu(x, ids, kept, gate_up, down, layer if stacked else None)
+        out = grouped_swiglu(x, ids, kept, gate_up, down, layer if stacked else None, biases, clamped_glu)
         return jax.lax.psum(out, "model")
 
     replicated, split = P(), P(*expert_axis)
-    specs = [jax.tree.map(lambda _: split, w) for w in (gate_up, down)]  # every array of a quantized weight too
+    specs = [jax.tree.map(lambda _: split, w) for w in (gate_up, down, biases)]  # quantized weights' arrays too
     return jax.shard_map(
         local,
         mesh=mesh,
-        in_specs=(replicated, replicated, replicated, *specs, replicated),
+        in_specs=(replicated, replicated, replicated, specs[0], specs[1], replicated, specs[2]),
         out_specs=replicated,
-    )(x, experts, weights, gate_up, down, layer if stacked else jnp.int32(0))
+    )(x, experts, weights, gate_up, down, layer if stacked else jnp.int32(0), biases)
 
 
 class ExpertWeights(nn.Module):
     """One projection of every expert, `[E, K, *N]` (stacked over layers by `stacking`): a float "kernel", or the
-    quantized arrays of model/quant.py when the plan quantizes this module, each with the expert axis first."""
+    quantized arrays of model/quant.py when the plan quantizes this module, each with the expert axis first; with
+    `bias` (gpt-oss) also its "bias" `[E, *N]`. Returns (the weight, its bias or None)."""
 
     num_experts: int
     k: int
@@ -212,18 +236,21 @@ class ExpertWeights(nn.Module):
     out_spec: tuple
     dtype: Dtype
     stacking: Stacking = Stacking()
+    bias: bool = False
 
     @nn.compact
-    def __call__(self) -> Experts:
+    def __call__(self) -> tuple[Experts, Array | None]:
         st, e = self.stacking, self.num_experts
 
         def declare(name, init, spec, shape, dtype):
             return st.param(self, name, init, (self.expert_spec, *spec), (e, *shape), dtype)
 
+        bias = declare("bias", nn.initializers.zeros, self.out_spec, self.out_shape, self.dtype) if self.bias else None
         if fmt := st.quant.get(self.name):
-            return quantized_params(declare, fmt, self.k, self.out_shape, self.in_spec, self.out_spec)
+            return quantized_params(declare, fmt, self.k, self.out_shape, self.in_spec, self.out_spec), bias
         init = nn.initializers.normal(INIT_STD)
-        return declare("kernel", init, (self.in_spec, *self.out_spec), (self.k, *self.out_shape), self.dtype)
+        kernel = declare("kernel", init, (self.in_spec, *self.out_spec), (self.k, *self.out_shape), self.dtype)
+        return kernel, bias
 
 
 class SparseMoE(nn.Module):
@@ -244,7 +271,7 @@ class SparseMoE(nn.Module):
         assert moe is not None
         e, size = moe.num_experts, moe.intermediate_size
         # the router in float32 whatever the weights' type: a rounding that flips a choice changes the output
-        router = Linear((e,), shard_axis=None, dtype=jnp.float32, bias=False, stacking=st, name="router")
+        router = Linear((e,), shard_axis=None, dtype=jnp.float32, bias=moe.biases, stacking=st, name="router")
         logits = router(x.astype(jnp.float32), layer)
         weights, experts = route(logits, moe.top_k, moe.norm_topk_prob)
         if num_tokens is not None:  # the tokens each expert got (rows past `num_tokens` are padding): metrics
@@ -252,7 +279,7 @@ class SparseMoE(nn.Module):
             self.sow("intermediates", EXPERT_LOAD, expert_load(experts, real, e))
         ep = moe.expert_parallel
         # expert parallelism splits the experts; tensor parallelism each expert's I (gate_up's columns, down's rows)
-        gate_up = ExpertWeights(
+        gate_up, gate_up_bias = ExpertWeights(
             e,
             hidden,
             (2, size),
@@ -261,9 +288,10 @@ class SparseMoE(nn.Module):
             (None, None if ep else "model"),
             self.dtype,
             st,
+            moe.biases,
             name="experts_gate_up",
         )()
-        down = ExpertWeights(
+        down, down_bias = ExpertWeights(
             e,
             size,
             (hidden,),
@@ -272,8 +300,10 @@ class SparseMoE(nn.Module):
             (None,),
             self.dtype,
             st,
+            moe.biases,
             name="experts_down",
         )()
+        biases = None if gate_up_bias is None or down_bias is None else ExpertBiases(gate_up_bias, down_bias)
         weights = weights.astype(self.dtype)  # (transformers casts them to the activations' type)
         index = st.index(layer) if st.num_layers is not None else None
         packed = st.matmul_backend == "cpu_packed" and index is not None
@@ -283,10 +313,11 @@ class SparseMoE(nn.Module):
             run_gate_up, run_down = (KernelExperts(w, "cpu", st.kernel_max_rows) for w in (gate_up, down))
         elif st.expert_kernel == "pallas" and all(pallas_takes(w, index is not None) for w in (gate_up, down)):
             run_gate_up, run_down = (KernelExperts(w, "pallas") for w in (gate_up, down))
+        glu_kind = moe.clamped_glu
         if ep and self.expert_mesh is not None:
-            out = expert_parallel_swiglu(self.expert_mesh, x, experts, weights, gate_up, down, index)
+            out = expert_parallel_swiglu(self.expert_mesh, x, experts, weights, gate_up, down, index, biases, glu_kind)
         else:
-            out = grouped_swiglu(x, experts, weights, run_gate_up, run_down, index)
+            out = grouped_swiglu(x, experts, weights, run_gate_up, run_down, index, biases, glu_kind)
         out = out.astype(self.dtype)
         if moe.shared_expert_intermediate_size:
             shared = GatedMLP(self.arch, self.dtype, st, moe.shared_expert_intermediate_size, name="shared_expert")

@@ -23,7 +23,13 @@ DENSE_ARCHITECTURES = (
 )
 GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
 # mixtures of experts: a layer's MLP is a routed set of experts (model/moe.py), or dense between them
-MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM", "OlmoeForCausalLM")
+MOE_ARCHITECTURES = (
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "OlmoeForCausalLM",
+    "GptOssForCausalLM",
+)
 SUPPORTED_ARCHITECTURES = DENSE_ARCHITECTURES + MOE_ARCHITECTURES
 MODEL_TYPES = {
     "llama": "LlamaForCausalLM",
@@ -36,6 +42,7 @@ MODEL_TYPES = {
     "olmoe": "OlmoeForCausalLM",
     "gemma2": "Gemma2ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 # the gated MLP's activation: transformers' names (`hidden_act`, Gemma's `hidden_activation`) → jaxllm's
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
@@ -130,6 +137,10 @@ class MoEConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a dense expert every token takes, gated by a sigmoid
     dense_layers: tuple[int, ...] = ()  # layers whose MLP is dense instead (mlp_only_layers, decoder_sparse_step)
     expert_parallel: bool = False  # experts split whole over the "model" axis (else each expert's columns)
+    biases: bool = False  # gpt-oss: the router and every expert's projections have biases
+    # gpt-oss's clamped SwiGLU, (alpha, limit): (clip(up, -limit, limit) + 1) * g * sigmoid(alpha * g) with
+    # g = min(gate, limit); None: SwiGLU
+    clamped_glu: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -177,6 +188,7 @@ class ModelArch:
     hidden_act: str = "silu"  # the gated MLP's: "silu" or "gelu_tanh" (`ACTIVATIONS`)
     # Gemma: RMSNorm scales by 1 + w, embeddings times sqrt(hidden), norms after attention and around the MLP
     gemma: GemmaStyle | None = None
+    attention_sinks: bool = False  # gpt-oss: a learned logit per head joins each row's softmax denominator
 
     def layer_kind(self, layer: int) -> LayerKind:
         experts = self.moe is not None and layer not in self.moe.dense_layers
@@ -307,6 +319,12 @@ def arch_from_hf_config(config: Any) -> ModelArch:
         raise ValueError(
             f"unsupported architecture {architecture!r}; jaxllm supports {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
+    if quantized := _get(config, "quantization_config"):  # (gpt-oss's released checkpoints: MXFP4 experts)
+        method = _get(quantized, "quant_method", "unknown")
+        raise NotImplementedError(
+            f"{architecture}: checkpoints quantized with {method!r} are not supported; use an unquantized (bf16) "
+            f"checkpoint, which `quantization='int8'`/'int4' quantizes at load, or a GGUF file"
+        )
     hidden = _get(config, "hidden_size")
     num_heads = _get(config, "num_attention_heads")
     head_dim = _get(config, "head_dim") or hidden // num_heads
@@ -350,6 +368,7 @@ def arch_from_hf_config(config: Any) -> ModelArch:
         qk_norm_whole=architecture == "OlmoeForCausalLM",
         hidden_act=ACTIVATIONS[act],
         gemma=_gemma(config, architecture, head_dim, max_pos),
+        attention_sinks=architecture == "GptOssForCausalLM",
     )
 
 
@@ -383,10 +402,15 @@ def _moe(config: Any, architecture: str) -> MoEConfig:
     dense = tuple(i for i in range(num_layers) if i in mlp_only or (i + 1) % step)
     if _get(config, "topk_group") or _get(config, "n_group"):
         raise NotImplementedError(f"{architecture}: grouped top-k routing (n_group, topk_group) is not supported")
-    # Mixtral always renormalises; the others say so in norm_topk_prob (OLMoE and Qwen2-MoE default False)
-    norm = architecture == "MixtralForCausalLM" or bool(_get(config, "norm_topk_prob", False))
+    # Mixtral always renormalises (gpt-oss's softmax over the top-k logits is the same); the others say so in
+    # norm_topk_prob (OLMoE and Qwen2-MoE default False)
+    always = architecture in ("MixtralForCausalLM", "GptOssForCausalLM")
+    norm = always or bool(_get(config, "norm_topk_prob", False))
     size = _get(config, "moe_intermediate_size") or _get(config, "intermediate_size")
     shared = (_get(config, "shared_expert_intermediate_size") or 0) if architecture == "Qwen2MoeForCausalLM" else 0
     if top_k > num_experts:
         raise ValueError(f"{architecture}: num_experts_per_tok={top_k} exceeds num_experts={num_experts}")
+    if architecture == "GptOssForCausalLM":
+        glu = (float(_get(config, "swiglu_alpha", 1.702)), float(_get(config, "swiglu_limit", 7.0)))
+        return MoEConfig(int(num_experts), int(top_k), int(size), norm, 0, dense, biases=True, clamped_glu=glu)
     return MoEConfig(int(num_experts), int(top_k), int(size), norm, int(shared), dense)

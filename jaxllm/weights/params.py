@@ -79,7 +79,7 @@ FUSED_EXPERTS = {"experts_gate_up": "gate_up_proj", "experts_down": "down_proj"}
 def _hf_module(module: str, arch: ModelArch | None) -> str:
     """A module's transformers name where it differs from jaxllm's (the router, Mixtral's sparse block)."""
     if module == "router":
-        return "gate"
+        return "router" if arch is not None and arch.architecture == "GptOssForCausalLM" else "gate"
     if module == "mlp" and arch is not None and arch.architecture == "MixtralForCausalLM":
         return "block_sparse_moe"
     return module
@@ -96,6 +96,8 @@ def hf_tensor_names_of(path: tuple[str, ...], layer: int | None, arch: ModelArch
         return ["lm_head.weight"]
     if stack_start(modules[0]) is None:
         return [f"model.{'.'.join(modules)}.{kind}"]
+    if leaf == "sinks":  # gpt-oss: a tensor of its own in self_attn
+        return [f"model.layers.{layer}.self_attn.sinks"]
     parents = [_hf_module(m, arch) for m in modules[1:]]
     if modules[-1] in EXPERT_MODULES:
         assert arch is not None and arch.moe is not None, path
@@ -109,9 +111,11 @@ def hf_tensor_names_of(path: tuple[str, ...], layer: int | None, arch: ModelArch
 
 
 def fused_expert_name(path: tuple[str, ...], layer: int, arch: ModelArch) -> str:
-    """transformers 5's fused tensor behind an expert leaf: gate_up_proj `[E, 2I, H]`, down_proj `[E, H, I]`."""
+    """transformers 5's fused tensor behind an expert leaf: gate_up_proj `[E, 2I, H]`, down_proj `[E, H, I]` (gpt-oss:
+    `[E, H, 2I]` with gate and up interleaved, `[E, I, H]`, and their biases `gate_up_proj_bias`, `down_proj_bias`)."""
     parents = [_hf_module(m, arch) for m in path[1:-2]]
-    return ".".join([f"model.layers.{layer}", *parents, "experts", FUSED_EXPERTS[path[-2]]])
+    name = FUSED_EXPERTS[path[-2]] + ("_bias" if path[-1] == "bias" else "")
+    return ".".join([f"model.layers.{layer}", *parents, "experts", name])
 
 
 def _mixtral_aliases(get_tensor: GetTensor) -> GetTensor:
@@ -129,7 +133,10 @@ def _mixtral_aliases(get_tensor: GetTensor) -> GetTensor:
 
 
 def _expert_leaf(path: tuple[str, ...], layer: int, arch: ModelArch, get_tensor: GetTensor) -> np.ndarray:
-    """A layer's stacked experts, `[E, H, 2, I]` (gate_up) or `[E, I, H]` (down), from either saved form."""
+    """A layer's stacked experts, `[E, H, 2, I]` (gate_up) or `[E, I, H]` (down), from either saved form; or their
+    biases, `[E, 2, I]` and `[E, H]` (gpt-oss)."""
+    if arch.architecture == "GptOssForCausalLM":
+        return _from_gpt_oss(path, np.asarray(get_tensor(fused_expert_name(path, layer, arch))))
     try:
         fused = np.asarray(get_tensor(fused_expert_name(path, layer, arch)))
     except KeyError:  # each expert's own tensors, [out, in]
@@ -146,6 +153,14 @@ def _from_fused(path: tuple[str, ...], fused: np.ndarray) -> np.ndarray:
         return fused.transpose(0, 2, 1)
     e, two_i, h = fused.shape
     return fused.transpose(0, 2, 1).reshape(e, h, 2, two_i // 2)
+
+
+def _from_gpt_oss(path: tuple[str, ...], fused: np.ndarray) -> np.ndarray:
+    """gpt-oss's experts as saved (`[E, in, out]`, gate and up interleaved along gate_up's out) → the leaf's."""
+    if path[-2] == "experts_down":
+        return fused
+    *lead, two_i = fused.shape
+    return np.swapaxes(fused.reshape(*lead, two_i // 2, 2), -1, -2)  # column 2j is gate j, 2j + 1 up j
 
 
 def _expert_blocks(path: tuple[str, ...], layer: int, arch: ModelArch, get_blocks: GetBlocks) -> Parts:
