@@ -141,6 +141,15 @@ def test_tensor_parallel_experts_equal_one_device(saved):
     assert generate(model_dir, tensor_parallel_size=2) == generate(model_dir)
 
 
+@pytest.mark.parametrize("expert_parallel", [False, True])
+def test_gpt_oss_over_two_devices_equals_transformers(saved, expert_parallel):
+    """gpt-oss's experts' biases split with their experts (whole experts, or each expert's I), its sinks with the
+    heads: two devices give transformers' tokens."""
+    model, model_dir = saved["gpt_oss"]
+    got = generate(model_dir, tensor_parallel_size=2, enable_expert_parallel=expert_parallel)
+    assert got == [hf_greedy(model, p, GREEDY.max_tokens) for p in PROMPTS]
+
+
 @pytest.mark.parametrize("quantization", ["auto", "int4"])
 def test_expert_parallel_devices_hold_whole_experts_and_give_one_devices_tokens(saved, quantization):
     """--enable-expert-parallel: each of two devices holds 4 of the 8 experts, whole (not every expert's half:
