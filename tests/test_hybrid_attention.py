@@ -259,3 +259,22 @@ def test_gemma_chat_through_llm_and_the_server(tmp_path):
     finally:
         served.stop()
         engine.shutdown()
+
+
+@pytest.mark.parametrize("name", ["gemma3", "gpt_oss"])
+def test_a_converted_checkpoint_generates_what_its_source_does(name, tmp_path):
+    """`jaxllm convert` keeps every leaf these models add (sinks, biased experts, Gemma's norms): the Orbax
+    checkpoint generates the HF directory's tokens."""
+    from jaxllm.entrypoints.convert import convert
+
+    config_cls, model_cls, overrides = HYBRID[name]
+    config = getattr(transformers, config_cls)(**{**TINY, **overrides})
+    config.architectures = [model_cls]
+    random_model(getattr(transformers, model_cls), config).save_pretrained(tmp_path / "hf")
+    convert(str(tmp_path / "hf"), str(tmp_path / "orbax"), dtype="float32")
+    prompts = [{"prompt_token_ids": p} for p in GEMMA_PROMPTS[:3]]
+    tokens = [
+        [list(o.outputs[0].token_ids) for o in LLM(str(tmp_path / f), **CHUNKED_ENGINE).generate(prompts, GREEDY)]
+        for f in ("hf", "orbax")
+    ]
+    assert tokens[0] == tokens[1]
