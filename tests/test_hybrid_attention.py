@@ -157,7 +157,7 @@ def test_windowed_groups_hold_at_most_their_window_in_every_step(gemma):
 def test_gemma_preempted_in_a_small_pool_equals_transformers(tmp_path):
     """Gemma 3 in a pool that holds about two sequences: requests are preempted and recomputed, windowed blocks come
     and go, and the greedy tokens stay transformers'; so do they with the hybrid manager off (every block kept), and
-    with the groups' cache sharded over two devices (tensor parallelism)."""
+    with the groups' cache sharded over two devices (tensor parallelism), and beside a KV connector."""
     config_cls, model_cls, overrides = GEMMA["gemma3"]
     config = getattr(transformers, config_cls)(**{**TINY, **overrides})
     config.architectures = [model_cls]
@@ -181,6 +181,13 @@ def test_gemma_preempted_in_a_small_pool_equals_transformers(tmp_path):
     sharded = LLM(str(tmp_path), **small, tensor_parallel_size=2)  # each device its KV heads of every group
     outputs = sharded.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == want
+    del sharded
+    # a KV connector moves whole layers' blocks: the engine keeps one group (every block) and runs as before
+    offloading = LLM(str(tmp_path), **dict(small, kv_cache_memory_bytes=6 * 48 * 4096), kv_offloading_size=0.01)
+    assert offloading.engine.kv.windows == (None,)
+    for _ in range(2):  # (the second pass reuses what the first left, on the device or offloaded)
+        outputs = offloading.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+        assert [list(o.outputs[0].token_ids) for o in outputs] == want
 
 
 @pytest.mark.parametrize("name", list(GEMMA))
