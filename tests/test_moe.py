@@ -250,9 +250,15 @@ def test_dense_layers_between_sparse_ones_equal_transformers(mixed, scan_layers)
     assert [list(o.outputs[0].token_ids) for o in outputs] == want
 
 
-def test_pipeline_stages_refuse_layers_of_several_kinds(mixed):
-    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 is not supported yet for Qwen2MoeForCausalLM"):
-        LLM(mixed[1], **ENGINE, pipeline_parallel_size=3)
+@pytest.mark.parametrize("stages", [2, 3])
+def test_pipeline_stages_split_layers_of_several_kinds(mixed, stages):
+    """Sparse, dense, sparse over 2 stages (the first holds a sparse and a dense run) or 3 (a layer each): each
+    stage scans its own runs, sliced from the model's stacks, and the tokens stay transformers'."""
+    model, model_dir = mixed
+    prompts = PROMPTS[:4]
+    llm = LLM(model_dir, **ENGINE, pipeline_parallel_size=stages)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
 
 
 # ---- routing and the grouped matmul alone --------------------------------------------------------------------

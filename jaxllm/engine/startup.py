@@ -34,11 +34,6 @@ def check_layout(arch: ModelArch, tensor_parallel_size: int, pipeline_parallel_s
     layer_ranges(arch.num_layers, pipeline_parallel_size)  # checks that every stage gets layers
     if pipeline_parallel_size > 1 and arch.moe is not None and arch.moe.expert_parallel:
         raise ValueError("enable_expert_parallel is not supported with pipeline_parallel_size > 1 yet")
-    if pipeline_parallel_size > 1 and len(arch.layer_runs()) > 1:
-        raise ValueError(
-            f"pipeline_parallel_size > 1 is not supported yet for {arch.architecture} with layers of several kinds "
-            f"(dense MLPs between the experts, or sliding-window layers among full-attention ones)"
-        )
 
 
 def check_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: int) -> None:

@@ -199,6 +199,16 @@ class ModelArch:
         """Each layer's sliding window (None: full attention), what its KV cache group follows."""
         return tuple(self.layer_kind(i).sliding_window for i in range(self.num_layers))
 
+    def stage(self, start: int, end: int) -> ModelArch:
+        """Layers `start:end` as a model of their own (a pipeline stage): per-layer settings renumbered from 0."""
+
+        def local(layers: tuple[int, ...]) -> tuple[int, ...]:
+            return tuple(i - start for i in layers if start <= i < end)
+
+        moe = self.moe and dataclasses.replace(self.moe, dense_layers=local(self.moe.dense_layers))
+        sliding = None if self.sliding_layers is None else local(self.sliding_layers)
+        return dataclasses.replace(self, num_layers=end - start, sliding_layers=sliding, moe=moe)
+
     def sparse_layers(self) -> tuple[int, ...]:
         """The layers whose MLP is a mixture of experts."""
         return tuple(i for i in range(self.num_layers) if self.layer_kind(i).experts)

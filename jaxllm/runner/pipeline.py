@@ -15,7 +15,6 @@ devices): their weights, caches and executables; runner/pipeline_hosts.py moves 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import cast
 
@@ -24,13 +23,13 @@ from jax import Array
 from jax.sharding import Mesh, NamedSharding
 
 from jaxllm.config import EngineConfig
-from jaxllm.kv_cache_groups import KVCacheGroups
 from jaxllm.model import KVCache, StepInputs
+from jaxllm.model.llama import stack_name
 from jaxllm.parallel.mesh import replicated
 from jaxllm.parallel.pipeline import layer_ranges, local_stages
 from jaxllm.runner.buckets import Bucket
 from jaxllm.runner.cpu_kernels import step_model
-from jaxllm.runner.kv_cache import allocate_kv_cache, kv_cache_groups, num_kv_blocks
+from jaxllm.runner.kv_cache import allocate_kv_cache, num_kv_blocks
 from jaxllm.runner.model_runner import ModelRunner
 from jaxllm.weights import LoadedModel
 
@@ -59,7 +58,7 @@ class PipelineRunner(ModelRunner):
         self.meshes = meshes
         self.local = local_stages(meshes)  # the stages this process holds (all of them in one process)
         self.ranges = layer_ranges(arch.num_layers, len(meshes))
-        self.stage_archs = [dataclasses.replace(arch, num_layers=b - a) for a, b in self.ranges]
+        self.stage_archs = [arch.stage(a, b) for a, b in self.ranges]
         last = len(meshes) - 1
         self.stage_models = [
             step_model(stage_arch, config, loaded.dtype, mesh, loaded.quant).clone(
@@ -84,11 +83,6 @@ class PipelineRunner(ModelRunner):
         """Whether the LM head and the sampler run here."""
         return self.local[-1] == self.num_stages - 1
 
-    def _kv_groups(self) -> KVCacheGroups:
-        """One group, a slot per layer: each stage's cache holds its own layers (mixed layer kinds are refused)."""
-        arch = self.loaded.arch
-        return KVCacheGroups.uniform(arch.num_layers, kv_cache_groups(arch, self.config).windows[0])
-
     def _allocate_cache(self, kv_dtype) -> tuple[int, KVCache]:
         """A cache per stage with its layers only (None for another process's stage), all with the block count the
         tightest stage's budget holds (block ids are the scheduler's, the same in every stage and process)."""
@@ -109,12 +103,11 @@ class PipelineRunner(ModelRunner):
         whole, last = self.params, self.num_stages - 1
         tied = self.loaded.arch.tie_word_embeddings
         stages: list[dict | None] = []
-        for s, ((start, end), mesh) in enumerate(zip(self.ranges, self.meshes, strict=True)):
+        for s, mesh in enumerate(self.meshes):
             if s not in self.local:
                 stages.append(None)
                 continue
-            layers = functools.partial(_slice_onto, start=start, end=end, mesh=mesh)
-            tree = {"layers": jax.tree.map(layers, whole["layers"])}
+            tree = self._stage_layers(whole, s, mesh)
             names = (["embed_tokens"] if s == 0 or (s == last and tied) else []) + (
                 ["norm"] + ([] if tied else ["lm_head"]) if s == last else []
             )
@@ -122,6 +115,21 @@ class PipelineRunner(ModelRunner):
                 tree[name] = jax.tree.map(lambda x, m=mesh: _onto(x, m), whole[name])
             stages.append(tree)
         self.params = tuple(stages)
+
+    def _stage_layers(self, whole: dict, s: int, mesh: Mesh) -> dict:
+        """Stage `s`'s stacks of layers, each run of its layers of one kind (`layer_runs`, renumbered from the
+        stage's first layer) sliced from the whole model's stack that holds it, on `mesh`."""
+        start = self.ranges[s][0]
+        arch, stage_arch = self.loaded.arch, self.stage_archs[s]
+        tree = {}
+        for local_start, local_end, _ in stage_arch.layer_runs():
+            first, last = start + local_start, start + local_end
+            run_start, run_end, _ = next(r for r in arch.layer_runs() if r[0] <= first < r[1])
+            assert last <= run_end, "a stage's run lies inside one of the model's"
+            layers = functools.partial(_slice_onto, start=first - run_start, end=last - run_start, mesh=mesh)
+            name = stack_name(local_start, stage_arch.num_layers, local_end)
+            tree[name] = jax.tree.map(layers, whole[stack_name(run_start, arch.num_layers, run_end)])
+        return tree
 
     def _stage_forward(self, s: int):
         model = self.stage_models[s]
