@@ -54,6 +54,13 @@ class KVCacheGroups:
                 group_windows.append(window)
         return cls(tuple(group_windows), tuple(layer_groups), tuple(layer_slots), slots)
 
+    def stage(self, start: int, end: int) -> KVCacheGroups:
+        """Layers `start:end` (a pipeline stage, with a cache of its own): every group kept (the block tables are
+        the scheduler's), each group's layers here in slots of their own from 0."""
+        groups = self.layer_groups[start:end]
+        slots = tuple(groups[:i].count(g) for i, g in enumerate(groups))
+        return KVCacheGroups(self.windows, groups, slots, max(slots, default=-1) + 1)
+
     @property
     def num_groups(self) -> int:
         return len(self.windows)

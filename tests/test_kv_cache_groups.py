@@ -134,3 +134,15 @@ def test_a_hit_settles_on_a_length_every_group_can_resume_from():
     again = make("again", tokens)
     assert kv.allocate_slots(again, 33 - 28, hit)
     assert kv.block_tables("again")[1][:7] == kv.block_tables("first")[1][:7]
+
+
+def test_a_pipeline_stage_keeps_every_group_with_its_own_slots():
+    """Gemma-3-1B's groups over two stages of 13 layers: every group's block tables stay (the scheduler's), each
+    stage's layers of a group take slots from 0 in its own cache."""
+    groups = KVCacheGroups.plan(gemma3_windows(26, 512), max_model_len=8192)
+    for start, end in ((0, 13), (13, 26)):
+        stage = groups.stage(start, end)
+        assert stage.windows == groups.windows and stage.layer_groups == groups.layer_groups[start:end]
+        places = set(zip(stage.layer_groups, stage.layer_slots, strict=True))
+        assert len(places) == end - start and stage.slots == max(stage.layer_slots) + 1 <= groups.slots
+    assert KVCacheGroups.uniform(6).stage(2, 5) == KVCacheGroups.uniform(3)

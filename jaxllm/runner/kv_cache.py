@@ -29,12 +29,8 @@ ACCELERATOR_HEADROOM_BYTES = 1 << 30  # activations, compiled code, allocator sl
 
 def kv_cache_groups(arch: ModelArch, config: EngineConfig) -> KVCacheGroups:
     """The KV cache groups the engine runs `arch` with: by attention kind (the hybrid manager), unless it is off —
-    by `disable_hybrid_kv_cache_manager`, or because pipeline stages or KV connectors move whole layers' blocks."""
-    hybrid = not (
-        config.cache.disable_hybrid_kv_cache_manager
-        or config.kv_transfer is not None
-        or config.parallel.pipeline_parallel_size > 1
-    )
+    by `disable_hybrid_kv_cache_manager`, or because KV connectors move whole layers' blocks."""
+    hybrid = not (config.cache.disable_hybrid_kv_cache_manager or config.kv_transfer is not None)
     return KVCacheGroups.plan(arch.layer_windows(), config.scheduler.max_model_len, hybrid)
 
 

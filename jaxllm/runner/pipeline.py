@@ -29,7 +29,7 @@ from jaxllm.parallel.mesh import replicated
 from jaxllm.parallel.pipeline import layer_ranges, local_stages
 from jaxllm.runner.buckets import Bucket
 from jaxllm.runner.cpu_kernels import step_model
-from jaxllm.runner.kv_cache import allocate_kv_cache, num_kv_blocks
+from jaxllm.runner.kv_cache import allocate_kv_cache, kv_cache_groups, num_kv_blocks
 from jaxllm.runner.model_runner import ModelRunner
 from jaxllm.weights import LoadedModel
 
@@ -59,12 +59,16 @@ class PipelineRunner(ModelRunner):
         self.local = local_stages(meshes)  # the stages this process holds (all of them in one process)
         self.ranges = layer_ranges(arch.num_layers, len(meshes))
         self.stage_archs = [arch.stage(a, b) for a, b in self.ranges]
+        groups = kv_cache_groups(arch, config)
+        self.stage_groups = [groups.stage(a, b) for a, b in self.ranges]  # each stage's cache: its layers' slots
         last = len(meshes) - 1
         self.stage_models = [
-            step_model(stage_arch, config, loaded.dtype, mesh, loaded.quant).clone(
+            step_model(stage_arch, config, loaded.dtype, mesh, loaded.quant, stage_groups).clone(
                 first_stage=s == 0, last_stage=s == last
             )
-            for s, (stage_arch, mesh) in enumerate(zip(self.stage_archs, meshes, strict=True))
+            for s, (stage_arch, stage_groups, mesh) in enumerate(
+                zip(self.stage_archs, self.stage_groups, meshes, strict=True)
+            )
         ]
         # the executable cache stores executables for fixed devices: the stages compile (JAX's own cache serves)
         super().__init__(loaded, config, meshes[self.local[-1]], executable_dir=None)
@@ -87,12 +91,11 @@ class PipelineRunner(ModelRunner):
         """A cache per stage with its layers only (None for another process's stage), all with the block count the
         tightest stage's budget holds (block ids are the scheduler's, the same in every stage and process)."""
         cache_cfg = self.config.cache
-        num_blocks = min(
-            num_kv_blocks(a, cache_cfg, kv_dtype, m) for a, m in zip(self.stage_archs, self.meshes, strict=True)
-        )
+        stages = list(zip(self.stage_archs, self.meshes, (g.slots for g in self.stage_groups), strict=True))
+        num_blocks = min(num_kv_blocks(a, cache_cfg, kv_dtype, m, slots) for a, m, slots in stages)
         caches = tuple(
-            allocate_kv_cache(a, num_blocks, self.block_size, kv_dtype, m) if s in self.local else None
-            for s, (a, m) in enumerate(zip(self.stage_archs, self.meshes, strict=True))
+            allocate_kv_cache(a, num_blocks, self.block_size, kv_dtype, m, slots) if s in self.local else None
+            for s, (a, m, slots) in enumerate(stages)
         )
         return num_blocks, cast(KVCache, caches)
 

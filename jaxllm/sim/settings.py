@@ -76,12 +76,8 @@ def sim_config(settings: SimSettings, cost: CostModel) -> SimConfig:
     num_blocks = settings.num_blocks
     if num_blocks is None:
         num_blocks = _setting(settings.budget_blocks, "num_blocks", cost)
-        if pp > 1:  # stages keep one group, a slot per layer (runner/pipeline.py): a block holds every layer
-            slots, num_layers = cost.engine.get("kv_cache_slots"), cost.engine.get("num_layers")
-            num_blocks = num_blocks * slots // num_layers if slots and num_layers else num_blocks
+        if pp > 1:
             num_blocks = pipeline_pool(num_blocks, layers or (1,) * pp)
-    if pp > 1:
-        windows = windows[:1] if len(windows) == 1 else (None,)
     return SimConfig(
         scheduler,
         num_blocks=num_blocks,
