@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
+SCRATCH_BLOCK = 0  # block 0 never holds a request's KV: padding tokens write there, freed table entries point there
+
 
 @dataclass(frozen=True)
 class KVCacheGroups:

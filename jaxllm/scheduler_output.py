@@ -1,5 +1,5 @@
 """The step contract: what the scheduler hands the device side for one step (`SchedulerOutput`, one
-`ScheduledRequest` per request), and the limits both sides size from it (rows of logits, the scratch block).
+`ScheduledRequest` per request), and the limits both sides size from it (rows of logits).
 
 The runner, the multi-host step broadcast and a draft model's runner read only this module (and `request.py`),
 never the scheduling algorithm (engine/scheduler.py), as vLLM's workers read only its `sched/output.py`. Pure
@@ -13,8 +13,6 @@ from typing import Any
 
 from jaxllm.config import SchedulerConfig, SpeculativeConfig
 from jaxllm.request import Request
-
-SCRATCH_BLOCK = 0  # block 0 never holds a request's KV: padding tokens write there
 
 
 @dataclass

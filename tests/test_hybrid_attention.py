@@ -14,9 +14,9 @@ import pytest
 import transformers
 
 from jaxllm import LLM, SamplingParams
+from jaxllm.kv_cache_groups import SCRATCH_BLOCK
 from jaxllm.model import arch_from_hf_config
 from jaxllm.runner.compilations import compilation_count
-from jaxllm.scheduler_output import SCRATCH_BLOCK
 from tests.gguf_models import write_gguf
 from tests.hf_reference import hf_greedy, hf_log_softmax
 from tests.served_app import Served

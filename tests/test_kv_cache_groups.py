@@ -4,10 +4,9 @@ the blocks leaving their window, and prefix hits that need only the window befor
 import pytest
 
 from jaxllm.engine.kv_cache_manager import KVCacheManager
-from jaxllm.kv_cache_groups import KVCacheGroups
+from jaxllm.kv_cache_groups import SCRATCH_BLOCK, KVCacheGroups
 from jaxllm.request import Request
 from jaxllm.sampling_params import SamplingParams
-from jaxllm.scheduler_output import SCRATCH_BLOCK
 
 BS = 4
 

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from jaxllm.engine.block_hash import NO_SCOPE, BlockHash, hash_block
+from jaxllm.kv_cache_groups import SCRATCH_BLOCK
 from jaxllm.request import Request
-from jaxllm.scheduler_output import SCRATCH_BLOCK
 
 
 class PrefixHit(NamedTuple):

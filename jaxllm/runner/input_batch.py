@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxllm.kv_cache_groups import SCRATCH_BLOCK
 from jaxllm.model import StepInputs
 from jaxllm.runner.buckets import Bucket
 from jaxllm.runner.sampler import SamplingInputs
 from jaxllm.runner.token_masks import ban_tokens
 from jaxllm.sampling_params import MAX_LOGIT_BIAS
-from jaxllm.scheduler_output import SCRATCH_BLOCK, SchedulerOutput
+from jaxllm.scheduler_output import SchedulerOutput
 
 
 class InputBatch:

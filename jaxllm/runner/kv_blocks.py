@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxllm.kv_cache_groups import SCRATCH_BLOCK
 from jaxllm.model import KVCache
 from jaxllm.parallel.mesh import kv_cache_sharding, replicated
-from jaxllm.scheduler_output import SCRATCH_BLOCK
 
 
 def block_count_buckets(max_blocks: int) -> list[int]:
