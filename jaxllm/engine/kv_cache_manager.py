@@ -123,7 +123,7 @@ class KVCacheManager:
             return NO_HIT
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self.block_hashes(request, max_blocks)[:max_blocks]
-        found = [[self._cached.get((g, h)) for h in hashes] for g in range(len(self.windows))]
+        found = [self._cached_ids(group, hashes) for group in range(len(self.windows))]
         hit, settled = max_blocks, -1
         while hit != settled:
             settled = hit
@@ -135,10 +135,23 @@ class KVCacheManager:
             tables.append([SCRATCH_BLOCK] * first + [i for i in ids[first:hit] if i is not None])
         return PrefixHit(hit, tables)
 
+    def _cached_ids(self, group: int, hashes: list[BlockHash]) -> list[int | None]:
+        """The group's cached block of each hash (None: not cached); a full-attention group's only up to its first
+        miss, since no hit reaches past it."""
+        if self.windows[group] is not None:
+            return [self._cached.get((group, h)) for h in hashes]
+        ids: list[int | None] = []
+        for h in hashes:
+            block_id = self._cached.get((group, h))
+            if block_id is None:
+                break
+            ids.append(block_id)
+        return ids
+
     def _longest_hit(self, group: int, ids: list[int | None], limit: int) -> int:
         """The most leading blocks, at most `limit`, after which `group` has every block it still reads cached."""
         if self.windows[group] is None:
-            return next((i for i in range(limit) if ids[i] is None), limit)
+            return min(len(ids), limit)  # (`_cached_ids`: its leading cached blocks)
         top = limit  # the end of the run of cached blocks below it
         for i in range(limit - 1, -1, -1):
             if ids[i] is None:
