@@ -23,6 +23,7 @@ import logging
 import os
 import pickle
 import tempfile
+import threading
 from pathlib import Path
 
 import jax
@@ -31,6 +32,9 @@ from jax.experimental import serialize_executable
 from jaxllm.runner.compilations import served_by_jax_cache
 
 logger = logging.getLogger(__name__)
+# XLA's CPU client is not safe to deserialize executables in two threads at once: two `load`s side by side
+# crashed the process (a segfault in `deserialize_executable`, CI, jaxlib 0.10), so loads take turns.
+_deserializing = threading.Lock()
 
 _PACKAGES = ("jax", "jaxlib", "flax", "numpy")
 _SOURCE_SUFFIXES = (".py", ".cc", ".h")
@@ -128,9 +132,10 @@ class ExecutableCache:
             return None
         try:
             payload, in_tree, out_tree = pickle.loads(blob)
-            return serialize_executable.deserialize_and_load(
-                payload, in_tree, out_tree, execution_devices=list(devices)
-            )
+            with _deserializing:
+                return serialize_executable.deserialize_and_load(
+                    payload, in_tree, out_tree, execution_devices=list(devices)
+                )
         except Exception as e:  # a truncated file or an incompatible blob: recompile and overwrite it
             logger.warning("cached executable %s unreadable (%s: %s); compiling", path.name, type(e).__name__, e)
             return None
