@@ -184,27 +184,40 @@ def test_routing_metrics_count_the_tokens_transformers_routes(saved):
     """`LLM.get_metrics()`: one `jaxllm:moe_expert_tokens` Vector per sparse layer, each expert's tokens since
     start (padding rows of a step's bucket not counted), equal to the top-k of transformers' router logits over
     every token the engine ran; and each layer's imbalance (busiest expert over the mean)."""
-    from jaxllm.metrics.reader import Gauge, Vector
+    from jaxllm.metrics.reader import Gauge
 
     model, model_dir = saved["qwen3_moe"]
     llm = LLM(model_dir, **ENGINE)
     prompts = PROMPTS[:3]
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    want = np.zeros((model.config.num_hidden_layers, model.config.num_experts), np.int64)
-    for prompt, out in zip(prompts, outputs, strict=True):
-        ran = prompt + list(out.outputs[0].token_ids)[:-1]  # the last token sampled is never run
-        with torch.no_grad():
-            logits = model(torch.tensor([ran]), output_router_logits=True).router_logits
-        for layer, layer_logits in enumerate(logits):
-            for e in torch.topk(layer_logits.float(), model.config.num_experts_per_tok, dim=-1).indices.flatten():
-                want[layer, int(e)] += 1
+    want = transformers_routing(model, prompts, outputs, layers=range(model.config.num_hidden_layers))
     metrics = llm.get_metrics()
-    got = {int(m.labels["layer"]): m.values for m in metrics if isinstance(m, Vector) and "moe" in m.name}
-    assert got == {layer: row.tolist() for layer, row in enumerate(want)}
+    assert routed_tokens(metrics) == {layer: row.tolist() for layer, row in want.items()}
     imbalance = {int(m.labels["layer"]): m.value for m in metrics if m.name == "jaxllm:moe_expert_load_imbalance"}
     assert all(isinstance(m, Gauge) for m in metrics if m.name == "jaxllm:moe_expert_load_imbalance")
-    assert imbalance == pytest.approx({layer: row.max() / row.mean() for layer, row in enumerate(want)})
+    assert imbalance == pytest.approx({layer: row.max() / row.mean() for layer, row in want.items()})
+
+
+def transformers_routing(model, prompts, outputs, layers) -> dict[int, np.ndarray]:
+    """Sparse layer (of `layers`, in order) → tokens per expert: the top-k of transformers' router logits over
+    every token an engine ran for `prompts` (each prompt and its output but the last token, never run)."""
+    want = {layer: np.zeros(model.config.num_experts, np.int64) for layer in layers}
+    for prompt, out in zip(prompts, outputs, strict=True):
+        ran = prompt + list(out.outputs[0].token_ids)[:-1]
+        with torch.no_grad():
+            logits = model(torch.tensor([ran]), output_router_logits=True).router_logits
+        for layer, layer_logits in zip(layers, logits, strict=True):
+            for e in torch.topk(layer_logits.float(), model.config.num_experts_per_tok, dim=-1).indices.flatten():
+                want[layer][int(e)] += 1
+    return want
+
+
+def routed_tokens(metrics) -> dict[int, list[int]]:
+    """`LLM.get_metrics()`'s `jaxllm:moe_expert_tokens`: sparse layer → tokens routed to each expert."""
+    from jaxllm.metrics.reader import Vector
+
+    return {int(m.labels["layer"]): m.values for m in metrics if isinstance(m, Vector) and "moe" in m.name}
 
 
 def test_prompt_logprobs_match_transformers(saved):
@@ -259,6 +272,27 @@ def test_pipeline_stages_split_layers_of_several_kinds(mixed, stages):
     llm = LLM(model_dir, **ENGINE, pipeline_parallel_size=stages)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+
+
+def test_expert_parallel_pipeline_stages_equal_transformers_and_count_every_stages_routing(mixed):
+    """Two stages of two devices each, experts split whole (EP): every stage's devices hold half of its sparse
+    layers' experts, the tokens are transformers', and the routing metrics gather both stages' sparse layers."""
+    model, model_dir = mixed
+    prompts = PROMPTS[:4]
+    engine = dict(ENGINE, pipeline_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True)
+    llm = LLM(model_dir, **engine)
+    experts = [
+        leaf
+        for path, leaf in jax.tree_util.tree_flatten_with_path(llm.engine.runner.params)[0]
+        if any("experts_" in str(getattr(key, "key", "")) for key in path)
+    ]
+    assert len(experts) >= 4  # gate_up and down of the two sparse layers, one in each stage
+    for whole in experts:
+        assert {s.data.shape[1] for s in whole.addressable_shards} == {whole.shape[1] // 2}
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+    want = transformers_routing(model, prompts, outputs, layers=[0, 2])  # (layer 1 is dense)
+    assert routed_tokens(llm.get_metrics()) == {layer: row.tolist() for layer, row in want.items()}
 
 
 # ---- routing and the grouped matmul alone --------------------------------------------------------------------

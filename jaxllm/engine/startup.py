@@ -32,8 +32,6 @@ def check_layout(arch: ModelArch, tensor_parallel_size: int, pipeline_parallel_s
             f"tensor_parallel_size={tensor_parallel_size} does not divide the model's {arch.num_kv_heads} KV heads"
         )
     layer_ranges(arch.num_layers, pipeline_parallel_size)  # checks that every stage gets layers
-    if pipeline_parallel_size > 1 and arch.moe is not None and arch.moe.expert_parallel:
-        raise ValueError("enable_expert_parallel is not supported with pipeline_parallel_size > 1 yet")
 
 
 def check_prompt(prompt_token_ids: list[int], max_model_len: int, vocab_size: int) -> None:

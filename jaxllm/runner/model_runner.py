@@ -179,17 +179,10 @@ class ModelRunner:
 
     def _forward(self, params, cache: KVCache, inputs: StepInputs):
         """(logits, the cache) and, for a mixture of experts, its sparse layers' tokens per expert in this step."""
-        loads: tuple = ()
-        if self.expert_load is None:
-            logits, cache = cast(tuple[Array, KVCache], self.model.apply({"params": params}, cache, inputs))
-        else:
-            (logits, cache), state = self.model.apply({"params": params}, cache, inputs, mutable=["intermediates"])
-            loads = (jax.lax.with_sharding_constraint(expert_loads(state["intermediates"]), replicated(self.mesh)),)
-        return (
-            jax.lax.with_sharding_constraint(logits, replicated(self.mesh)),
-            cache,
-            *loads,
-        )  # as the sampler takes them
+        logits, cache, *loads = apply_counting_experts(
+            self.model, params, cache, inputs, counting=self.expert_load is not None, mesh=self.mesh
+        )
+        return jax.lax.with_sharding_constraint(logits, replicated(self.mesh)), cache, *loads  # as the sampler takes
 
     def _forward_async(self, params, cache: KVCache, inputs: StepInputs, prev_sampled: Array, src: Array):
         """The forward, its placeholder tokens first taken from the previous step's sampled ids (async)."""
@@ -373,12 +366,22 @@ class ModelRunner:
             logits, self.cache, *loads = forward(self.params, self.cache, inputs, prev_sampled, src)
         else:
             logits, self.cache, *loads = forward(self.params, self.cache, inputs)
-        self._step_loads.extend(loads)  # (a mixture of experts: added up when the step is collected)
+        if loads:  # a mixture of experts' routing (a pipeline's: one array per stage with sparse layers)
+            self._step_loads.append(loads)  # added up when the step is collected
         return sampler(logits, sampling)
 
     def to_host(self, result: SamplerOutput, n: int) -> RunnerOutput:
         # leaf by leaf: `jax.device_get` first starts an asynchronous copy of each leaf, ~15 us apiece on CPU
         output = RunnerOutput(*(np.asarray(leaf)[:n] for leaf in result))
         if self._step_loads:  # this step's experts' loads (steps reach the host in launch order): done, no wait
-            self.expert_load += np.asarray(self._step_loads.popleft())
+            self.expert_load += np.concatenate([np.asarray(load) for load in self._step_loads.popleft()])
         return output
+
+
+def apply_counting_experts(model, params, cache: KVCache, inputs: StepInputs, *rest, counting: bool, mesh: Mesh):
+    """`model.apply`'s (output, cache), followed when `counting` by its sparse layers' tokens per expert in this
+    step (`[sparse layers, E]`, replicated over `mesh`)."""
+    if not counting:
+        return cast(tuple[Array, KVCache], model.apply({"params": params}, cache, inputs, *rest))
+    (out, cache), state = model.apply({"params": params}, cache, inputs, *rest, mutable=["intermediates"])
+    return out, cache, jax.lax.with_sharding_constraint(expert_loads(state["intermediates"]), replicated(mesh))

@@ -30,26 +30,28 @@ from jaxllm.parallel.pipeline import layer_ranges, local_stages
 from jaxllm.runner.buckets import Bucket
 from jaxllm.runner.cpu_kernels import step_model
 from jaxllm.runner.kv_cache import allocate_kv_cache, kv_cache_groups, num_kv_blocks
-from jaxllm.runner.model_runner import ModelRunner
+from jaxllm.runner.model_runner import ModelRunner, apply_counting_experts
 from jaxllm.weights import LoadedModel
 
 
 class StagedForward:
     """One bucket's forward through every stage: called as a single-stage forward is (`(params, cache, inputs)
-    -> (logits, cache)`), with a tuple of per-stage params and caches."""
+    -> (logits, cache, *expert loads)`), with a tuple of per-stage params and caches; a mixture of experts' loads
+    come one array per stage that has sparse layers, in layer order."""
 
     def __init__(self, stages: list, hidden_shardings: list[NamedSharding]):
         self.stages, self.hidden_shardings = stages, hidden_shardings
 
     def __call__(self, params: tuple, caches: tuple, inputs: StepInputs):
-        updated = list(caches)
+        updated, loads = list(caches), []
         out = None
         for s, stage in enumerate(self.stages):
             args: tuple = (params[s], updated[s], inputs)
             if s > 0:  # the previous stage's hidden states, copied onto this stage's devices
                 args += (jax.device_put(out, self.hidden_shardings[s]),)
-            out, updated[s] = stage(*args)
-        return out, tuple(updated)
+            out, updated[s], *stage_loads = stage(*args)
+            loads += stage_loads  # (a stage with sparse layers: their tokens per expert)
+        return out, tuple(updated), *loads
 
 
 class PipelineRunner(ModelRunner):
@@ -137,11 +139,15 @@ class PipelineRunner(ModelRunner):
     def _stage_forward(self, s: int):
         model = self.stage_models[s]
 
+        counting = self.expert_load is not None and bool(self.stage_archs[s].sparse_layers())
+
         def forward(params, cache: KVCache, inputs: StepInputs, hidden: Array | None = None):
-            out, cache = cast(tuple[Array, KVCache], model.apply({"params": params}, cache, inputs, hidden))
+            out, cache, *loads = apply_counting_experts(
+                model, params, cache, inputs, hidden, counting=counting, mesh=self.meshes[s]
+            )
             if s == self.num_stages - 1:
                 out = jax.lax.with_sharding_constraint(out, replicated(self.meshes[s]))  # as the sampler takes them
-            return out, cache
+            return out, cache, *loads
 
         return forward
 
