@@ -402,15 +402,67 @@ def test_routing_follows_transformers_ties_to_the_lowest_expert():
 
 
 def test_quantized_checkpoints_are_refused_naming_the_method():
-    """gpt-oss's released checkpoints keep their experts in MXFP4 (`quantization_config`): refused at start-up with
-    the method named, never loaded as if the tensors were float."""
+    """A `quantization_config` jaxllm cannot read (all but gpt-oss's MXFP4) is refused at start-up with the method
+    named, never loaded as if the tensors were float."""
     from jaxllm.model import arch_from_hf_config
 
     config = transformers.GptOssConfig(**{**TINY, **MOE_CASES["gpt_oss"][2]}).to_dict()
-    config.update(architectures=["GptOssForCausalLM"], quantization_config={"quant_method": "mxfp4"})
+    config.update(architectures=["GptOssForCausalLM"], quantization_config={"quant_method": "gptq"})
+    with pytest.raises(NotImplementedError, match="gptq"):
+        arch_from_hf_config(config)
+    config.update(architectures=["Qwen3MoeForCausalLM"], quantization_config={"quant_method": "mxfp4"})
     with pytest.raises(NotImplementedError, match="mxfp4"):
         arch_from_hf_config(config)
+    config["architectures"] = ["GptOssForCausalLM"]
     del config["quantization_config"]
     arch = arch_from_hf_config(config)
     assert arch.attention_sinks and arch.moe.biases and arch.moe.clamped_glu == (1.702, 7.0)
     assert arch.layer_windows() == (8, None)
+
+
+def mxfp4_quantize(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`[..., K]` float → MXFP4 as gpt-oss saves it: (`[..., K/32, 16]` codes two a byte, low nibble first;
+    `[..., K/32]` power-of-two exponents + 127), each block scaled so its largest value fits E2M1's 6."""
+    from jaxllm.weights.mxfp4 import FP4_VALUES
+
+    blocks = w.reshape(*w.shape[:-1], -1, 32)
+    exponent = np.ceil(np.log2(np.maximum(np.abs(blocks).max(-1), 1e-30) / 6.0)).astype(np.int32)
+    scaled = blocks / np.ldexp(1.0, exponent)[..., None]
+    codes = np.abs(scaled[..., None] - FP4_VALUES).argmin(-1).astype(np.uint8)  # the nearest E2M1 value
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return np.ascontiguousarray(packed), np.ascontiguousarray(exponent + 127, np.uint8)  # (safetensors saves bytes)
+
+
+def test_gpt_oss_mxfp4_checkpoints_load_dequantized_and_equal_transformers(saved, tmp_path, caplog):
+    """gpt-oss's released form: experts as MXFP4 `_blocks`/`_scales` and `quantization_config` mxfp4. jaxllm
+    dequantizes them as they load (one log line) and gives the tokens of transformers' model holding transformers'
+    own dequantization of the same blocks (`convert_moe_packed_tensors`: the layout is theirs, not ours)."""
+    import copy
+    import json
+    import logging
+
+    from safetensors.numpy import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    model, model_dir = saved["gpt_oss"]
+    tensors = load_file(f"{model_dir}/model.safetensors")
+    reference = copy.deepcopy(model)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = mxfp4_quantize(tensors.pop(name).transpose(0, 2, 1))  # saved [E, in, out]; blocks along in
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+        packed = (torch.from_numpy(blocks), torch.from_numpy(scales))
+        dequantized = convert_moe_packed_tensors(*packed, dtype=torch.float32)
+        with torch.no_grad():
+            reference.get_parameter(name).copy_(dequantized)
+    save_file(tensors, tmp_path / "model.safetensors")
+    config = json.load(open(f"{model_dir}/config.json"))
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["router", "self_attn"]}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    prompts = PROMPTS[:4]
+    with caplog.at_level(logging.INFO, logger="jaxllm"):
+        llm = LLM(str(tmp_path), **ENGINE)
+    assert "MXFP4 experts are dequantized" in caplog.text
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
+    want = [hf_greedy(reference, p, GREEDY.max_tokens) for p in prompts]
+    assert [list(o.outputs[0].token_ids) for o in outputs] == want
+    assert not torch.equal(reference.model.layers[0].mlp.experts.down_proj, model.model.layers[0].mlp.experts.down_proj)

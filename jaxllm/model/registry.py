@@ -329,8 +329,9 @@ def arch_from_hf_config(config: Any) -> ModelArch:
         raise ValueError(
             f"unsupported architecture {architecture!r}; jaxllm supports {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
-    if quantized := _get(config, "quantization_config"):  # (gpt-oss's released checkpoints: MXFP4 experts)
-        method = _get(quantized, "quant_method", "unknown")
+    quantized = _get(config, "quantization_config")
+    method = _get(quantized, "quant_method", "unknown") if quantized else None
+    if method is not None and (method, architecture) != ("mxfp4", "GptOssForCausalLM"):  # (weights/mxfp4.py)
         raise NotImplementedError(
             f"{architecture}: checkpoints quantized with {method!r} are not supported; use an unquantized (bf16) "
             f"checkpoint, which `quantization='int8'`/'int4' quantizes at load, or a GGUF file"

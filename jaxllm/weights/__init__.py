@@ -30,7 +30,9 @@ from jaxllm.model.quant import QuantPlan
 from jaxllm.model.registry import ModelArch, arch_from_hf_config, with_expert_parallel
 from jaxllm.weights import converted, hf, orbax
 from jaxllm.weights.default import DEFAULT_MODEL_NAME, default_model_path
+from jaxllm.weights.mxfp4 import with_mxfp4_experts
 from jaxllm.weights.params import (
+    GetTensor,
     Layout,
     abstract_params,
     host_params_from_hf_tensors,
@@ -169,7 +171,9 @@ class ModelSource:
                 params = place(quantize_params(params, quant), param_shardings(specs, mesh))
             laid_out = False
         else:
-            reader = hf.SafetensorsReader(path)
+            reader: GetTensor = hf.SafetensorsReader(path)
+            if (self.hf_config.get("quantization_config") or {}).get("quant_method") == "mxfp4":  # gpt-oss's
+                reader = with_mxfp4_experts(reader, str(path))
             params = params_from_hf_tensors(arch, jdtype, reader, mesh, str(path), layout, quant)
 
         weights_loaded = time.perf_counter()
