@@ -168,10 +168,10 @@ def _random_tensor(rng, shape: tuple[int, ...], kind, router: bool) -> np.ndarra
     block, nbytes = gguf.GGML_QUANT_SIZES[kind]
     blocks = rng.integers(0, 256, (*shape[:-1], shape[-1] // block, nbytes), dtype=np.uint8)
     if kind == gguf.GGMLQuantizationType.Q4_1:  # d (f16), m (f16), 16 bytes of 4-bit quants: d * q + m
-        blocks[..., 0:2] = np.float16(0.005).view(np.uint8).reshape(2)
-        blocks[..., 2:4] = np.float16(-0.0375).view(np.uint8).reshape(2)
+        blocks[..., 0:2] = np.array([0.005], np.float16).view(np.uint8)
+        blocks[..., 2:4] = np.array([-0.0375], np.float16).view(np.uint8)
     else:  # Q8_0: d (f16), 32 int8 quants: d * q
-        blocks[..., 0:2] = np.float16(0.0003).view(np.uint8).reshape(2)
+        blocks[..., 0:2] = np.array([0.0003], np.float16).view(np.uint8)
     return blocks.reshape(*shape[:-1], -1)
 
 

@@ -71,6 +71,11 @@ class KVCacheGroups:
     def is_hybrid(self) -> bool:
         return self.num_groups > 1 or self.windows[0] is not None
 
+    @property
+    def key(self) -> str:
+        """Canonical: each layer's group, each group's window (what makes two engines' blocks interchangeable)."""
+        return f"layers {list(self.layer_groups)} windows {list(self.windows)}"
+
     def describe(self) -> str:
         """For the ready line: "" for one full-attention group, else the groups and their windows."""
         if not self.is_hybrid:

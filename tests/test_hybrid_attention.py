@@ -7,6 +7,7 @@ has a block table per group of layers of one kind (kv_cache_groups.py): windowed
 leave their window while the engine runs, and every test below runs with them doing so.
 """
 
+import dataclasses
 import json
 
 import numpy as np
@@ -181,13 +182,64 @@ def test_gemma_preempted_in_a_small_pool_equals_transformers(tmp_path):
     sharded = LLM(str(tmp_path), **small, tensor_parallel_size=2)  # each device its KV heads of every group
     outputs = sharded.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
     assert [list(o.outputs[0].token_ids) for o in outputs] == want
-    del sharded
-    # a KV connector moves whole layers' blocks: the engine keeps one group (every block) and runs as before
-    offloading = LLM(str(tmp_path), **dict(small, kv_cache_memory_bytes=6 * 48 * 4096), kv_offloading_size=0.01)
-    assert offloading.engine.kv.windows == (None,)
+
+
+def test_kv_connectors_move_each_groups_blocks(tmp_path):
+    """Gemma 3's groups beside each KV connector, every group keyed and moved on its own, a windowed group's only
+    while it holds them: offloading (a pool so small that blocks are evicted to host memory and come back), shared
+    storage (a second engine reads what the first saved, a file per group's block) and P/D transfer (the producer
+    offers each group's held blocks only, the consumer decodes from them). Greedy tokens stay transformers'."""
+    config_cls, model_cls, overrides = GEMMA["gemma3"]
+    config = getattr(transformers, config_cls)(**{**TINY, **overrides})
+    config.architectures = [model_cls]
+    model = random_model(getattr(transformers, model_cls), config).eval()
+    model.save_pretrained(tmp_path / "model")
+    prompts = [p for p in GEMMA_PROMPTS if len(p) > 40][:4]
+    want = [hf_greedy(model, p, GREEDY.max_tokens) for p in prompts]
+
+    def generate(llm, params=GREEDY):
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        assert len(llm.engine.kv.windows) > 1  # the hybrid manager stays on
+        return outputs
+
+    def tokens(outputs):
+        return [list(o.outputs[0].token_ids) for o in outputs]
+
+    def idle(llm) -> bool:
+        return llm.engine.kv.num_free_blocks == llm.engine.kv.num_usable_blocks
+
+    engine = dict(CHUNKED_ENGINE, kv_cache_memory_bytes=24 * 4096)  # 24 blocks: evictions
+    offloading = LLM(str(tmp_path / "model"), **engine, kv_offloading_size=0.01)
     for _ in range(2):  # (the second pass reuses what the first left, on the device or offloaded)
-        outputs = offloading.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, use_tqdm=False)
-        assert [list(o.outputs[0].token_ids) for o in outputs] == want
+        assert tokens(generate(offloading)) == want
+    stats = offloading.engine.stats()
+    assert stats["kv_transfer_save_count"] > 0 and stats["external_prefix_cache_hits"] > 0 and idle(offloading)
+    del offloading
+
+    storage = {"kv_connector": "SharedStorageConnector"}
+    storage["kv_connector_extra_config"] = {"shared_storage_path": str(tmp_path / "kv")}
+    writer = LLM(str(tmp_path / "model"), **CHUNKED_ENGINE, kv_transfer_config=storage)
+    assert tokens(generate(writer)) == want
+    writer.engine.kv_connector.worker.flush()
+    assert {p.suffixes[0] for p in (tmp_path / "kv").rglob("*.npz")} >= {".npz", ".g1", ".g5"}  # group 0's: no suffix
+    reader = LLM(str(tmp_path / "model"), **CHUNKED_ENGINE, kv_transfer_config=storage)
+    assert tokens(generate(reader)) == want
+    assert reader.engine.stats()["external_prefix_cache_hits"] >= 16 * len(prompts) and idle(reader)
+    del writer, reader
+
+    transfer = {"kv_connector": "TransferConnector"}
+    producer = LLM(str(tmp_path / "model"), **CHUNKED_ENGINE, kv_transfer_config={**transfer, "kv_role": "kv_producer"})
+    consumer = LLM(str(tmp_path / "model"), **CHUNKED_ENGINE, kv_transfer_config={**transfer, "kv_role": "kv_consumer"})
+    remote = SamplingParams(max_tokens=1, extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    offers = [o.kv_transfer_params for o in generate(producer, remote)]
+    groups = len(producer.engine.kv.windows)
+    offered = [sum(o["remote_num_blocks"] - start for start in o["remote_group_starts"]) for o in offers]
+    assert all(n < groups * o["remote_num_blocks"] for n, o in zip(offered, offers, strict=True))  # windows only
+    decode = [dataclasses.replace(GREEDY, extra_args={"kv_transfer_params": o}) for o in offers]
+    outputs = consumer.generate([{"prompt_token_ids": p} for p in prompts], decode, use_tqdm=False)
+    assert tokens(outputs) == want
+    assert [o.num_cached_tokens for o in outputs] == [len(p) - 1 for p in prompts]  # only the last token computed
+    assert idle(producer) and idle(consumer)
 
 
 @pytest.mark.parametrize("name", list(GEMMA))

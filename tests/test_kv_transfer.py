@@ -94,8 +94,8 @@ def test_block_mover_gathers_and_scatters_whole_blocks(tp):
     v = rng.standard_normal(shape).astype(np.float32)
     k[:, 7:], v[:, 7:] = np.nan, np.nan  # unused blocks
     cache = KVCache(*(jax.device_put(a, kv_cache_sharding(mesh)) for a in (k, v)))
-    runner = SimpleNamespace(cache=cache, mesh=mesh, max_blocks_per_seq=4)
-    mover = KVBlockMover(runner)
+    runner = SimpleNamespace(cache=cache, mesh=mesh)
+    mover = KVBlockMover(runner, max_blocks=4)
     mover.warm_up()
     assert mover.buckets == [1, 2, 4]
     before = compilation_count()
@@ -236,10 +236,10 @@ def test_shared_storage_corrupt_block_recomputes_or_fails(storage_dir, reference
     reader = _engine(kv_transfer_config=_storage(corrupt))
     hashes = reader.engine.kv.block_hashes(Request("x", reader.get_tokenizer().encode(PROMPTS[0]), GREEDY), 5)
     files = reader.engine.kv_connector.worker.files
-    with open(files.path(hashes[2]), "r+b") as f:  # the third block: flip bytes in the middle
+    with open(files.path((0, hashes[2])), "r+b") as f:  # the third block: flip bytes in the middle
         f.seek(200)
         f.write(b"\x00\xff" * 64)
-    os.remove(files.path(hashes[4]))  # and a later one goes missing (never reached: the run ends at block 2)
+    os.remove(files.path((0, hashes[4])))  # and a later one goes missing (never reached: the run ends at block 2)
     out = reader.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0]
     assert out.outputs[0].token_ids == reference[0]
     assert out.num_cached_tokens == 2 * 16  # the two good blocks, then computed

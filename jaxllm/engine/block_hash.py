@@ -13,6 +13,7 @@ from array import array
 from collections.abc import Sequence
 
 BlockHash = bytes
+BlockKey = tuple[int, BlockHash]  # (KV cache group, hash): a block's K/V is its group's layers' (kv_cache_groups.py)
 
 NO_SCOPE: BlockHash = hashlib.sha256(b"jaxllm").digest()
 

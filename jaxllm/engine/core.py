@@ -34,7 +34,7 @@ from jaxllm.outputs import RequestOutput
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.request import Request, RequestStatus
 from jaxllm.runner.kv_blocks import KVBlockMover
-from jaxllm.runner.kv_cache import bytes_per_block
+from jaxllm.runner.kv_cache import bytes_per_block, kv_cache_groups
 from jaxllm.runner.model_runner import ModelRunner
 from jaxllm.runner.worker import Worker
 from jaxllm.sampling_params import SamplingParams
@@ -69,7 +69,8 @@ class EngineCore:
         self.config = args.create_engine_config(arch.max_position_embeddings, jax.default_backend())
         if kv_transfer is not None:  # its sizes against memory, before anything loads
             kv_dtype = self.config.cache.kv_dtype(source.dtype)
-            check_kv_connector(kv_transfer, bytes_per_block(arch, self.config.cache.block_size, kv_dtype))
+            slots = kv_cache_groups(arch, self.config).slots  # (a block holds one group's layers)
+            check_kv_connector(kv_transfer, bytes_per_block(arch, self.config.cache.block_size, kv_dtype, slots=slots))
         self.seed = args.seed
         executables = os.path.join(cache_folder, "jaxllm-executables") if cache_folder else None
         # the device side: the target model's worker (weights, KV cache, compiled steps), a draft model's too
@@ -95,7 +96,11 @@ class EngineCore:
         )
         self.kv_connector: KVConnector | None = None
         if kv_transfer is not None:
-            mover = KVBlockMover(self.runner)
+            sched = self.config.scheduler
+            held = self.runner.kv_groups.blocks_needed(
+                sched.max_model_len, self.config.cache.block_size, sched.max_num_batched_tokens
+            )
+            mover = KVBlockMover(self.runner, held)
             mover.warm_up()
             self.kv_connector = make_kv_connector(kv_transfer, self.kv_scope, self.kv, mover)
             self.worker.attach_kv_connector(self.kv_connector.worker)
@@ -138,6 +143,7 @@ class EngineCore:
             num_kv_heads=arch.num_kv_heads,
             head_dim=arch.head_dim,
             tensor_parallel_size=args.tensor_parallel_size,
+            kv_cache_groups=self.runner.kv_groups.key,
         )
 
     @property

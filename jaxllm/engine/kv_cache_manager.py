@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from jaxllm.engine.block_hash import NO_SCOPE, BlockHash, hash_block
+from jaxllm.engine.block_hash import NO_SCOPE, BlockHash, BlockKey, hash_block
 from jaxllm.kv_cache_groups import SCRATCH_BLOCK
 from jaxllm.request import Request
 
@@ -73,7 +73,7 @@ class KVCacheManager:
         self._req_num_registered: dict[str, int] = {}  # leading blocks already offered to the cache
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
-        self._evicted: list[tuple[int, BlockHash]] | None = [] if record_evictions else None
+        self._evicted: list[tuple[int, BlockKey]] | None = [] if record_evictions else None
 
     # ---- pool state --------------------------------------------------------------------
 
@@ -94,10 +94,10 @@ class KVCacheManager:
         return self._req_blocks.get(request_id) or [[] for _ in self.windows]
 
     def block_ids(self, request_id: str) -> list[int]:
-        """The first group's block table: a model with one group (KV connectors move only such caches)."""
+        """The first group's block table (a model with one group: its only one)."""
         return self.block_tables(request_id)[0]
 
-    def _first_needed(self, group: int, position: int) -> int:
+    def first_needed(self, group: int, position: int) -> int:
         """The first block of `group` a token at `position` (or after it) attends to."""
         window = self.windows[group]
         return 0 if window is None else max(position - window + 1, 0) // self.block_size
@@ -131,7 +131,7 @@ class KVCacheManager:
                 hit = min(hit, self._longest_hit(group, ids, hit))
         tables = []
         for group, ids in enumerate(found):
-            first = self._first_needed(group, hit * self.block_size)
+            first = self.first_needed(group, hit * self.block_size)
             tables.append([SCRATCH_BLOCK] * first + [i for i in ids[first:hit] if i is not None])
         return PrefixHit(hit, tables)
 
@@ -156,7 +156,7 @@ class KVCacheManager:
         for i in range(limit - 1, -1, -1):
             if ids[i] is None:
                 top = i
-            elif i <= self._first_needed(group, top * self.block_size):
+            elif i <= self.first_needed(group, top * self.block_size):
                 return top
         return top
 
@@ -192,26 +192,30 @@ class KVCacheManager:
     def _uncache(self, block: KVBlock, evicting: bool = False) -> None:
         if block.block_hash is not None:
             if evicting and self._evicted is not None:
-                self._evicted.append((block.block_id, block.block_hash))
+                self._evicted.append((block.block_id, (block.group, block.block_hash)))
             if self._cached.get((block.group, block.block_hash)) == block.block_id:
                 del self._cached[block.group, block.block_hash]
             block.block_hash = None
 
     # ---- allocation --------------------------------------------------------------------
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, computed: PrefixHit = NO_HIT) -> bool:
-        """Make the request's tables cover its computed tokens, the `computed` hit and `num_new_tokens` more; a
-        windowed group first returns the blocks its window has left. Returns False, changing nothing else, when
-        the pool is too small."""
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed: PrefixHit = NO_HIT, num_external: int = 0
+    ) -> bool:
+        """Make the request's tables cover its computed tokens, the `computed` hit and `num_new_tokens` more, of
+        which the first `num_external` a KV connector loads: a windowed group then gets blocks only from the window
+        of the first token computed after them. A windowed group first returns the blocks its window has left.
+        Returns False, changing nothing else, when the pool is too small."""
         rid = request.request_id
         tables = self._req_blocks.get(rid) or [[] for _ in self.windows]
         start = request.num_computed_tokens + computed.num_blocks * self.block_size  # this step's first position
+        computes_from = start + num_external
         num_entries = -(-(start + num_new_tokens) // self.block_size)
         self._release_out_of_window(tables, start)
         num_needed = revived = 0
         for group, table in enumerate(tables):
             have = len(table) + computed.num_blocks
-            num_needed += max(num_entries - max(have, self._first_needed(group, start)), 0)
+            num_needed += max(num_entries - max(have, self.first_needed(group, computes_from)), 0)
         for ids in computed.block_ids:
             revived += sum(1 for b in ids if b != SCRATCH_BLOCK and self.blocks[b].ref_cnt == 0)
         if num_needed + revived > len(self._free):
@@ -224,7 +228,7 @@ class KVCacheManager:
         if computed.num_blocks:
             self._req_num_registered[rid] = computed.num_blocks
         for group, table in enumerate(tables):
-            table.extend([SCRATCH_BLOCK] * (self._first_needed(group, start) - len(table)))
+            table.extend([SCRATCH_BLOCK] * (self.first_needed(group, computes_from) - len(table)))
             for _ in range(num_entries - len(table)):
                 block_id, _ = self._free.popitem(last=False)
                 self._uncache(self.blocks[block_id], evicting=True)  # evict whatever it held
@@ -239,7 +243,7 @@ class KVCacheManager:
         """Windowed groups: blocks before the window of the token at `position` go back to the pool (their
         entries become the scratch block; what was freed before is already so)."""
         for group, table in enumerate(tables):
-            i = min(self._first_needed(group, position), len(table)) - 1
+            i = min(self.first_needed(group, position), len(table)) - 1
             while i >= 0 and table[i] != SCRATCH_BLOCK:
                 self._release(table[i])
                 table[i] = SCRATCH_BLOCK
@@ -282,9 +286,9 @@ class KVCacheManager:
         self._req_hashes.pop(rid, None)
         self._req_num_registered.pop(rid, None)
 
-    def take_evicted(self) -> list[tuple[int, BlockHash]]:
-        """(block id, hash) of the cached blocks evicted since the last call; their K/V is intact until the next
-        step runs (with `record_evictions`; else always empty)."""
+    def take_evicted(self) -> list[tuple[int, BlockKey]]:
+        """(block id, (group, hash)) of the cached blocks evicted since the last call; their K/V is intact until the
+        next step runs (with `record_evictions`; else always empty)."""
         evicted, self._evicted = self._evicted or [], [] if self._evicted is not None else None
         return evicted
 

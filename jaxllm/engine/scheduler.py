@@ -106,7 +106,7 @@ class Scheduler:
         hold = False
         if self.connector is not None:
             hold, request.kv_transfer_params = self.connector.request_finished(
-                request, self.kv.block_ids(request.request_id)
+                request, self.kv.block_tables(request.request_id)
             )
         hold = hold or loading  # a load still writing into its blocks: they wait for it to end
         if hold:
@@ -265,14 +265,14 @@ class Scheduler:
                 continue  # failed
             num_external, load_async = external
             if load_async:  # blocks now, tokens once the load ends
-                if not self.kv.allocate_slots(request, num_external, computed):
+                if not self.kv.allocate_slots(request, num_external, computed, num_external):
                     break
                 self._wait_for_remote(request, num_computed, num_external)
                 continue
             num_new = min(request.num_tokens - num_computed - num_external, budget)
             if _scores_prompt(request, num_computed):
                 num_new = min(num_new, self.max_request_rows - out.num_rows)
-            if not self.kv.allocate_slots(request, num_external + num_new, computed):
+            if not self.kv.allocate_slots(request, num_external + num_new, computed, num_external):
                 break
             self.waiting.pop()
             if request.num_computed_tokens == 0 and request.num_preemptions == 0:
@@ -280,7 +280,8 @@ class Scheduler:
             request.num_computed_tokens = num_computed
             if num_external:  # (the connector reads the device cache's hits off num_computed_tokens)
                 assert self.connector is not None
-                self.connector.update_state_after_alloc(request, self.kv.block_ids(request.request_id), num_external)
+                tables = self.kv.block_tables(request.request_id)
+                self.connector.update_state_after_alloc(request, tables, num_external)
                 self.connector.stats.external_prefix_cache_hits += num_external
                 request.num_computed_tokens += num_external
             request.status = RequestStatus.RUNNING
@@ -299,7 +300,7 @@ class Scheduler:
         self.waiting_for_remote[request.request_id] = request
         # its blocks' K/V is not there yet: nobody may hit them in the prefix cache until it is
         self.kv.uncache_from(request, num_computed // self.kv.block_size)
-        self.connector.update_state_after_alloc(request, self.kv.block_ids(request.request_id), num_external)
+        self.connector.update_state_after_alloc(request, self.kv.block_tables(request.request_id), num_external)
 
     # ---- async scheduling: steps scheduled and not yet applied ---------------------------------
 
@@ -393,8 +394,8 @@ class Scheduler:
             return
         num_full = min(request.num_computed_tokens, request.num_tokens) // self.kv.block_size
         if num_full:
-            blocks = self.kv.block_ids(request.request_id)
-            self.connector.request_computed(request, blocks, self.kv.block_hashes(request, num_full))
+            tables = self.kv.block_tables(request.request_id)
+            self.connector.request_computed(request, tables, self.kv.block_hashes(request, num_full))
 
     def _check_stop(self, request: Request, token: int) -> RequestStatus | None:
         params = request.sampling_params

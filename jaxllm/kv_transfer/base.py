@@ -1,5 +1,9 @@
 """The KV connector interface, in vLLM's two halves (`KVConnectorBase_V1`).
 
+With the hybrid KV cache manager a request has a block table per KV cache group, and a block holds its group's
+layers: blocks are keyed by (group, hash), and a connector moves, per group, only the blocks a resume needs (all of a
+full-attention group's, the window's of a windowed one: `needed_blocks`), which are the blocks a group still holds.
+
 The **scheduler half** (pure Python, no JAX) decides: how many of a new request's tokens can be loaded from
 outside and whether the load is asynchronous (`get_num_new_matched_tokens`); what to load once blocks are
 allocated (`update_state_after_alloc`); each step's instructions for the runner half (`build_connector_meta`);
@@ -15,12 +19,12 @@ exactly one terminal state: done or failed with a reason).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from jaxllm.config import KVTransferConfig
-from jaxllm.engine.block_hash import BlockHash
+from jaxllm.engine.block_hash import BlockHash, BlockKey
 from jaxllm.kv_transfer.scope import KVScope
 from jaxllm.kv_transfer.stats import KVTransferStats
 
@@ -31,13 +35,14 @@ if TYPE_CHECKING:
     from jaxllm.request import Request
     from jaxllm.runner.kv_blocks import KVBlockMover
 
-# a sink for blocks copied out of the device: their keys and host K/V, each [num_layers, n, block, heads, dim]
-BlockSink = Callable[[list[BlockHash], "np.ndarray", "np.ndarray"], None]
+# a sink for blocks copied out of the device: their keys and host K/V, each [slots, n, block, heads, dim]
+BlockSink = Callable[[list[BlockKey], "np.ndarray", "np.ndarray"], None]
+BlockTables = Sequence[list[int]]  # a request's block table per KV cache group
 
 
 @dataclass
 class HostLoad:
-    """Host K/V to scatter into `block_ids` before the step (each [num_layers, len(block_ids), ...])."""
+    """Host K/V to scatter into `block_ids` (of any groups) before the step (each [slots, len(block_ids), ...])."""
 
     block_ids: list[int]
     k: Any
@@ -48,10 +53,10 @@ class HostLoad:
 class KVConnectorMetadata:
     """One step's instructions from the scheduler half to the runner half."""
 
-    evicted: list[tuple[int, BlockHash]] = field(default_factory=list)  # copy out before anything overwrites them
+    evicted: list[tuple[int, BlockKey]] = field(default_factory=list)  # copy out before anything overwrites them
     loads: list[HostLoad] = field(default_factory=list)  # synchronous loads, before the forward
     remote_loads: list[Any] = field(default_factory=list)  # asynchronous loads to start (connector-specific)
-    saves: list[tuple[list[int], list[BlockHash]]] = field(default_factory=list)  # (blocks, keys) after the step
+    saves: list[tuple[list[int], list[BlockKey]]] = field(default_factory=list)  # (blocks, keys) after the step
     sends: list[Any] = field(default_factory=list)  # finished requests' blocks to offer (connector-specific)
 
 
@@ -70,7 +75,7 @@ class KVConnectorScheduler:
         self.block_size = kv.block_size
         self._loads: list[HostLoad] = []
         self._remote_loads: list[Any] = []
-        self._saves: list[tuple[list[int], list[BlockHash]]] = []
+        self._saves: list[tuple[list[int], list[BlockKey]]] = []
         self._sends: list[Any] = []
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -79,12 +84,39 @@ class KVConnectorScheduler:
         to compute (its logits give the next token)."""
         raise NotImplementedError
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, tables: BlockTables, num_external_tokens: int) -> None:
         """The request's blocks are allocated: plan loading its `num_external_tokens` external tokens, which
         follow its `num_computed_tokens` (the device cache's hits; a multiple of the block size)."""
         raise NotImplementedError
 
-    def build_connector_meta(self, evicted: list[tuple[int, BlockHash]]) -> KVConnectorMetadata:
+    def needed_blocks(self, first_block: int, resume_at: int) -> list[tuple[int, int]]:
+        """(group, block index) of each block from `first_block` on that a request resuming at token `resume_at`
+        reads: up to the block holding token `resume_at - 1`, all of a full-attention group's, a windowed group's
+        from the window of token `resume_at` (the others are the scratch block in its table: nothing to load)."""
+        end = -(-resume_at // self.block_size)
+        return [
+            (group, i)
+            for group in range(len(self.kv.windows))
+            for i in range(max(first_block, self.kv.first_needed(group, resume_at)), end)
+        ]
+
+    def longest_hit(self, request: Request, first_block: int, last_block: int, present: Callable[[BlockKey], bool]):
+        """The most whole blocks n <= last_block - first_block after the device cache's `first_block` such that
+        every block a resume at block first_block + n needs is `present` (a longer hit can need fewer of a
+        windowed group's early blocks, so each length is tried, longest first)."""
+        hashes = self.kv.block_hashes(request, last_block)
+        n = last_block - first_block
+        for group, window in enumerate(self.kv.windows):  # a full group's blocks must all be there, from the first
+            if window is None:
+                missing = (i for i in range(first_block, first_block + n) if not present((group, hashes[i])))
+                n = next(missing, first_block + n) - first_block
+        while n > 0 and not all(
+            present((g, hashes[i])) for g, i in self.needed_blocks(first_block, (first_block + n) * self.block_size)
+        ):
+            n -= 1
+        return n
+
+    def build_connector_meta(self, evicted: list[tuple[int, BlockKey]]) -> KVConnectorMetadata:
         """This step's instructions: the plans made since the last step."""
         meta = self._take_meta()
         meta.evicted = evicted
@@ -98,11 +130,11 @@ class KVConnectorScheduler:
     def check_request(self, kv_transfer_params: dict) -> None:
         """Raise ValueError when a new request's kv_transfer_params cannot work here (checked as it arrives)."""
 
-    def request_computed(self, request: Request, block_ids: list[int], hashes: list[BlockHash]) -> None:
+    def request_computed(self, request: Request, tables: BlockTables, hashes: list[BlockHash]) -> None:
         """The request's first `len(hashes)` blocks now hold computed, verified K/V (never drafts): a producer
-        may save those it has not saved yet."""
+        may save those it has not saved yet (of each group, those its table still holds)."""
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+    def request_finished(self, request: Request, tables: BlockTables) -> tuple[bool, dict | None]:
         """A request finished (any reason; its status says which). Returns (hold its blocks until the runner half
         reports it `sent`, the kv_transfer_params for its output). A request whose asynchronous load is running
         has its blocks held by the scheduler until the load ends, whatever this returns."""
@@ -152,7 +184,7 @@ class HostCopyWorker(KVConnectorWorker):
         for block_ids, keys in meta.saves:
             self._copy_out(block_ids, keys)
 
-    def _copy_out(self, block_ids: list[int], keys: list[BlockHash]) -> None:
+    def _copy_out(self, block_ids: list[int], keys: list[BlockKey]) -> None:
         started = time.perf_counter()
         k, v = self.mover.gather(block_ids)
         self.sink(keys, k, v)

@@ -1,7 +1,8 @@
 """What makes two engines' KV interchangeable, and the check both ends of a transfer make.
 
 KV computed by one engine is only usable by another with the same model weights (name and quantization),
-compute dtype, cache dtype, block size and layer/head layout, sharded over the same number of devices. The
+compute dtype, cache dtype, block size and layer/head layout, KV cache groups, sharded over the same number of
+devices. The
 scope is the root of every block hash (engine/block_hash.py), so keys from different scopes never match;
 a producer also sends its scope with the transfer parameters and the consumer refuses a mismatch by name.
 """
@@ -29,6 +30,7 @@ class KVScope:
     num_kv_heads: int
     head_dim: int
     tensor_parallel_size: int
+    kv_cache_groups: str  # which layers share a block, and each group's window (KVCacheGroups.key)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -19,8 +19,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jaxllm.engine.block_hash import BlockHash
-from jaxllm.kv_transfer.base import HostCopyWorker, HostLoad, KVConnectorScheduler
+from jaxllm.engine.block_hash import BlockHash, BlockKey
+from jaxllm.kv_cache_groups import SCRATCH_BLOCK
+from jaxllm.kv_transfer.base import BlockTables, HostCopyWorker, HostLoad, KVConnectorScheduler
 
 if TYPE_CHECKING:
     from jaxllm.request import Request
@@ -33,7 +34,7 @@ class KVLoadError(RuntimeError):
 
 
 class BlockFiles:
-    """One file per block: K and V `[num_layers, block_size, kv_heads, head_dim]` and a CRC32 of their bytes."""
+    """One file per block: K and V `[slots, block_size, kv_heads, head_dim]` and a CRC32 of their bytes."""
 
     def __init__(self, root: str, scope_key: str, scope_digest: str):
         self.folder = os.path.join(root, scope_digest)
@@ -47,18 +48,19 @@ class BlockFiles:
             raise ValueError(f"kv_transfer_config: shared_storage_path {root!r} is not writable: {e}") from None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="jaxllm-kv-storage")
 
-    def path(self, key: BlockHash) -> str:
-        name = key.hex()
-        return os.path.join(self.folder, name[:2], name + ".npz")
+    def path(self, key: BlockKey) -> str:
+        group, block_hash = key
+        name = block_hash.hex()
+        return os.path.join(self.folder, name[:2], name + (f".g{group}" if group else "") + ".npz")
 
-    def exists(self, key: BlockHash) -> bool:
+    def exists(self, key: BlockKey) -> bool:
         return os.path.exists(self.path(key))
 
-    def write(self, keys: list[BlockHash], k: np.ndarray, v: np.ndarray) -> None:
+    def write(self, keys: list[BlockKey], k: np.ndarray, v: np.ndarray) -> None:
         """Write the blocks in the background (atomically: a reader sees a whole file or none)."""
         self._writer.submit(self._write, keys, k, v)
 
-    def _write(self, keys: list[BlockHash], k: np.ndarray, v: np.ndarray) -> None:
+    def _write(self, keys: list[BlockKey], k: np.ndarray, v: np.ndarray) -> None:
         for i, key in enumerate(keys):
             path = self.path(key)
             if os.path.exists(path):
@@ -76,7 +78,7 @@ class BlockFiles:
                 if os.path.exists(tmp):
                     os.remove(tmp)
 
-    def read(self, key: BlockHash, shape: tuple[int, ...], dtype) -> tuple[np.ndarray, np.ndarray]:
+    def read(self, key: BlockKey, shape: tuple[int, ...], dtype) -> tuple[np.ndarray, np.ndarray]:
         """A block's K and V; raises ValueError (or OSError) when the file is missing, truncated or corrupt."""
         with np.load(self.path(key)) as f:
             k, v, crc = f["k"], f["v"], f["crc"]
@@ -98,7 +100,7 @@ class SharedStorageScheduler(KVConnectorScheduler):
     def __init__(self, *args, files: BlockFiles, block_shape: tuple[int, ...], dtype):
         super().__init__(*args)
         self.files, self.block_shape, self.dtype = files, block_shape, np.dtype(dtype)
-        self._read: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # request id → blocks read, until allocated
+        self._read: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # request id → needed blocks read, until allocated
         self._saved: dict[str, int] = {}  # request id → leading full blocks saved or found on disk
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -108,10 +110,20 @@ class SharedStorageScheduler(KVConnectorScheduler):
             return 0, False
         bs = self.block_size
         first, last = num_computed_tokens // bs, (request.num_tokens - 1) // bs
+        hashes = self.kv.block_hashes(request, last)
+        while (n := self.longest_hit(request, first, last, self.files.exists)) > 0:
+            try:  # (a missing or unreadable block ends the hits before it: the rest are computed)
+                self._read[request.request_id] = self._read_blocks(request, first, n, hashes)
+                return n * bs, False
+            except _Unreadable as bad:
+                last = bad.block
+        return 0, False
+
+    def _read_blocks(self, request: Request, first: int, n: int, hashes: list[BlockHash]):
+        """The K and V of the blocks a resume at block `first + n` needs (`needed_blocks`' order), checked."""
         ks, vs = [], []
-        for i, key in enumerate(self.kv.block_hashes(request, last)[first:last], first):
-            if not self.files.exists(key):
-                break
+        for group, i in self.needed_blocks(first, (first + n) * self.block_size):
+            key = (group, hashes[i])
             try:
                 k, v = self.files.read(key, self.block_shape, self.dtype)
             except Exception as e:  # noqa: BLE001 - a truncated, garbled or foreign file: whatever numpy raises
@@ -120,32 +132,35 @@ class SharedStorageScheduler(KVConnectorScheduler):
                 if self.config.kv_load_failure_policy == "fail":
                     raise KVLoadError(message) from None
                 logger.warning("%s; computing from there", message)
-                break
+                raise _Unreadable(i) from None
             ks.append(k)
             vs.append(v)
-        if ks:
-            self._read[request.request_id] = (np.stack(ks, axis=1), np.stack(vs, axis=1))
-        return len(ks) * bs, False
+        return np.stack(ks, axis=1), np.stack(vs, axis=1)
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, tables: BlockTables, num_external_tokens: int) -> None:
         read = self._read.pop(request.request_id, None)
-        n = num_external_tokens // self.block_size
-        if read is None or n == 0:
+        if read is None or num_external_tokens == 0:
             return
         first = request.num_computed_tokens // self.block_size
-        self._loads.append(HostLoad(block_ids[first : first + n], read[0][:, :n], read[1][:, :n]))
-        self._saved[request.request_id] = first + n  # on disk already
+        needed = self.needed_blocks(first, request.num_computed_tokens + num_external_tokens)
+        self._loads.append(HostLoad([tables[group][i] for group, i in needed], *read))
+        self._saved[request.request_id] = first + num_external_tokens // self.block_size  # on disk already
 
-    def request_computed(self, request: Request, block_ids: list[int], hashes: list[BlockHash]) -> None:
+    def request_computed(self, request: Request, tables: BlockTables, hashes: list[BlockHash]) -> None:
         if not self.config.is_producer:
             return
         done = self._saved.get(request.request_id, 0)
-        todo = [i for i in range(done, len(hashes)) if not self.files.exists(hashes[i])]
+        todo = [
+            (table[i], (group, hashes[i]))
+            for group, table in enumerate(tables)
+            for i in range(done, len(hashes))
+            if table[i] != SCRATCH_BLOCK and not self.files.exists((group, hashes[i]))
+        ]
         if todo:
-            self._saves.append(([block_ids[i] for i in todo], [hashes[i] for i in todo]))
+            self._saves.append(([block for block, _ in todo], [key for _, key in todo]))
         self._saved[request.request_id] = len(hashes)
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+    def request_finished(self, request: Request, tables: BlockTables) -> tuple[bool, dict | None]:
         self._saved.pop(request.request_id, None)
         self._read.pop(request.request_id, None)
         return False, None
@@ -163,3 +178,10 @@ class SharedStorageWorker(HostCopyWorker):
 
     def close(self) -> None:
         self.files.close()
+
+
+class _Unreadable(Exception):
+    """A stored block could not be read: hits end before `block`."""
+
+    def __init__(self, block: int):
+        self.block = block

@@ -7,7 +7,9 @@ its prompt; when it finishes, its blocks covering all but the last prompt token 
 lease (`lease_seconds`, default 120): the server drops the offer once pulled or when the lease ends, so a
 consumer that never comes costs nothing after it. The device blocks go back to the pool as soon as the gather
 is dispatched. The request's output carries the `kv_transfer_params` a consumer needs: the server's address,
-the id, the token and block counts, and the producer's KV scope.
+the id, the token and block counts, and the producer's KV scope. With the hybrid KV cache manager the offer holds,
+group after group, only the blocks each group still holds (a windowed group's last window): `remote_group_starts`
+says where each group's begin; a consumer that needs a block the producer no longer had computes the prompt.
 
 Consumer (`kv_consumer`, `kv_both`): a request with `do_remote_prefill` checks the producer's scope (a mismatch
 fails the request naming each difference), gets its blocks, and waits in WAITING_FOR_REMOTE_KVS while the pull
@@ -29,7 +31,14 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from jaxllm.kv_transfer.base import FinishedTransfers, KVConnectorMetadata, KVConnectorScheduler, KVConnectorWorker
+from jaxllm.kv_cache_groups import SCRATCH_BLOCK
+from jaxllm.kv_transfer.base import (
+    BlockTables,
+    FinishedTransfers,
+    KVConnectorMetadata,
+    KVConnectorScheduler,
+    KVConnectorWorker,
+)
 
 if TYPE_CHECKING:
     from jaxllm.request import Request
@@ -82,17 +91,25 @@ class TransferScheduler(KVConnectorScheduler):
         num_tokens = min(remote["remote_num_tokens"], request.num_prompt_tokens - 1)
         if num_tokens <= num_computed_tokens:
             return 0, False
+        starts = _group_starts(remote, len(self.kv.windows))
+        if any(i < starts[g] for g, i in self.needed_blocks(num_computed_tokens // self.block_size, num_tokens)):
+            return 0, False  # the producer had let a block this resume reads go: compute the prompt here
         self._remote[rid] = remote
         return num_tokens - num_computed_tokens, True
 
-    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, tables: BlockTables, num_external_tokens: int) -> None:
         remote = self._remote.pop(request.request_id)
         self._consumed.add(request.request_id)
         first = request.num_computed_tokens // self.block_size
-        last = -(-(request.num_computed_tokens + num_external_tokens) // self.block_size)
-        padded = remote["remote_num_blocks_padded"]
-        dest = [0] * first + block_ids[first:last]
-        dest += [0] * (padded - len(dest))
+        needed = set(self.needed_blocks(first, request.num_computed_tokens + num_external_tokens))
+        starts, num_blocks = _group_starts(remote, len(tables)), remote["remote_num_blocks"]
+        # the offer's blocks in order, group after group: each to its block here, or dropped into the scratch block
+        dest = [
+            tables[g][i] if (g, i) in needed else SCRATCH_BLOCK
+            for g in range(len(tables))
+            for i in range(starts[g], num_blocks)
+        ]
+        dest += [SCRATCH_BLOCK] * (remote["remote_num_blocks_padded"] - len(dest))
         deadline = time.monotonic() + self.pull_timeout
         self._remote_loads.append(
             RemoteLoad(request.request_id, dest, remote["remote_address"], remote["remote_transfer_id"], deadline)
@@ -100,7 +117,7 @@ class TransferScheduler(KVConnectorScheduler):
 
     # ---- producer ----------------------------------------------------------------------------
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+    def request_finished(self, request: Request, tables: BlockTables) -> tuple[bool, dict | None]:
         rid = request.request_id
         self._remote.pop(rid, None)
         self._consumed.discard(rid)
@@ -114,7 +131,10 @@ class TransferScheduler(KVConnectorScheduler):
         if num_blocks == 0:
             return False, None
         transfer_id = secrets.randbits(62)
-        self._sends.append(Send(rid, block_ids[:num_blocks], transfer_id, self.lease_seconds))
+        # each group's blocks it still holds (a windowed group let the ones before its window go)
+        starts = [next((i for i, b in enumerate(t[:num_blocks]) if b != SCRATCH_BLOCK), num_blocks) for t in tables]
+        offered = [b for start, table in zip(starts, tables, strict=True) for b in table[start:num_blocks]]
+        self._sends.append(Send(rid, offered, transfer_id, self.lease_seconds))
         return True, {
             "do_remote_prefill": True,
             "do_remote_decode": False,
@@ -122,10 +142,16 @@ class TransferScheduler(KVConnectorScheduler):
             "remote_transfer_id": transfer_id,
             "remote_num_tokens": num_tokens,
             "remote_num_blocks": num_blocks,
-            "remote_num_blocks_padded": self._bucket(num_blocks),
+            "remote_group_starts": starts,
+            "remote_num_blocks_padded": self._bucket(len(offered)),
             "kv_scope": self.scope.to_dict(),
             "lease_seconds": self.lease_seconds,
         }
+
+
+def _group_starts(remote: dict, num_groups: int) -> list[int]:
+    """Where each group's blocks begin in the producer's table (absent: a producer with one group sends all)."""
+    return remote.get("remote_group_starts") or [0] * num_groups
 
 
 def _check_remote(params: dict, scope) -> dict:
@@ -135,6 +161,10 @@ def _check_remote(params: dict, scope) -> dict:
         value = params.get(name)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"kv_transfer_params: {name} must be a non-negative integer, got {value!r}")
+    starts = params.get("remote_group_starts", [0])
+    blocks = params["remote_num_blocks"]
+    if not isinstance(starts, list) or not all(isinstance(s, int) and 0 <= s <= blocks for s in starts):
+        raise ValueError("kv_transfer_params: remote_group_starts must be a list of block indices")
     if not isinstance(params.get("remote_address"), str):
         raise ValueError("kv_transfer_params: remote_address must be a host:port string")
     return params

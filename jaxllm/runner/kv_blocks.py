@@ -1,12 +1,13 @@
 """Copying whole KV blocks out of and into the donated cache: what KV connectors move (kv_transfer/).
 
-`gather(block_ids)` returns the blocks' K and V, each `[num_layers, n, block_size, kv_heads, head_dim]` and
-sharded over KV heads as the cache is (with tensor parallelism each device moves its own heads);
-`scatter(block_ids, k, v)` writes them into the cache, which it donates and replaces, so neither copies the
-cache. Both are compiled ahead of time for power-of-two block counts up to a request's largest block table
-(`warm_up`, beside the model's steps): a count in between is padded with the scratch block 0, whose contents
-nobody reads; a larger one goes in chunks. They are dispatched in order with the steps, so a gather sees every
-step launched before it and a scatter lands before any step launched after it.
+`gather(block_ids)` returns the blocks' K and V, each `[slots, n, block_size, kv_heads, head_dim]` (a block id is
+one KV cache group's: its slots are that group's layers) and sharded over KV heads as the cache is (with tensor
+parallelism each device moves its own heads); `scatter(block_ids, k, v)` writes them into the cache, which it
+donates and replaces, so neither copies the cache. Both are compiled ahead of time for power-of-two block counts up
+to the most blocks a request holds over its groups (`KVCacheGroups.blocks_needed`; `warm_up`, beside the model's
+steps): a count in between is padded with the scratch block 0, whose contents nobody reads; a larger one goes in
+chunks. They are dispatched in order with the steps, so a gather sees every step launched before it and a scatter
+lands before any step launched after it.
 """
 
 from __future__ import annotations
@@ -31,11 +32,12 @@ def block_count_buckets(max_blocks: int) -> list[int]:
 
 
 class KVBlockMover:
-    """Moves blocks of `runner`'s cache (a ModelRunner: `cache`, `mesh`, `max_blocks_per_seq`)."""
+    """Moves blocks of `runner`'s cache (a ModelRunner: `cache`, `mesh`), up to `max_blocks` at once (more go in
+    chunks): the most a request holds over its groups."""
 
-    def __init__(self, runner):
+    def __init__(self, runner, max_blocks: int):
         self.runner = runner
-        self.buckets = block_count_buckets(runner.max_blocks_per_seq)
+        self.buckets = block_count_buckets(max_blocks)
         self.sharding = kv_cache_sharding(runner.mesh)
         ids = replicated(runner.mesh)
         self._gather_fn = jax.jit(_gather, out_shardings=(self.sharding, self.sharding))

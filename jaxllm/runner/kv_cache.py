@@ -28,9 +28,9 @@ ACCELERATOR_HEADROOM_BYTES = 1 << 30  # activations, compiled code, allocator sl
 
 
 def kv_cache_groups(arch: ModelArch, config: EngineConfig) -> KVCacheGroups:
-    """The KV cache groups the engine runs `arch` with: by attention kind (the hybrid manager), unless it is off —
-    by `disable_hybrid_kv_cache_manager`, or because KV connectors move whole layers' blocks."""
-    hybrid = not (config.cache.disable_hybrid_kv_cache_manager or config.kv_transfer is not None)
+    """The KV cache groups the engine runs `arch` with: by attention kind (the hybrid manager), unless
+    `disable_hybrid_kv_cache_manager` turns it off."""
+    hybrid = not config.cache.disable_hybrid_kv_cache_manager
     return KVCacheGroups.plan(arch.layer_windows(), config.scheduler.max_model_len, hybrid)
 
 
