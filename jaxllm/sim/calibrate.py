@@ -171,9 +171,8 @@ def engine_description(core) -> dict:
             core.runner.mesh.shape["model"],
             core.runner.kv_groups.slots,
         ),
-        # the hybrid KV manager's groups (a window per group, None: full attention) and the layers a block holds
+        # the hybrid KV manager's groups: a window per group (None: full attention)
         "kv_cache_groups": list(core.kv.windows),
-        "kv_cache_slots": core.runner.kv_groups.slots,
         "machine": platform.node(),
         "processor": platform.processor() or platform.machine(),
         **machine_speed_keys(),
