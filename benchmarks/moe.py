@@ -72,6 +72,23 @@ def configs(num_experts: int, top_k: int, expert_size: int, layout: dict) -> dic
     return {"moe": moe, "dense_same_active": dense}
 
 
+def side_by_side(batch: int, ours: tuple[str, list[float]], theirs: tuple[str, list[float]]) -> dict:
+    """Two engines' per-round output tok/s at one batch size: their medians and the median of the per-round ratios
+    (ours / theirs), as the results' JSON holds them; printed on one line."""
+    (a, mine), (b, other) = ours, theirs
+    ratios = [m / o for m, o in zip(mine, other, strict=True)]
+    print(
+        f"batch {batch:3d}: {a} {statistics.median(mine):7.1f} tok/s, {b} {statistics.median(other):7.1f} tok/s, "
+        f"ratio {statistics.median(ratios):.2f} (rounds {[round(r, 2) for r in ratios]})"
+    )
+    return {
+        f"{a}_output_tokens_per_second": statistics.median(mine),
+        f"{b}_output_tokens_per_second": statistics.median(other),
+        f"{a}_over_{b}": statistics.median(ratios),
+        "per_round_ratios": ratios,
+    }
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident memory so far (Linux reports kilobytes)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -141,17 +158,8 @@ def main() -> None:
                 rounds[name][batch].append(decode_rate(llm, batch, args.output_len))
     result = {"machine": machine_info(), "args": vars(args), "load": loads, "batches": {}}
     for batch in args.batches:
-        moe, dense = rounds["moe"][batch], rounds["dense_same_active"][batch]
-        ratios = [m / d for m, d in zip(moe, dense, strict=True)]
-        result["batches"][str(batch)] = {
-            "moe_output_tokens_per_second": statistics.median(moe),
-            "dense_output_tokens_per_second": statistics.median(dense),
-            "moe_over_dense": statistics.median(ratios),
-            "per_round_ratios": ratios,
-        }
-        print(
-            f"batch {batch:3d}: MoE {statistics.median(moe):7.1f} tok/s, dense (same active) "
-            f"{statistics.median(dense):7.1f} tok/s, ratio {statistics.median(ratios):.2f} (rounds {ratios})"
+        result["batches"][str(batch)] = side_by_side(
+            batch, ("moe", rounds["moe"][batch]), ("dense", rounds["dense_same_active"][batch])
         )
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(result, indent=2))

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
-from moe import OLMOE, peak_rss_bytes
+from moe import OLMOE, peak_rss_bytes, side_by_side
 
 from jaxllm import LLM, SamplingParams
 from jaxllm.bench.offline import machine_info
@@ -237,17 +236,8 @@ def main() -> None:
                 rounds["peer"][batch].append(peer_rate(prompts))
                 print(f"batch {batch}: jaxllm {rounds['jaxllm'][batch][-1]:.1f}, peer {rounds['peer'][batch][-1]:.1f}")
     for batch in args.batches:
-        ours, theirs = rounds["jaxllm"][batch], rounds["peer"][batch]
-        ratios = [o / t for o, t in zip(ours, theirs, strict=True)]
-        result["batches"][str(batch)] = {
-            "jaxllm_output_tokens_per_second": statistics.median(ours),
-            "peer_output_tokens_per_second": statistics.median(theirs),
-            "jaxllm_over_peer": statistics.median(ratios),
-            "per_round_ratios": ratios,
-        }
-        print(
-            f"batch {batch:3d}: jaxllm {statistics.median(ours):7.1f} tok/s, {args.vs} {statistics.median(theirs):7.1f}"
-            f" tok/s, ratio {statistics.median(ratios):.2f} (rounds {[round(r, 2) for r in ratios]})"
+        result["batches"][str(batch)] = side_by_side(
+            batch, ("jaxllm", rounds["jaxllm"][batch]), ("peer", rounds["peer"][batch])
         )
     if args.output_json:
         Path(args.output_json).write_text(json.dumps(result, indent=2))
