@@ -344,6 +344,7 @@ class GGUFFile:
         names = self._names(hf_name)
         values = [self._unpermuted(n, _dequantize(self._raw(n), self._tensors[n].ggml_type)) for n in names]
         value = values[0] if len(values) == 1 else np.concatenate(values, axis=-2)
+        self._release(names)
         if self.gguf_architecture in GEMMA_SWA_PATTERN and names[0].endswith("norm.weight"):
             return value - 1.0  # stored as 1 + w (`GEMMA_SWA_PATTERN`'s comment)
         return value[None] if names[0].endswith(".ffn_gate_inp_shexp.weight") else value
@@ -353,6 +354,7 @@ class GGUFFile:
         layer's experts: `[E * out]` rows, each expert's parts joined)."""
         names = self._names(hf_name)
         parts = [self._blocks(name) for name in names]
+        self._release(names)
         if len(parts) == 1:
             return parts[0]
         experts = self._tensors[names[0]].dims[2]  # [in, out, E], innermost first
@@ -393,6 +395,25 @@ class GGUFFile:
             return unpermute_rows(rows, self.metadata[f"{self.gguf_architecture}.{heads_key}"])
         return rows
 
+    def _span(self, name: str) -> tuple[int, int]:
+        """(offset in the file, bytes) of a tensor's data."""
+        import gguf
+
+        info = self._tensors[name]
+        block, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(info.ggml_type)]
+        return self._data_offset + info.offset, int(np.prod(info.dims)) * type_size // block
+
+    def _release(self, names: list[str]) -> None:
+        """Drop the tensors' pages from this process's resident memory once read (they stay in the page cache and
+        fault back in if read again): a conversion reads each tensor once, and a mapped 4 GB file would otherwise
+        count whole in the start's peak RSS, beside the converted copy."""
+        for name in names:
+            start, nbytes = self._span(name)
+            if nbytes == 0 or start >= len(self._buffer):
+                continue
+            first = start - start % mmap.PAGESIZE
+            self._buffer.madvise(mmap.MADV_DONTNEED, first, min(start + nbytes, len(self._buffer)) - first)
+
     def _raw(self, name: str) -> np.ndarray:
         """A tensor's bytes in the file, as `gguf.quants.dequantize` takes them: typed for float and integer
         types, `[..., bytes per row]` uint8 for block-quantized ones."""
@@ -401,8 +422,6 @@ class GGUFFile:
         info = self._tensors[name]
         kind = gguf.GGMLQuantizationType(info.ggml_type)
         shape = tuple(reversed(info.dims))
-        block, type_size = gguf.GGML_QUANT_SIZES[kind]
-        nbytes = int(np.prod(shape)) * type_size // block
         plain = {
             "F16": np.float16,
             "F32": np.float32,
@@ -413,7 +432,7 @@ class GGUFFile:
             "I64": np.int64,
         }.get(kind.name)
         dtype, shape = (plain, shape) if plain else (np.uint8, gguf.quant_shape_to_byte_shape(shape, kind))
-        start = self._data_offset + info.offset
+        start, nbytes = self._span(name)
         if start + nbytes > len(self._buffer):
             raise ValueError(f"{self.path}: tensor {name!r} runs past the end of the file")
         return np.frombuffer(self._buffer, dtype, nbytes // np.dtype(dtype).itemsize, start).reshape(shape)
