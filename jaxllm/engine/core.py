@@ -96,11 +96,7 @@ class EngineCore:
         )
         self.kv_connector: KVConnector | None = None
         if kv_transfer is not None:
-            sched = self.config.scheduler
-            held = self.runner.kv_groups.blocks_needed(
-                sched.max_model_len, self.config.cache.block_size, sched.max_num_batched_tokens
-            )
-            mover = KVBlockMover(self.runner, held)
+            mover = KVBlockMover(self.runner, self.runner.max_blocks_per_request)
             mover.warm_up()
             self.kv_connector = make_kv_connector(kv_transfer, self.kv_scope, self.kv, mover)
             self.worker.attach_kv_connector(self.kv_connector.worker)

@@ -4,7 +4,7 @@
 one KV cache group's: its slots are that group's layers) and sharded over KV heads as the cache is (with tensor
 parallelism each device moves its own heads); `scatter(block_ids, k, v)` writes them into the cache, which it
 donates and replaces, so neither copies the cache. Both are compiled ahead of time for power-of-two block counts up
-to the most blocks a request holds over its groups (`KVCacheGroups.blocks_needed`; `warm_up`, beside the model's
+to the most blocks a request holds over its groups (`ModelRunner.max_blocks_per_request`; `warm_up`, beside the model's
 steps): a count in between is padded with the scratch block 0, whose contents nobody reads; a larger one goes in
 chunks. They are dispatched in order with the steps, so a gather sees every step launched before it and a scatter
 lands before any step launched after it.

@@ -89,6 +89,8 @@ def _job_name(job: tuple) -> str:
 class ModelRunner:
     """`executable_dir`: where compiled steps are stored and found (None: compile every bucket each start)."""
 
+    counts_experts = True  # a mixture of experts' steps return their routing counts (`expert_load`)
+
     def __init__(self, loaded: LoadedModel, config: EngineConfig, mesh: Mesh, executable_dir: str | None = None):
         watch_compilations()  # the count behind "no compile while serving"
         self.loaded = loaded
@@ -98,6 +100,10 @@ class ModelRunner:
         self.block_size = cache_cfg.block_size
         self.max_blocks_per_seq = -(-sched_cfg.max_model_len // self.block_size)
         self.kv_groups = self._kv_groups()
+        # the most blocks one request holds, over its groups: the pool must hold them, a KV connector moves as many
+        self.max_blocks_per_request = self.kv_groups.blocks_needed(
+            sched_cfg.max_model_len, self.block_size, sched_cfg.max_num_batched_tokens
+        )
         started = time.perf_counter()
         self.num_blocks, self.cache = self._allocate_cache(cache_cfg.kv_dtype(loaded.dtype))
         self.startup_seconds = {"kv_cache": time.perf_counter() - started}  # phases, for the start-up report
@@ -150,7 +156,9 @@ class ModelRunner:
         self.num_executables = self.loaded_executables = 0  # how many there are, and came from the cache
         # a mixture of experts: tokens routed to each expert of each sparse layer since start (routing metrics)
         self.expert_load = (
-            None if arch.moe is None else np.zeros((len(arch.sparse_layers()), arch.moe.num_experts), np.int64)
+            np.zeros((len(arch.sparse_layers()), arch.moe.num_experts), np.int64)
+            if arch.moe is not None and self.counts_experts
+            else None
         )
         self._step_loads: deque = deque(maxlen=8)  # launched steps' loads, on the device until collected
         self.stats = StepStats()

@@ -138,7 +138,6 @@ class PipelineRunner(ModelRunner):
 
     def _stage_forward(self, s: int):
         model = self.stage_models[s]
-
         counting = self.expert_load is not None and bool(self.stage_archs[s].sparse_layers())
 
         def forward(params, cache: KVCache, inputs: StepInputs, hidden: Array | None = None):

@@ -29,9 +29,10 @@ from jaxllm.weights import LoadedModel
 
 
 class HostsPipelineRunner(PipelineRunner):
+    counts_experts = False  # the routing metrics would need every node's stages: not counted over nodes
+
     def __init__(self, loaded: LoadedModel, config: EngineConfig, meshes: list[Mesh], timeout: float):
         super().__init__(loaded, config, meshes)
-        self.expert_load = None  # the routing metrics would need every node's stages: not counted over nodes
         self.owner = [next(iter(m.devices.flat)).process_index for m in meshes]  # each stage's node
         self.rank = jax.process_index()
         self.link = StageLink(timeout)
@@ -60,7 +61,7 @@ class HostsPipelineRunner(PipelineRunner):
             args: tuple = (self.params[s], caches[s], inputs)
             if s > 0:  # from the stage before (another node's, pulled above, or this node's)
                 args += (jax.device_put(hidden, replicated(self.meshes[s])),)
-            hidden, caches[s], *_ = stage(*args)  # (a stage's routing counts: not gathered across nodes)
+            hidden, caches[s] = stage(*args)
         self.cache = cast(KVCache, tuple(caches))  # a cache per stage (None: another node's), as PipelineRunner's
         if not self.holds_last_stage:
             self.link.offer(step, [hidden])

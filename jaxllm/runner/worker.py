@@ -73,14 +73,11 @@ class Worker:
             else:  # stages on several nodes
                 self.runner = HostsPipelineRunner(model, config, meshes, config.parallel.distributed_timeout)
             usable = max(self.runner.num_blocks - 1, 0)  # block 0 is scratch
-            sched = config.scheduler
-            needed = self.runner.kv_groups.blocks_needed(
-                sched.max_model_len, config.cache.block_size, sched.max_num_batched_tokens
-            )
+            needed = self.runner.max_blocks_per_request
             if usable < needed:
                 raise ValueError(
                     f"the KV cache of {source.name} holds {usable} blocks, fewer than the {needed} one sequence of "
-                    f"max_model_len={sched.max_model_len} tokens needs: raise kv_cache_memory_bytes or "
+                    f"max_model_len={config.scheduler.max_model_len} tokens needs: raise kv_cache_memory_bytes or "
                     f"gpu_memory_utilization, or lower max_model_len"
                 )
             self.runner.warm_up(progress=progress)
