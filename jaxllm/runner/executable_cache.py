@@ -32,8 +32,9 @@ from jax.experimental import serialize_executable
 from jaxllm.runner.compilations import served_by_jax_cache
 
 logger = logging.getLogger(__name__)
-# XLA's CPU client is not safe to deserialize executables in two threads at once: two `load`s side by side
-# crashed the process (a segfault in `deserialize_executable`, CI, jaxlib 0.10), so loads take turns.
+# XLA's CPU client is not safe to deserialize executables beside other work: two `load`s side by side, then a
+# `load` beside compiles and a weight-reading thread, crashed the process (a segfault in `deserialize_executable`,
+# CI, jaxlib 0.10). Loads take turns, and `ModelRunner.load_cached_executables` runs them before anything else.
 _deserializing = threading.Lock()
 
 _PACKAGES = ("jax", "jaxlib", "flax", "numpy")

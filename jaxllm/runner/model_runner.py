@@ -154,6 +154,7 @@ class ModelRunner:
         )
         self.compile_seconds = 0.0
         self.num_executables = self.loaded_executables = 0  # how many there are, and came from the cache
+        self._load_seconds = 0.0  # spent loading from the executable cache (`load_cached_executables`)
         # a mixture of experts: tokens routed to each expert of each sparse layer since start (routing metrics)
         self.expert_load = (
             np.zeros((len(arch.sparse_layers()), arch.moe.num_experts), np.int64)
@@ -266,41 +267,59 @@ class ModelRunner:
                 jobs["sample", bucket.num_seqs] = (self._sample_fn, (logits, sampling))
         return jobs
 
+    def load_cached_executables(self) -> int:
+        """Load every executable the executable cache holds, one at a time in this thread. Returns how many.
+
+        Call it while nothing else in the process compiles, runs or reads weights: a deserialization beside
+        other XLA work crashed the process (a segfault in `deserialize_executable`, CI, jaxlib 0.10), so
+        `Worker` loads before its weight-reading thread starts, and `warm_up` before it compiles anything.
+        """
+        started = time.perf_counter()
+        jobs = self._executable_jobs()
+        tables = self._executable_tables()
+        for job, (_, args) in jobs.items():
+            key = fingerprint(self._key, job[0], abstract_signature(args))
+            if (loaded := self._executables.load(key, self.mesh.devices.flat)) is not None:
+                tables[job[0]][job[1]] = loaded
+                self.loaded_executables += 1
+        self._load_seconds += time.perf_counter() - started
+        return self.loaded_executables
+
     def warm_up(self, progress: bool = True) -> float:
         """Load or compile every executable now (each bucket's forward, each row count's sampler). Returns seconds.
 
-        One in the executable cache is deserialized; the others are traced and lowered one at a time (that
-        holds the GIL) and compiled side by side in threads (XLA's compiler does not).
+        The executable cache's are loaded first (`load_cached_executables`); the others are traced and lowered one
+        at a time (that holds the GIL) and compiled side by side in threads (XLA's compiler does not).
         """
         from tqdm.auto import tqdm
 
+        loaded = self.load_cached_executables()
         start = time.perf_counter()
         jobs = self._executable_jobs()
-        keys = {job: fingerprint(self._key, job[0], abstract_signature(args)) for job, (_, args) in jobs.items()}
-        made = {}
+        futures = {}
         with (
             ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool,
-            tqdm(total=len(jobs), desc="Compiling steps", disable=not progress, unit="executable") as bar,
+            tqdm(
+                total=len(jobs) + loaded,
+                initial=loaded,
+                desc="Compiling steps",
+                unit="executable",
+                disable=not progress,
+            ) as bar,
         ):
-            loads = {job: pool.submit(self._executables.load, keys[job], self.mesh.devices.flat) for job in jobs}
-            futures = {}
             for job in reversed(jobs):  # largest first: the last compile to finish is a short one
-                if (loaded := loads[job].result()) is not None:
-                    made[job] = loaded
-                    bar.update()
-                    continue
                 fn, args = jobs[job]
+                key = fingerprint(self._key, job[0], abstract_signature(args))
                 bar.set_postfix_str(f"tracing {_job_name(job)}")  # up to ~1 s each, in this thread: the bar moves
-                futures[job] = pool.submit(self._executables.compile_and_store, keys[job], fn.lower(*args))
+                futures[job] = pool.submit(self._executables.compile_and_store, key, fn.lower(*args))
                 futures[job].add_done_callback(lambda _: bar.update())
             bar.set_postfix_str("compiling" if futures else "")
-            made.update({job: future.result() for job, future in futures.items()})
+            made = {job: future.result() for job, future in futures.items()}
         tables = self._executable_tables()
         for (kind, shape), executable in made.items():
             tables[kind][shape] = executable
-        self.compile_seconds = self.startup_seconds["buckets"] = time.perf_counter() - start
+        self.compile_seconds = self.startup_seconds["buckets"] = time.perf_counter() - start + self._load_seconds
         self.num_executables = sum(len(table) for table in tables.values())
-        self.loaded_executables = len(jobs) - len(futures)
         return self.compile_seconds
 
     def _executable_tables(self) -> dict[str, dict]:

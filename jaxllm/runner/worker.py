@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextvars
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import TYPE_CHECKING
 
 import jax
@@ -58,12 +59,12 @@ class Worker:
             mesh = meshes[local_stages(meshes)[0]]
         with kernel_progress.showing(progress), ThreadPoolExecutor(1, thread_name_prefix="jaxllm-load") as pool:
             layout = weight_layout(arch, config, source.dtype, mesh, source.quant)  # first use: kernels built, checked
-            # the reading thread converts the weights on first use: its bar follows `progress` too
-            reading = pool.submit(contextvars.copy_context().run, source.load, mesh, tokenizer, seed, layout)
+            # the reading converts the weights on first use: its bar follows `progress` too, in a thread
+            read = partial(contextvars.copy_context().run, source.load, mesh, tokenizer, seed, layout)
             model = (
                 LoadedModel(source.name, arch, source.hf_config, source.abstract_params(mesh), None, source.dtype)
                 if overlap
-                else reading.result()
+                else read()
             )
             model.quant = source.quant
             if pp == 1:
@@ -80,9 +81,12 @@ class Worker:
                     f"max_model_len={config.scheduler.max_model_len} tokens needs: raise kv_cache_memory_bytes or "
                     f"gpu_memory_utilization, or lower max_model_len"
                 )
+            # cached executables load while nothing else in the process touches XLA (`load_cached_executables`)
+            self.runner.load_cached_executables()
+            reading = pool.submit(read) if overlap else None
             self.runner.warm_up(progress=progress)
             waited = time.perf_counter()
-            self.loaded = reading.result()
+            self.loaded = reading.result() if reading is not None else model
             if overlap:  # laid out by the loader: nothing left to rearrange (unrolled layers never overlap)
                 self.runner.set_params(self.loaded.params, laid_out=self.loaded.laid_out)
                 self.loaded.params = None  # the runner owns the weights now
