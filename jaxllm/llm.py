@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.core import EngineCore
+from jaxllm.lora.request import LoRARequest
 from jaxllm.metrics.offline import OfflineMetrics, engine_stats
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import SamplingParams
@@ -73,24 +74,31 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; results come back in input order.
 
-        A prompt is a string, `{"prompt": str}` or `{"prompt_token_ids": [...]}`. Every prompt
-        is checked before any runs: a bad one raises `ValueError` and nothing is queued.
+        A prompt is a string, `{"prompt": str}` or `{"prompt_token_ids": [...]}`. Every prompt (and LoRA adapter:
+        one for all prompts, or one or None per prompt) is checked before any runs: a bad one raises `ValueError`
+        and nothing is queued.
         """
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
         params = self._per_prompt(sampling_params, len(prompts), "sampling_params")
         priorities = self._per_prompt(priority, len(prompts), "priority", default=0)
+        loras = self._per_prompt(lora_request, len(prompts), "lora_request") if lora_request else [None] * len(prompts)
+        for lora in {lora for lora in loras if lora is not None}:
+            if not isinstance(self.engine, EngineCore):
+                raise ValueError("LoRA adapters are not supported with data_parallel_size > 1 yet")
+            self.engine.add_lora(lora)
         encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
         for i, (_, ids) in enumerate(encoded):
             try:
                 self.engine.validate_prompt(ids)
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
-        return self._run(encoded, params, priorities, use_tqdm)
+        return self._run(encoded, params, priorities, loras, use_tqdm)
 
     def chat(
         self,
@@ -99,6 +107,7 @@ class LLM:
         use_tqdm: bool = True,
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         tokenizer = self._require_tokenizer()
@@ -106,7 +115,7 @@ class LLM:
         prompts = []
         for conversation in conversations:
             prompts.append(chat_prompt(tokenizer, conversation, chat_template, add_generation_prompt))
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     # ---- helpers ---------------------------------------------------------------------
 
@@ -137,14 +146,15 @@ class LLM:
             return list(value)
         return [value] * count
 
-    def _run(self, encoded, params, priorities, use_tqdm: bool) -> list[RequestOutput]:
+    def _run(self, encoded, params, priorities, loras, use_tqdm: bool) -> list[RequestOutput]:
         from tqdm.auto import tqdm
 
         ids = []
         try:
-            for (text, token_ids), p, prio in zip(encoded, params, priorities, strict=True):
+            for (text, token_ids), p, prio, lora in zip(encoded, params, priorities, loras, strict=True):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, token_ids, p, prompt=text, priority=prio)
+                adapter = {"lora_request": lora} if lora is not None else {}  # (data-parallel engines take none)
+                self.engine.add_request(request_id, token_ids, p, prompt=text, priority=prio, **adapter)
                 ids.append(request_id)
             finished: dict[str, RequestOutput] = {}
             with tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm, unit="prompt") as bar:

@@ -12,9 +12,13 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from jaxllm.outputs import Logprob, RequestMetrics
 from jaxllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from jaxllm.lora.request import LoRARequest
 
 
 class RequestStatus(enum.Enum):
@@ -54,6 +58,8 @@ class Request:
     parent_id: str | None = None  # the user's request id, for n > 1
     user: str | None = None  # the tenant, for fair scheduling (the OpenAI API's `user` field)
     expected_output_len: int | None = None  # a predicted output length, for length-aware policies (sjf)
+    lora_request: LoRARequest | None = None  # the LoRA adapter it runs with
+    lora_scope: bytes = b""  # the adapter's identity and weights digest: roots its KV block hashes (lora/manager.py)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -28,6 +28,7 @@ class ScheduledRequest:
     # the previous step's sampled token at row `prev_row`, still on the device; -1: every input is known)
     num_placeholders: int = 0
     prev_row: int = -1
+    lora_slot: int = 0  # the device slot of its LoRA adapter (0: none), given by the engine's LoRA manager
     # whether this step reaches the request's last token, so its logits give a new token (fixed when
     # scheduled: the request's token count moves when an earlier step's output is applied)
     samples: bool = field(init=False)

@@ -15,7 +15,8 @@ import torch
 import transformers
 
 from jaxllm import LLM, SamplingParams
-from jaxllm.model.moe import KernelExperts, grouped_swiglu, pack_experts, route, tile_rows
+from jaxllm.model.grouped import KernelExperts, tile_rows
+from jaxllm.model.moe import grouped_swiglu, pack_experts, route
 from jaxllm.runner.compilations import compilation_count
 from pallas_kernels.stacked_matmul.quantized import QuantizedWeight, random_weight
 from pallas_kernels.stacked_matmul.quantized import _dequant_numpy as dequant

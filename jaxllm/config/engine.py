@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from jaxllm.config.cache import CacheConfig
 from jaxllm.config.kv_transfer import KVTransferConfig
+from jaxllm.config.lora import LoRAConfig
 from jaxllm.config.model import ModelConfig
 from jaxllm.config.parallel import ParallelConfig
 from jaxllm.config.scheduler import SchedulerConfig
@@ -18,6 +19,7 @@ def check_combinations(
     async_scheduling: bool,
     speculative: SpeculativeConfig | None,
     kv_transfer: KVTransferConfig | None,
+    lora: LoRAConfig | None = None,
 ) -> None:
     """Refuse settings each valid alone that the engine does not run together (before a node joins the others or
     anything loads)."""
@@ -37,6 +39,18 @@ def check_combinations(
         for what, given in refused.items():
             if given:
                 raise ValueError(f"pipeline_parallel_size > 1 is not supported with {what} yet")
+    if lora is not None:
+        refused = {
+            "pipeline_parallel_size > 1": parallel.pipeline_parallel_size > 1,
+            "nnodes > 1": parallel.nnodes > 1,
+            "data_parallel_size > 1": parallel.data_parallel_size > 1,
+            "scan_layers=False": not model.scan_layers,
+            "a draft model (speculative_config method draft_model)": speculative is not None
+            and speculative.method == "draft_model",
+        }
+        for what, given in refused.items():
+            if given:
+                raise ValueError(f"enable_lora is not supported with {what} yet")
     if kv_transfer is not None and parallel.nnodes > 1:
         raise ValueError(
             "kv_transfer_config is not supported with nnodes > 1 yet: a connector copies blocks of one process's "
@@ -53,8 +67,9 @@ class EngineConfig:
     compilation_cache_dir: str | None = None  # None: jaxllm's cache folder; "" turns it off
     speculative: SpeculativeConfig | None = None
     kv_transfer: KVTransferConfig | None = None
+    lora: LoRAConfig | None = None  # None: LoRA off
 
     def __post_init__(self):
         check_combinations(
-            self.model, self.parallel, self.scheduler.async_scheduling, self.speculative, self.kv_transfer
+            self.model, self.parallel, self.scheduler.async_scheduling, self.speculative, self.kv_transfer, self.lora
         )

@@ -19,6 +19,7 @@ from jaxllm.config import (
     CacheConfig,
     EngineConfig,
     KVTransferConfig,
+    LoRAConfig,
     ModelConfig,
     ParallelConfig,
     SchedulerConfig,
@@ -45,6 +46,10 @@ HELP = {
     "disable_hybrid_kv_cache_manager": "keep every layer's KV blocks for the whole context, even for layers that "
     "attend only a sliding window (by default such layers free the blocks that leave their window: docs/models.md)",
     "kv_offloading_size": "GiB of host memory for KV blocks evicted from the device cache (the OffloadingConnector)",
+    "enable_lora": "serve LoRA adapters: LoRARequest in LLM.generate, --lora-modules in the server (docs/lora.md)",
+    "max_loras": "LoRA adapters a step can mix (device slots; a request for a further one waits its turn)",
+    "max_lora_rank": "the largest LoRA rank an adapter may have (an adapter of higher rank is refused at load)",
+    "max_cpu_loras": "LoRA adapters kept read in host memory (default: max_loras)",
 }
 
 # flags whose values are a closed set: argparse lists them in --help and refuses others before anything loads
@@ -90,12 +95,19 @@ class EngineArgs:
     speculative_config: dict | str | None = None  # vLLM's JSON: {"method": "ngram", "num_speculative_tokens": 4}
     kv_transfer_config: dict | str | None = None  # vLLM's JSON: {"kv_connector": ..., "kv_role": ...}
     kv_offloading_size: float | None = None  # GiB of host memory for evicted KV blocks (OffloadingConnector)
+    enable_lora: bool = False  # vLLM's: serve LoRA adapters (docs/lora.md)
+    max_loras: int = 1  # adapters in one step (device slots)
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None  # adapters kept read in host memory (None: max_loras)
 
     def speculative(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.parse(self.speculative_config)
 
     def kv_transfer(self) -> KVTransferConfig | None:
         return KVTransferConfig.parse(self.kv_transfer_config, self.kv_offloading_size)
+
+    def lora(self) -> LoRAConfig | None:
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(
@@ -124,7 +136,12 @@ class EngineArgs:
         """Every setting that needs no model, alone and together: what can fail before a node joins the others
         or anything loads (the rest is checked against the model by `create_engine_config`)."""
         check_combinations(
-            self.model_config(), self.parallel_config(), self.async_scheduling, self.speculative(), self.kv_transfer()
+            self.model_config(),
+            self.parallel_config(),
+            self.async_scheduling,
+            self.speculative(),
+            self.kv_transfer(),
+            self.lora(),
         )
 
     def create_engine_config(self, model_max_len: int, platform: str) -> EngineConfig:
@@ -156,6 +173,7 @@ class EngineArgs:
             compilation_cache_dir=self.compilation_cache_dir,
             speculative=self.speculative(),
             kv_transfer=self.kv_transfer(),
+            lora=self.lora(),
         )
 
     @classmethod

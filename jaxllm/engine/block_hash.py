@@ -26,3 +26,8 @@ def hash_block(parent: BlockHash, token_ids: Sequence[int]) -> BlockHash:
 def root_hash(scope: str) -> BlockHash:
     """The first block's parent for KV described by `scope` (a canonical string)."""
     return hashlib.sha256(b"jaxllm:" + scope.encode()).digest()
+
+
+def scoped_root(root: BlockHash, scope: bytes) -> BlockHash:
+    """`root` narrowed to KV computed under `scope` too (a LoRA adapter's identity: lora/manager.py)."""
+    return hashlib.sha256(root + b"scope:" + scope).digest()

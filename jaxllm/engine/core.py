@@ -30,6 +30,8 @@ from jaxllm.engine.startup import check_layout, check_prompt, enable_compilation
 from jaxllm.engine.step_loop import InFlightStep, StepLoop
 from jaxllm.kv_transfer.factory import KVConnector, check_kv_connector, make_kv_connector
 from jaxllm.kv_transfer.scope import KVScope
+from jaxllm.lora.manager import LoRAManager
+from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import RequestOutput
 from jaxllm.parallel.mesh import make_mesh
 from jaxllm.request import Request, RequestStatus
@@ -66,6 +68,8 @@ class EngineCore:
         )
         arch = source.arch
         check_layout(arch, args.tensor_parallel_size, args.pipeline_parallel_size)
+        if args.enable_lora and arch.moe is not None:
+            raise ValueError(f"enable_lora is not supported for mixture-of-experts models ({arch.architecture}) yet")
         self.config = args.create_engine_config(arch.max_position_embeddings, jax.default_backend())
         if kv_transfer is not None:  # its sizes against memory, before anything loads
             kv_dtype = self.config.cache.kv_dtype(source.dtype)
@@ -102,7 +106,10 @@ class EngineCore:
             self.worker.attach_kv_connector(self.kv_connector.worker)
             logger.info("KV connector %s (%s) ready", kv_transfer.kv_connector, kv_transfer.kv_role)
         connector = self.kv_connector.scheduler if self.kv_connector is not None else None
-        self.scheduler = Scheduler(self.config.scheduler, self.kv, speculative, connector)
+        lora = self.config.lora
+        self.lora = LoRAManager(lora, arch, self.runner.load_lora) if lora is not None else None
+        max_loras = lora.max_loras if lora is not None else None
+        self.scheduler = Scheduler(self.config.scheduler, self.kv, speculative, connector, max_loras)
         self.tokenizer = self.loaded.tokenizer
         eos = set(arch.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -161,6 +168,7 @@ class EngineCore:
         priority: int = 0,
         arrival_time: float | None = None,
         user: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
@@ -178,6 +186,7 @@ class EngineCore:
             raise ValueError(self.structured.unsupported)
         if params.kv_transfer_params and self.kv_connector is not None:  # a producer's params that cannot work here
             self.kv_connector.scheduler.check_request(params.kv_transfer_params)
+        lora_scope = self._lora_scope(lora_request)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         samples = []
         for index in range(params.n):
@@ -194,6 +203,8 @@ class EngineCore:
                 user=user,
                 parent_id=request_id if params.n > 1 else None,
                 sample_seed=child.seed if child.seed is not None else self._fresh_seed(),
+                lora_request=lora_request,
+                lora_scope=lora_scope,
             )
             samples.append(request)
         self.output_processor.add(request_id, samples)
@@ -203,6 +214,30 @@ class EngineCore:
             self.structured.add(request_id, samples)
         else:
             self._schedule_group(samples)
+
+    def _lora_scope(self, lora_request: LoRARequest | None) -> bytes:
+        """The adapter's scope (read and checked on first use: ValueError), b"" without one."""
+        if lora_request is None:
+            return b""
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+        if self.lora is None:
+            raise ValueError("a request with a LoRA adapter needs enable_lora=True (--enable-lora)")
+        return self.lora.add(lora_request)
+
+    # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) ---------------------------------------
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter now (ValueError, FileNotFoundError), so its first request does not."""
+        self._lora_scope(lora_request)
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter; requests already running with it finish with it. False: unknown (or LoRA off)."""
+        return self.lora is not None and self.lora.remove(lora_int_id)
+
+    def list_loras(self) -> list[LoRARequest]:
+        return list(self.lora.adapters.values()) if self.lora is not None else []
 
     def _schedule_group(self, samples: list[Request]) -> None:
         self.scheduler.add_request(samples[0])
@@ -266,6 +301,8 @@ class EngineCore:
     def _launch(self, out: SchedulerOutput, previous: InFlightStep | None) -> tuple[object | None, list]:
         """Launch `out` on the device (its KV connector instructions first); if that fails, fail its requests."""
         try:
+            if self.lora is not None:  # each request's adapter in a device slot
+                self.lora.assign(out, self.scheduler.running_adapters())
             return self.worker.launch(out, self.structured, previous.result if previous is not None else None), []
         except Exception as e:  # the device step failed: fail the requests it carried, keep serving
             return None, self._failed_step(out, e)

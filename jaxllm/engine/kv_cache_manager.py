@@ -21,7 +21,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from jaxllm.engine.block_hash import NO_SCOPE, BlockHash, BlockKey, hash_block
+from jaxllm.engine.block_hash import NO_SCOPE, BlockHash, BlockKey, hash_block, scoped_root
 from jaxllm.kv_cache_groups import SCRATCH_BLOCK
 from jaxllm.request import Request
 
@@ -104,6 +104,10 @@ class KVCacheManager:
 
     # ---- prefix cache ------------------------------------------------------------------
 
+    def root_of(self, request: Request) -> BlockHash:
+        """The first block's parent: the KV's scope, and a LoRA adapter's (its blocks never serve another)."""
+        return scoped_root(self.root, request.lora_scope) if request.lora_scope else self.root
+
     def block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
         """The chained hashes of the request's first `num_blocks` full blocks (computed once, kept)."""
         hashes = self._req_hashes.setdefault(request.request_id, [])
@@ -113,7 +117,7 @@ class KVCacheManager:
         while len(hashes) < num_blocks:
             start, end = len(hashes) * bs, (len(hashes) + 1) * bs
             tokens = tuple(prompt[start:end] + output[max(start - n, 0) : max(end - n, 0)])
-            hashes.append(hash_block(hashes[-1] if hashes else self.root, tokens))
+            hashes.append(hash_block(hashes[-1] if hashes else self.root_of(request), tokens))
         return hashes[:num_blocks]
 
     def _lookup(self, request: Request) -> PrefixHit:

@@ -56,8 +56,10 @@ class Scheduler:
         kv: KVCacheManager,
         speculative: SpeculativeConfig | None = None,
         connector: KVConnectorScheduler | None = None,
+        max_loras: int | None = None,
     ):
         self.config = config
+        self.max_loras = max_loras  # LoRA: the most adapters running at once (their device slots); None: off
         self.kv = kv
         self.connector = connector
         self.waiting_for_remote: dict[str, Request] = {}  # WAITING_FOR_REMOTE_KVS, by request id
@@ -252,10 +254,16 @@ class Scheduler:
 
         if room():
             self.waiting.begin_step(self.kv)  # only when a request can start: lpm ranks by cache lookups
+        adapters = self.running_adapters()
         while room() and out.num_rows < self.max_request_rows:
             request = self.waiting.peek()
             if not self.waiting.can_admit(request, self.running, self.kv):
                 break
+            adapter = request.lora_scope
+            if adapter and adapter not in adapters:  # a further adapter waits for a slot, in policy order
+                if self.max_loras is None or len(adapters) >= self.max_loras:
+                    break
+                adapters.add(adapter)
             # a request scoring its prompt computes every position, and so reads nothing from the prefix cache
             reads_cache = not request.num_computed_tokens and request.sampling_params.prompt_logprobs is None
             computed = self.kv.get_computed_blocks(request) if reads_cache else NO_HIT
@@ -289,6 +297,10 @@ class Scheduler:
             self._schedule(out, request, num_new, now)
             budget -= num_new
         return budget
+
+    def running_adapters(self) -> set[bytes]:
+        """The LoRA adapters (scopes) of the running requests: each holds a device slot."""
+        return {r.lora_scope for r in self.running if r.lora_scope}
 
     def _wait_for_remote(self, request: Request, num_computed: int, num_external: int) -> None:
         """The request's blocks are allocated; it waits, scheduling nothing, until its load ends."""

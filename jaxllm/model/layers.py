@@ -23,9 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
+from jaxllm.model.grouped import flat_stack
+from jaxllm.model.lora import LoRATiles, lora_delta
 from jaxllm.model.quant import QuantPlan, packs_quantized, quantized_params
 from jaxllm.model.registry import ModelArch, RopeConfig
-from pallas_kernels.stacked_matmul import packed_matmul, packed_rows, quantized, stacked_matmul
+from pallas_kernels.stacked_matmul import packable, packed_matmul, packed_rows, quantized, stacked_matmul
 
 Dtype = Any
 INIT_STD = 0.02
@@ -108,7 +110,9 @@ class Linear(nn.Module):
     packed: bool = False  # an unstacked kernel stored as `stacked_matmul.pack_matrix` lays it out
 
     @nn.compact
-    def __call__(self, x: Float[Array, "T H"], layer=None) -> Array:
+    def __call__(self, x: Float[Array, "T H"], layer=None, lora: LoRATiles | None = None) -> Array:
+        """`lora`: the step's tokens by adapter slot; with this module's "lora_a"/"lora_b" among the parameters
+        (a LoRA step's), each token's adapter's low-rank product is added (model/lora.py)."""
         st = self.stacking
         in_spec = "model" if self.shard_axis is None else None
         out_spec = tuple("model" if i == self.shard_axis else None for i in range(len(self.out_shape)))
@@ -128,6 +132,12 @@ class Linear(nn.Module):
         if self.bias:
             bias = st.param(self, "bias", nn.initializers.normal(INIT_STD), out_spec, self.out_shape, self.dtype)
             y = y + st.at(bias, layer)
+        if lora is not None and self.has_variable("params", "lora_a"):
+            a: Array = self.get_variable("params", "lora_a")
+            b: Array = self.get_variable("params", "lora_b")
+            packed = st.matmul_backend == "cpu_packed" and packable(flat_stack(a))
+            delta = lora_delta(x, a, b, lora, st.index(layer), st.kernel_max_rows, packed)
+            y = y + delta.astype(y.dtype)
         return y
 
 
@@ -206,17 +216,17 @@ class GatedMLP(nn.Module):
     intermediate_size: int | None = None
 
     @nn.compact
-    def __call__(self, x: Float[Array, "T H"], layer=None) -> Float[Array, "T H"]:
+    def __call__(self, x: Float[Array, "T H"], layer=None, lora: LoRATiles | None = None) -> Float[Array, "T H"]:
         inner = self.intermediate_size or self.arch.intermediate_size
         bias, st = self.arch.mlp_bias, self.stacking
         gate_up = Linear((2, inner), shard_axis=1, dtype=self.dtype, bias=bias, stacking=st, name="gate_up_proj")(
-            x, layer
+            x, layer, lora
         )
         down = Linear(
             (self.arch.hidden_size,), shard_axis=None, dtype=self.dtype, bias=bias, stacking=st, name="down_proj"
         )
         act = nn.silu if self.arch.hidden_act == "silu" else partial(nn.gelu, approximate=True)
-        return down(act(gate_up[:, 0]) * gate_up[:, 1], layer)
+        return down(act(gate_up[:, 0]) * gate_up[:, 1], layer, lora)
 
 
 def rotary_cos_sin(

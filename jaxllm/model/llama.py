@@ -29,6 +29,7 @@ from jaxtyping import Array, Float, Int
 import pallas_kernels
 from jaxllm.kv_cache_groups import KVCacheGroups
 from jaxllm.model.layers import Dtype, Embed, GatedMLP, Linear, RMSNorm, Stacking, apply_rotary, rotary_cos_sin
+from jaxllm.model.lora import LoRATiles
 from jaxllm.model.moe import EXPERT_LOAD, SparseMoE, pack_experts, packs_expert_leaf
 from jaxllm.model.quant import QUANT_LEAVES, QuantPlan, packs_quantized
 from jaxllm.model.registry import LayerKind, ModelArch
@@ -49,6 +50,7 @@ class StepInputs(NamedTuple, Generic[ArrayT]):
     block_tables: Int[ArrayT, "G S M"]  # per KV cache group (kv_cache_groups.py)
     num_seqs: Int[ArrayT, " 1"]
     logits_indices: Int[ArrayT, " R"]  # rows whose logits are wanted
+    lora: LoRATiles | None = None  # the tokens grouped by LoRA adapter slot (model/lora.py); None: no adapters
 
 
 def stack_name(first_layer: int, num_layers: int, end: int) -> str:
@@ -105,7 +107,7 @@ class Attention(nn.Module):
             bias=a.qkv_bias,
             stacking=st,
             name="qkv_proj",
-        )(x, layer)
+        )(x, layer, batch.lora)
         q = qkv[:, :, :group].reshape(num_tokens, a.num_heads, a.head_dim)
         k, v = qkv[:, :, group], qkv[:, :, group + 1]
         if a.qk_norm_whole:  # OLMoE: each norm over the whole projection, all heads at once
@@ -139,7 +141,7 @@ class Attention(nn.Module):
         )
         out = out.reshape(num_tokens, a.num_heads * a.head_dim)
         o_proj = Linear((a.hidden_size,), shard_axis=None, dtype=self.dtype, bias=a.o_bias, stacking=st, name="o_proj")
-        return o_proj(out, layer), cache
+        return o_proj(out, layer, batch.lora), cache
 
 
 class DecoderLayer(nn.Module):
@@ -171,7 +173,7 @@ class DecoderLayer(nn.Module):
             moe = SparseMoE(self.arch, self.dtype, st, self.expert_mesh, name="mlp")
             mlp_out = moe(mlp_in, layer, batch.cu_q_lens[batch.num_seqs[0]])
         else:
-            mlp_out = GatedMLP(self.arch, self.dtype, st, name="mlp")(mlp_in, layer)
+            mlp_out = GatedMLP(self.arch, self.dtype, st, name="mlp")(mlp_in, layer, batch.lora)
         if a.gemma:
             mlp_out = norm(a, dtype, st, "post_feedforward_layernorm")(mlp_out, layer)
         return (hidden + mlp_out, cache, layer + 1), None

@@ -25,14 +25,12 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
+from jaxllm.model.grouped import Experts, KernelExperts, flat_stack, tile_matmuls, tile_rows, weight_array
 from jaxllm.model.layers import INIT_STD, Dtype, GatedMLP, Linear, Stacking
 from jaxllm.model.quant import QUANT_LEAVES, packs_quantized, quantized_params
 from jaxllm.model.registry import ModelArch
 from pallas_kernels import grouped_matmul, stacked_matmul
-from pallas_kernels.stacked_matmul import quantized
 from pallas_kernels.stacked_matmul.quantized import QuantizedWeight
-
-MAX_TILE_ROWS = 64
 
 
 def route(logits: Float[Array, "T E"], top_k: int, normalize: bool) -> tuple[Float[Array, "T K"], Int[Array, "T K"]]:
@@ -54,32 +52,9 @@ def expert_load(experts: Int[Array, "T K"], real: Array, num_experts: int) -> In
     return jnp.zeros(num_experts, jnp.int32).at[experts.reshape(-1)].add(counts)
 
 
-def tile_rows(num_assignments: int, num_experts: int) -> int:
-    """Rows per tile for a step of `num_assignments` (token, expert) pairs: a power of two near the mean group."""
-    mean = num_assignments // num_experts
-    return 1 if mean <= 1 else min(MAX_TILE_ROWS, 1 << (mean.bit_length() - 1))
-
-
-Experts = Float[Array, "..."] | QuantizedWeight  # one projection of every expert, [*L, E, K, *N]: float or quantized
-
-
-def _array(w: Experts):
-    """The array whose shape a weight has: a quantized weight's quants."""
-    return w.qs if isinstance(w, QuantizedWeight) else w
-
-
 def _num_experts(gate_up) -> int:
     """E of the experts' gate_up weights `[*L, E, H, 2, I]` (float or quantized, a kernel's or not)."""
-    return _array(gate_up.weights if isinstance(gate_up, KernelExperts) else gate_up).shape[-4]
-
-
-def take_experts(w: Experts, index) -> Float[Array, "S K ..."]:
-    """The experts `index` picks (an expert id per tile, with the layer first when stacked) as float32: a
-    quantized stack is dequantized after the gather, so only the chosen experts ever leave their bits."""
-    if isinstance(w, QuantizedWeight):
-        mins = None if w.mins is None else w.mins[index]
-        return quantized.dequantize_each(QuantizedWeight(w.qs[index], w.scales[index], mins))
-    return w[index].astype(jnp.float32)
+    return weight_array(gate_up.weights if isinstance(gate_up, KernelExperts) else gate_up).shape[-4]
 
 
 def packs_expert_leaf(leaf: str, a) -> bool:
@@ -87,8 +62,8 @@ def packs_expert_leaf(leaf: str, a) -> bool:
     expert as `stacked_matmul.pack` lays a layer out, so the C++ kernel reads it in place: a float "kernel"
     `packable` takes, or a quantized weight's array with N in whole panels (a dense layer's rule)."""
     if leaf in QUANT_LEAVES:
-        return packs_quantized(_flat(a).shape)
-    return leaf == "kernel" and stacked_matmul.packable(_flat(a))
+        return packs_quantized(flat_stack(a).shape)
+    return leaf == "kernel" and stacked_matmul.packable(flat_stack(a))
 
 
 def packs_experts(w: Experts) -> bool:
@@ -98,43 +73,13 @@ def packs_experts(w: Experts) -> bool:
 
 def pallas_takes(w: Experts, stacked: bool) -> bool:
     """Whether the Pallas GPU kernel multiplies these experts (float, tiled by its blocks)."""
-    return not isinstance(w, QuantizedWeight) and grouped_matmul.supports(_flat(w) if stacked else w)
+    return not isinstance(w, QuantizedWeight) and grouped_matmul.supports(flat_stack(w) if stacked else w)
 
 
 def pack_experts(a):
     """One array of a stack of experts `[L, E, K, *N]` (a float kernel, or a quantized weight's quants, scales
     or mins), each expert packed alone (same shape)."""
-    return stacked_matmul.pack(_flat(a)).reshape(a.shape)
-
-
-def _flat(a):
-    """`[L, E, K, *N]` → `[L * E, K, *N]`: every expert a "layer" of one stack."""
-    return a.reshape(-1, *a.shape[2:])
-
-
-class KernelExperts(NamedTuple):
-    """Experts a kernel multiplies in place, every tile in one call, never copying a weight (a gather copies every
-    expert a step touches): "cpu", the C++ kernel on experts packed for it, float or quantized (`pack_experts`);
-    "pallas", the Pallas GPU kernel (pallas_kernels/grouped_matmul) on float experts as stored."""
-
-    weights: Float[Array, "*L E K N"] | QuantizedWeight
-    kernel: str
-    kernel_max_rows: int | None = None  # "cpu": XLA above this many rows a tile (the self-check's)
-
-
-def _tile_matmuls(tiles, w: Experts | KernelExperts, index) -> Float[Array, "S M N"]:
-    """Each tile's rows times its expert: `index` an expert id per tile (with the layer first when stacked)."""
-    if not isinstance(w, KernelExperts):
-        return jnp.einsum("tmk,tk...->tm...", tiles, take_experts(w, index))
-    stacked = isinstance(index, tuple)  # (layer, expert): `[L, E, ...]`, each expert a "layer" of one stack
-    ids = index[0] * _array(w.weights).shape[1] + index[1] if stacked else index
-    flat = jax.tree.map(_flat, w.weights) if stacked else w.weights
-    if w.kernel == "pallas":
-        assert not isinstance(flat, QuantizedWeight)  # (`pallas_takes`: float experts only)
-        return grouped_matmul.grouped_matmul(tiles, flat, ids)
-    if isinstance(flat, QuantizedWeight):
-        return quantized.grouped_quantized_matmul(tiles, flat, ids, kernel_max_rows=w.kernel_max_rows)
-    return stacked_matmul.grouped_matmul(tiles, flat, ids, kernel_max_rows=w.kernel_max_rows)
+    return stacked_matmul.pack(flat_stack(a)).reshape(a.shape)
 
 
 class ExpertBiases(NamedTuple):
@@ -187,10 +132,10 @@ def grouped_swiglu(
     index = tile_expert if layer is None else (layer, tile_expert)
     rows = jnp.zeros((num_rows, hidden), jnp.float32).at[dest].set(x[token].astype(jnp.float32))
     tiles = rows.reshape(num_tiles, m, hidden)
-    h = _tile_matmuls(tiles, gate_up, index)
+    h = tile_matmuls(tiles, gate_up, index)
     if biases is not None:  # each tile's expert's (padding rows get one too: they are never read)
         h = h + biases.gate_up[index][:, None].astype(jnp.float32)
-    y = _tile_matmuls(glu(h, clamped_glu), down, index)
+    y = tile_matmuls(glu(h, clamped_glu), down, index)
     if biases is not None:
         y = y + biases.down[index][:, None].astype(jnp.float32)
     y = y.reshape(num_rows, hidden)

@@ -37,6 +37,7 @@ from jaxllm.config import EngineConfig
 from jaxllm.kv_cache_groups import KVCacheGroups
 from jaxllm.model import KVCache, StepInputs
 from jaxllm.model.llama import expert_loads
+from jaxllm.model.lora import LoRATiles, tile_tokens, tiling
 from jaxllm.parallel.mesh import replicated
 from jaxllm.runner.buckets import Bucket, make_buckets, pick_bucket
 from jaxllm.runner.compilations import watch_compilations
@@ -44,6 +45,7 @@ from jaxllm.runner.cpu_kernels import cpu_kernel_choice, step_model
 from jaxllm.runner.executable_cache import ExecutableCache, abstract_signature, environment_fingerprint, fingerprint
 from jaxllm.runner.input_batch import InputBatch
 from jaxllm.runner.kv_cache import allocate_kv_cache, kv_cache_groups, num_kv_blocks
+from jaxllm.runner.lora_slots import LoRASlots
 from jaxllm.runner.sampler import SamplerOutput, SamplingInputs, sample
 from jaxllm.scheduler_output import SchedulerOutput, max_logits_rows, request_rows
 from jaxllm.weights import LoadedModel
@@ -147,6 +149,11 @@ class ModelRunner:
         self._sample_fn = jax.jit(self._named(sample, "sample"))
         self._widen_fn = jax.jit(self._named(self._widen, "widen"), out_shardings=replicated(mesh))
         self._compiled: dict[Bucket, jax.stages.Compiled] = {}
+        # LoRA: adapters' device slots, and each bucket's forward with their terms (a step with an adapter in it)
+        packed = self.model.matmul_backend == "cpu_packed"
+        self.lora = LoRASlots(arch, config.lora, mesh, packed) if config.lora is not None else None
+        self._compiled_lora: dict[Bucket, jax.stages.Compiled] = {}
+        self._lora_params = None  # the weights merged with the slots (`lora_params`), until a slot changes
         self._samplers: dict[int, jax.stages.Compiled] = {}  # rows → sampler
         self._wideners: dict[int, jax.stages.Compiled] = {}  # rows → sampled ids widened to max_rows (async)
         self._no_prev = (
@@ -185,6 +192,7 @@ class ModelRunner:
             params = unstack_layers(params, self.loaded.arch.num_layers)
         self.startup_seconds["prepare_weights"] = time.perf_counter() - started
         self.params = params
+        self._lora_params = None  # (merged with the old weights)
 
     def _forward(self, params, cache: KVCache, inputs: StepInputs):
         """(logits, the cache) and, for a mixture of experts, its sparse layers' tokens per expert in this step."""
@@ -250,13 +258,21 @@ class ModelRunner:
         sharding = replicated(self.mesh)
         for bucket in self.buckets:
             inputs, sampling = self._abstract_inputs(bucket)
+            rest: tuple = ()
+            if self.async_scheduling:  # + the previous step's sampled ids and where they go
+                prev = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=sharding)
+                src = jax.ShapeDtypeStruct((bucket.num_tokens,), jnp.int32, sharding=sharding)
+                rest = (prev, src)
             if bucket not in self._compiled:
-                args: tuple = (self.params, self.cache, inputs)
-                if self.async_scheduling:  # + the previous step's sampled ids and where they go
-                    prev = jax.ShapeDtypeStruct((self.max_rows,), jnp.int32, sharding=sharding)
-                    src = jax.ShapeDtypeStruct((bucket.num_tokens,), jnp.int32, sharding=sharding)
-                    args += (prev, src)
-                jobs["forward", bucket] = (self._forward_fn, args)
+                jobs["forward", bucket] = (self._forward_fn, (self.params, self.cache, inputs, *rest))
+            if self.lora is not None and bucket not in self._compiled_lora:
+                m, num_tiles = tiling(bucket.num_tokens, self.lora.config.num_slots)
+                tiles = LoRATiles(
+                    jax.ShapeDtypeStruct((bucket.num_tokens,), jnp.int32, sharding=sharding),
+                    jax.ShapeDtypeStruct((num_tiles,), jnp.int32, sharding=sharding),
+                )
+                args = (self.lora.merged(self.params), self.cache, inputs._replace(lora=tiles), *rest)
+                jobs["forward_lora", bucket] = (self._forward_fn, args)
             if self.async_scheduling and bucket.num_seqs < self.max_rows and bucket.num_seqs not in self._wideners:
                 ids = jax.ShapeDtypeStruct((bucket.num_seqs,), jnp.int32, sharding=sharding)
                 jobs["widen", bucket.num_seqs] = (self._widen_fn, (ids,))
@@ -318,13 +334,20 @@ class ModelRunner:
         tables = self._executable_tables()
         for (kind, shape), executable in made.items():
             tables[kind][shape] = executable
+        if self.lora is not None:  # (small: ~0.1 s; not worth the executable cache)
+            self.lora.compile()
         self.compile_seconds = self.startup_seconds["buckets"] = time.perf_counter() - start + self._load_seconds
         self.num_executables = sum(len(table) for table in tables.values())
         return self.compile_seconds
 
     def _executable_tables(self) -> dict[str, dict]:
         """Where `warm_up` puts each kind of executable it made, by shape."""
-        return {"forward": self._compiled, "sample": self._samplers, "widen": self._wideners}
+        return {
+            "forward": self._compiled,
+            "forward_lora": self._compiled_lora,
+            "sample": self._samplers,
+            "widen": self._wideners,
+        }
 
     def execute(self, out: SchedulerOutput, grammar=None) -> RunnerOutput:
         """`grammar` (a StructuredOutputManager) fills the token masks of constrained rows."""
@@ -373,7 +396,19 @@ class ModelRunner:
         bucket = pick_bucket(self.buckets, out.num_tokens, out.num_rows)
         batch = self._filled = self._batches[self._turn]
         self._turn = (self._turn + 1) % len(self._batches)
-        return (bucket, *batch.fill(out, bucket, grammar))
+        inputs, sampling = batch.fill(out, bucket, grammar)
+        if self.lora is not None and any(s.lora_slot for s in out.scheduled):  # the forward with adapters
+            slots = np.zeros(bucket.num_tokens, np.int64)
+            per_request = np.array([(s.lora_slot, s.num_new_tokens) for s in out.scheduled])
+            slots[: out.num_tokens] = np.repeat(per_request[:, 0], per_request[:, 1])
+            inputs = inputs._replace(lora=LoRATiles(*tile_tokens(slots, self.lora.config.num_slots)))
+        return bucket, inputs, sampling
+
+    def load_lora(self, slot: int, projections: dict) -> None:
+        """Write an adapter's weights into device slot `slot` (`LoRASlots.load`): nothing compiles."""
+        assert self.lora is not None, "enable_lora is off"
+        self.lora.load(slot, projections)
+        self._lora_params = None
 
     def run(
         self,
@@ -385,14 +420,20 @@ class ModelRunner:
     ) -> SamplerOutput:
         """Launch the bucket's compiled step (the only part a multi-host follower runs); results stay on device.
         With async scheduling the forward also takes the previous step's (widened) sampled ids and `src`."""
+        params = self.params
         forward, sampler = self._compiled.get(bucket), self._samplers.get(bucket.num_seqs)
+        if inputs.lora is not None:  # adapters in the step: the weights beside their slots
+            assert self.lora is not None
+            if self._lora_params is None:
+                self._lora_params = self.lora.merged(self.params)
+            params, forward = self._lora_params, self._compiled_lora.get(bucket)
         if forward is None or sampler is None:
             raise RuntimeError(f"bucket {bucket} was not compiled at start-up (call warm_up first)")
         if self.async_scheduling:
             assert prev_sampled is not None and src is not None, "an async step takes prev_sampled and src"
-            logits, self.cache, *loads = forward(self.params, self.cache, inputs, prev_sampled, src)
+            logits, self.cache, *loads = forward(params, self.cache, inputs, prev_sampled, src)
         else:
-            logits, self.cache, *loads = forward(self.params, self.cache, inputs)
+            logits, self.cache, *loads = forward(params, self.cache, inputs)
         if loads:  # a mixture of experts' routing (a pipeline's: one array per stage with sparse layers)
             self._step_loads.append(loads)  # added up when the step is collected
         return sampler(logits, sampling)

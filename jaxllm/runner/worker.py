@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextvars
 import time
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 from typing import TYPE_CHECKING
 
 import jax
@@ -60,7 +59,11 @@ class Worker:
         with kernel_progress.showing(progress), ThreadPoolExecutor(1, thread_name_prefix="jaxllm-load") as pool:
             layout = weight_layout(arch, config, source.dtype, mesh, source.quant)  # first use: kernels built, checked
             # the reading converts the weights on first use: its bar follows `progress` too, in a thread
-            read = partial(contextvars.copy_context().run, source.load, mesh, tokenizer, seed, layout)
+            context = contextvars.copy_context()
+
+            def read() -> LoadedModel:
+                return context.run(source.load, mesh, tokenizer, seed, layout)
+
             model = (
                 LoadedModel(source.name, arch, source.hf_config, source.abstract_params(mesh), None, source.dtype)
                 if overlap

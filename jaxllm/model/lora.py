@@ -1,0 +1,82 @@
+"""LoRA in the step: each projection an adapter targets adds `(x @ A[slot]) @ B[slot]` for every token's slot.
+
+Adapters live in fixed slots, `[L, S, ...]` per projection beside its weights ("lora_a" `[L, S, K, R]`, "lora_b"
+`[L, S, R, *N]`, the scaling folded into B; slot 0 holds zeros: no adapter), so loading or swapping one never changes
+a shape. A step's tokens are grouped by slot and each group padded to whole tiles of `m` rows (`tile_tokens`, on the
+host: one grouping serves every layer), and every tile is one small matmul against its own slot's A, then B — a
+grouped (SGMV-like) product that reads only the adapters in the step. With the CPU kernels the tiles run in one
+call of the grouped kernel on slots packed for it (model/grouped.py); elsewhere XLA gathers each
+tile's slot. A step without adapters runs the forward compiled without these terms (runner/model_runner.py).
+"""
+
+from __future__ import annotations
+
+from typing import Generic, NamedTuple, TypeVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int
+
+from jaxllm.model.grouped import KernelExperts, tile_matmuls, tile_rows
+from pallas_kernels import stacked_matmul
+
+LORA_LEAVES = ("lora_a", "lora_b")
+
+
+# numpy as the host fills them, jax arrays (or their shapes, at warm-up) inside the compiled step
+ArrayT = TypeVar("ArrayT", Array, np.ndarray, jax.ShapeDtypeStruct)
+
+
+class LoRATiles(NamedTuple, Generic[ArrayT]):
+    """A step's tokens grouped by adapter slot (`tile_tokens`)."""
+
+    dest: Int[ArrayT, " T"]  # each token's row in the tiled layout
+    tile_slots: Int[ArrayT, " N"]  # each tile's slot
+
+
+def tiling(num_tokens: int, num_slots: int) -> tuple[int, int]:
+    """(rows a tile, tiles) for a step of `num_tokens`: a power of two near the mean group, and enough tiles for
+    any grouping (each group wastes under a tile)."""
+    m = tile_rows(num_tokens, num_slots)
+    return m, -(-(num_tokens + num_slots * (m - 1)) // m)
+
+
+def tile_tokens(slots: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
+    """(dest, tile_slots) for tokens with adapter `slots` [T]: tokens of one slot in consecutive rows, each slot's
+    rows in whole tiles; tiles past the last group compute zeros of slot 0."""
+    num_tokens = len(slots)
+    m, num_tiles = tiling(num_tokens, num_slots)
+    sizes = np.bincount(slots, minlength=num_slots)
+    padded = -(-sizes // m) * m
+    starts = np.cumsum(padded) - padded
+    order = np.argsort(slots, kind="stable")
+    rank = np.arange(num_tokens) - (np.cumsum(sizes) - sizes)[slots[order]]
+    dest = np.empty(num_tokens, np.int32)
+    dest[order] = starts[slots[order]] + rank
+    tile_slots = np.zeros(num_tiles, np.int32)
+    tile_of_slot = np.repeat(np.arange(num_slots), padded // m)
+    tile_slots[: len(tile_of_slot)] = tile_of_slot
+    return dest, tile_slots
+
+
+def rank_width(parts: int, max_rank: int) -> int:
+    """A projection's rank columns in its slots: `parts` (q/k/v: 3, gate/up: 2) of `max_rank`, rounded up to whole
+    panels so that the CPU kernel reads A packed."""
+    return -(-parts * max_rank // stacked_matmul.PANEL) * stacked_matmul.PANEL
+
+
+def lora_delta(
+    x: Float[Array, "T K"], a, b, tiles: LoRATiles, layer, kernel_max_rows: int | None, packed: bool
+) -> Float[Array, "T ..."]:
+    """Each token's `(x @ A[slot]) @ B[slot]` of the running `layer` (an index into the stacks), float32. `packed`:
+    A and B are packed for the CPU kernel (`stacked_matmul.pack` of each layer's slot)."""
+    num_tokens, k = x.shape
+    out_shape = b.shape[3:]
+    m, num_tiles = tiling(num_tokens, a.shape[1])
+    rows = jnp.zeros((num_tiles * m, k), jnp.float32).at[tiles.dest].set(x.astype(jnp.float32))
+    index = (layer, tiles.tile_slots)
+    wa, wb = (KernelExperts(w, "cpu", kernel_max_rows) if packed else w for w in (a, b))
+    h = tile_matmuls(rows.reshape(num_tiles, m, k), wa, index)
+    y = tile_matmuls(h, wb, index)
+    return y.reshape(num_tiles * m, *out_shape)[tiles.dest]
