@@ -10,6 +10,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
+import transformers
 from peft import LoraConfig, get_peft_model
 from safetensors.numpy import load_file, save_file
 
@@ -18,6 +19,7 @@ from jaxllm.lora import LoRARequest
 from jaxllm.runner.compilations import compilation_count
 from tests.conftest import TEST_ENGINE, kv_bytes
 from tests.hf_reference import hf_greedy, hf_log_softmax
+from tests.tiny_models import PANEL_LLAMA, random_model
 
 MAX_LORAS = 2
 ENGINE = dict(TEST_ENGINE, enable_lora=True, max_loras=MAX_LORAS, max_lora_rank=16, kv_cache_memory_bytes=kv_bytes(96))
@@ -169,3 +171,20 @@ def test_bad_adapters_and_requests_get_their_error_and_the_engine_keeps_serving(
 def test_an_engine_without_enable_lora_refuses_adapters(llm, adapters):
     with pytest.raises(ValueError, match="enable_lora"):
         llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False, lora_request=adapters["all8"][0])
+
+
+def test_tensor_parallel_splits_each_adapter_as_its_projection(tmp_path):
+    """Two devices (a tiny Llama whose heads split): A replicated or split with its input, B with its output."""
+    config = transformers.LlamaConfig(**PANEL_LLAMA)
+    model = random_model(transformers.LlamaForCausalLM, config)
+    model.save_pretrained(tmp_path / "hf")
+    merged = make_adapter(model, tmp_path / "adapter", 8, 16, False, ALL_SEVEN, 0, scale=1.0)
+    prompt = [5, 17, 42, 8, 91, 3]
+    want, base = hf_greedy(merged, prompt, NUM_TOKENS), hf_greedy(model, prompt, NUM_TOKENS)
+    assert want != base
+    engine = dict(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64, dtype="float32", progress=False)
+    llm = LLM(str(tmp_path / "hf"), **engine, kv_cache_memory_bytes=1 << 20, enable_lora=True, tensor_parallel_size=2)
+    lora = LoRARequest("a", 1, str(tmp_path / "adapter"))
+    params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": prompt}] * 2, params, use_tqdm=False, lora_request=[lora, None])
+    assert [list(o.outputs[0].token_ids) for o in outputs] == [want, base]

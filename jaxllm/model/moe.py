@@ -5,13 +5,11 @@ dropless: every token reaches its k experts. The T x k (token, expert) assignmen
 `jax.lax.ragged_dot` takes them, and `grouped_swiglu` runs each expert's rows against its own weights.
 
 `jax.lax.ragged_dot` on CPU lowers to masked dense work over every group (E times the FLOPs), so the grouped
-matmul is tiled here instead: each expert's rows are padded to whole tiles of `m` rows, and every tile is one
-small matmul against its expert's weights. With m = 1 (a decode step, T x k <= E) that reads exactly the
-experts the tokens chose; larger steps take m ~ T x k / E, so the padding at most doubles the rows. With the
-CPU kernels ("cpu_packed") each expert is packed as a layer of the dense kernel's stack (float or quantized)
-and one call of the C++ kernel runs every tile against its expert in place (`KernelExperts`); on one GPU the
-Pallas grouped kernel does the same for float experts; elsewhere XLA gathers each tile's expert (dequantized
-after the gather when kept in its quants).
+matmul is tiled instead (model/grouped.py): each expert's rows padded to whole tiles of `m` rows, every tile one small
+matmul against its expert's weights. With m = 1 (a decode step, T x k <= E) that reads exactly the experts the
+tokens chose; larger steps take m ~ T x k / E, so the padding at most doubles the rows. With the CPU kernels each
+expert is packed as a layer of the dense kernel's stack (float or quantized), and one call of the C++ kernel runs
+every tile against its expert in place.
 """
 
 from __future__ import annotations
