@@ -99,6 +99,14 @@ def test_each_adapter_generates_what_transformers_generates_with_it_merged(lora_
     assert {a.lora_name for a in lora_llm.engine.list_loras()} == set(ADAPTERS)
 
 
+def test_on_a_float32_base_too(adapters):
+    """`quantization="none"`: the GGUF's blocks dequantized at load (the float kernels' path), same references."""
+    llm = LLM(**{**ENGINE, "quantization": "none"})
+    names = list(adapters)
+    for name, got in zip(names, run(llm, [adapters[n][0] for n in names]), strict=True):
+        assert_matches(got, adapters[name][1], f"{name} on float32")
+
+
 def test_one_batch_of_four_adapters_and_the_base_equals_each_alone(lora_llm, adapters):
     names = ["all8", "base", "qv16", "mlp4", "attn8"]  # more adapters than slots: they take turns, FCFS
     got = run(lora_llm, [adapters[n][0] for n in names])

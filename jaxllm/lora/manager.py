@@ -21,8 +21,8 @@ from jaxllm.scheduler_output import SchedulerOutput
 
 
 class LoRAManager:
-    """Adapters are told apart by their scope (`scope`: id, name and weights digest), so that one reloaded with new
-    weights is a new adapter to the slots and the prefix cache while requests with the old one finish."""
+    """Adapters are told apart by their scope (name and weights digest), so that one reloaded with new weights is a
+    new adapter to the slots and the prefix cache while requests with the old one finish."""
 
     def __init__(self, config: LoRAConfig, arch: ModelArch, write_slot: Callable[[int, dict], None]):
         self.config, self.arch, self.write_slot = config, arch, write_slot
@@ -43,7 +43,8 @@ class LoRAManager:
                 )
             return self._scopes[request.lora_int_id]
         weights = load_peft_adapter(request.lora_path, self.arch, self.config.max_lora_rank)
-        scope = hashlib.sha256(f"lora:{request.lora_int_id}:{request.lora_name}:{weights.digest}".encode()).digest()
+        # (by name and weights, not by id: another engine, a P/D peer, may number the same adapter otherwise)
+        scope = hashlib.sha256(f"lora:{request.lora_name}:{weights.digest}".encode()).digest()
         self._keep(scope, weights)
         self.adapters[request.lora_int_id], self._scopes[request.lora_int_id] = request, scope
         return scope
