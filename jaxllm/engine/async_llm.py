@@ -22,6 +22,7 @@ from typing import Any
 from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.core_client import EngineCoreClient, InProcessClient
 from jaxllm.engine.dp_client import DataParallelClient
+from jaxllm.lora.request import LoRARequest
 from jaxllm.metrics.loggers import LOG_INTERVAL_S, LoggingStatLogger
 from jaxllm.metrics.prometheus import PrometheusStatLogger
 from jaxllm.metrics.stats import OutputStatsTracker
@@ -140,8 +141,10 @@ class AsyncLLM:
         *,
         priority: int = 0,
         user: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream the outputs of one request. Bad input raises ValueError before anything is queued."""
+        """Stream the outputs of one request. Bad input raises ValueError before anything is queued; an adapter
+        (`lora_request`) the engine cannot read ends the request refused (its `error` says why)."""
         params = sampling_params if sampling_params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -151,13 +154,25 @@ class AsyncLLM:
         self.info.validate_prompt(token_ids)
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer, and this model has none")
+        if lora_request is not None:
+            if not isinstance(lora_request, LoRARequest):
+                raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}")
+            self._lora_client()
         request_id = request_id if request_id is not None else uuid.uuid4().hex
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         self._bind_loop()
         stream = self._streams[request_id] = RequestStream(params.output_kind)
+        lora = {"lora_request": lora_request} if lora_request is not None else {}  # (not every client takes one)
         self.client.add_request(
-            request_id, token_ids, params, prompt=text, priority=priority, user=user, arrival_time=time.monotonic()
+            request_id,
+            token_ids,
+            params,
+            prompt=text,
+            priority=priority,
+            user=user,
+            arrival_time=time.monotonic(),
+            **lora,
         )
         finished = False
         try:
@@ -173,6 +188,30 @@ class AsyncLLM:
 
     async def abort(self, request_id: str | list[str]) -> None:
         self.client.abort([request_id] if isinstance(request_id, str) else list(request_id))
+
+    # ---- LoRA adapters (vLLM's add_lora / remove_lora / list_loras) -------------------------
+
+    async def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Read and check an adapter now (on the engine thread, between steps): ValueError or FileNotFoundError
+        as the engine raises them."""
+        return await asyncio.wrap_future(self._lora_client().add_lora(lora_request))
+
+    async def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (requests running with it finish with it); False: unknown."""
+        return await asyncio.wrap_future(self._lora_client().remove_lora(lora_int_id))
+
+    async def list_loras(self) -> list[LoRARequest]:
+        return await asyncio.wrap_future(self._lora_client().list_loras())
+
+    def add_lora_blocking(self, lora_request: LoRARequest, timeout: float | None = None) -> bool:
+        """`add_lora` for start-up, before any event loop runs (`--lora-modules`): waits for the engine thread."""
+        return self._lora_client().add_lora(lora_request).result(timeout)
+
+    def _lora_client(self) -> Any:
+        """The client, which must serve adapters (data-parallel clients do not: LoRA is refused there anyway)."""
+        if not hasattr(self.client, "add_lora"):
+            raise ValueError("LoRA adapters are not supported with this engine client (data parallelism)")
+        return self.client
 
     def stop_accepting(self, reason: str) -> None:
         """From now on `generate` raises EngineDeadError(reason) and health checks fail; in-flight requests go on."""

@@ -14,6 +14,10 @@ the same methods). The rules every client keeps:
 - If a core dies, `on_dead(message)` is called once; the front fails what was in flight.
 - `stats()` returns one snapshot dict per core (see `EngineCore.stats`), refreshed every
   step; reading it never waits for a step.
+- LoRA adapters (optional: a client without these methods serves no adapters): `add_lora`,
+  `remove_lora`, `list_loras` queue a call that the core's loop makes between steps, like any
+  command, and return a `concurrent.futures.Future` of its result or its exception
+  (ValueError, FileNotFoundError: the adapter's files), so the caller sees what the core said.
 - When no request is unfinished, a core's loop blocks on its command queue: an idle
   server spends no CPU.
 
@@ -29,10 +33,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from jaxllm.engine.args import EngineArgs
+from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import CompletionOutput, RequestOutput
 from jaxllm.sampling_params import SamplingParams
 
@@ -74,6 +80,7 @@ class EngineCoreClient(Protocol):
         priority: int = 0,
         arrival_time: float | None = None,
         user: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None: ...
 
     def abort(self, request_ids: Iterable[str]) -> None: ...
@@ -102,16 +109,26 @@ def failed_output(
 
 def apply_command(core, kind: str, payload) -> list[RequestOutput]:
     """Apply one "add", "abort" or "reset_prefix_cache" command to an `EngineCore`; a refused request becomes a
-    failed output."""
+    failed output. An "add" payload may end with a LoRARequest (an 8th item; data-parallel clients send 7)."""
     if kind == "abort":
         return [o for rid in payload if (o := core.abort_request(rid)) is not None]
     if kind == "reset_prefix_cache":
         core.reset_prefix_cache()
         return []
-    request_id, ids, params, prompt, priority, arrival, user = payload
+    request_id, ids, params, prompt, priority, arrival, user, *rest = payload
+    lora = rest[0] if rest else None
     try:
-        core.add_request(request_id, ids, params, prompt=prompt, priority=priority, arrival_time=arrival, user=user)
-    except ValueError as e:
+        core.add_request(
+            request_id,
+            ids,
+            params,
+            prompt=prompt,
+            priority=priority,
+            arrival_time=arrival,
+            user=user,
+            lora_request=lora,
+        )
+    except (ValueError, OSError) as e:  # OSError: an adapter's files, read on its first request, are gone
         return [failed_output(request_id, ids, params, prompt, str(e), refused=True)]
     return []
 
@@ -139,7 +156,7 @@ class InProcessClient:
         self._on_outputs = on_outputs
         self._on_dead = on_dead
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._stats = [self.core.stats()]
+        self._stats = [core_stats(self.core)]
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="jaxllm-engine-core", daemon=True)
         self._thread.start()
@@ -147,10 +164,41 @@ class InProcessClient:
     # ---- the interface -------------------------------------------------------------------
 
     def add_request(
-        self, request_id, prompt_token_ids, params, *, prompt=None, priority=0, arrival_time=None, user=None
+        self,
+        request_id,
+        prompt_token_ids,
+        params,
+        *,
+        prompt=None,
+        priority=0,
+        arrival_time=None,
+        user=None,
+        lora_request=None,
     ):
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
-        self._commands.put(("add", (request_id, prompt_token_ids, params, prompt, priority, arrival_time, user)))
+        payload = (request_id, prompt_token_ids, params, prompt, priority, arrival_time, user, lora_request)
+        self._commands.put(("add", payload))
+
+    def add_lora(self, lora_request: LoRARequest) -> Future:
+        """Read and check an adapter on the engine thread (EngineCore.add_lora): a Future of True, or its error."""
+        return self._call("add_lora", lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> Future:
+        return self._call("remove_lora", lora_int_id)
+
+    def list_loras(self) -> Future:
+        return self._call("list_loras")
+
+    def _call(self, method: str, *args) -> Future:
+        """`core.method(*args)` made by the engine thread between steps (the core is only ever driven by it)."""
+        future: Future = Future()
+        if not self.is_alive():
+            future.set_exception(RuntimeError("the engine is not running"))
+        else:
+            self._commands.put(("call", (method, args, future)))
+            if not self._thread.is_alive():  # the loop ended meanwhile, not seeing it
+                self._fail_calls()
+        return future
 
     def abort(self, request_ids: Iterable[str]) -> None:
         self._commands.put(("abort", list(request_ids)))
@@ -177,7 +225,7 @@ class InProcessClient:
                 outputs = self._apply_commands(block)
                 if self.core.has_unfinished_requests() and not self._stopping:
                     outputs += self.core.step()
-                stats = self.core.stats()
+                stats = core_stats(self.core)
                 changed = stats != self._stats[0]
                 self._stats = [stats]
                 if outputs or changed:
@@ -186,6 +234,17 @@ class InProcessClient:
             logger.exception("the engine core loop died")
             self._stopping = True
             self._on_dead(f"the engine died: {type(e).__name__}: {e}")
+        finally:  # calls nobody will make any more: their callers must not wait forever
+            self._fail_calls()
+
+    def _fail_calls(self) -> None:
+        while True:
+            try:
+                kind, payload = self._commands.get(block=False)
+            except queue.Empty:
+                return
+            if kind == "call" and payload[2].set_running_or_notify_cancel():
+                payload[2].set_exception(RuntimeError("the engine is not running"))
 
     def _apply_commands(self, block: bool) -> list[RequestOutput]:
         """Apply every queued command; wait for the first one if `block` (the engine is idle)."""
@@ -198,4 +257,34 @@ class InProcessClient:
             block = False
             if kind == "stop":
                 return outputs
+            if kind == "call":
+                call(self.core, *payload)
+                continue
             outputs += apply_command(self.core, kind, payload)
+
+
+def call(core, method: str, args: tuple, future: Future) -> None:
+    """Make `core.method(*args)` (on the engine thread), its result or exception into `future`."""
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        result = getattr(core, method)(*args)
+    except Exception as e:  # ValueError, FileNotFoundError...: the caller's to report
+        future.set_exception(e)
+    else:
+        future.set_result(result)
+
+
+def core_stats(core) -> dict:
+    """`EngineCore.stats()` with, when LoRA is on, "lora": the adapters of the running and waiting requests (names,
+    sorted) and max_loras (vLLM's lora_requests_info)."""
+    stats = core.stats()
+    if "lora" in stats or getattr(core, "lora", None) is None:
+        return stats
+    scheduler = core.scheduler
+
+    def names(requests) -> list[str]:
+        return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})
+
+    running, waiting = names(scheduler.running), names(scheduler.waiting)
+    return {**stats, "lora": {"running": running, "waiting": waiting, "max_loras": core.lora.config.max_loras}}

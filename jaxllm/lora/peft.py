@@ -223,7 +223,7 @@ def _pair(
     return found[layer, module, "A"], found[layer, module, "B"]
 
 
-def _fused_shapes(arch: ModelArch) -> dict[str, tuple[int, tuple[int, ...]]]:
+def fused_shapes(arch: ModelArch) -> dict[str, tuple[int, tuple[int, ...]]]:
     """Fused projection → (K, its output's shape), as the model's parameters have them (model/llama.py)."""
     h, i, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
     group = arch.num_heads // arch.num_kv_heads
@@ -254,7 +254,7 @@ def _fuse(
     name: str, factors: Factors, arch: ModelArch, rank: int, scaling: float, max_lora_rank: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """One fused projection's (A, B): part p's rank columns at p * max_lora_rank, zeros wherever nothing is."""
-    fan_in, out_shape = _fused_shapes(arch)[name]
+    fan_in, out_shape = fused_shapes(arch)[name]
     width = len(PROJECTIONS[name]) * max_lora_rank
     a = np.zeros((arch.num_layers, fan_in, width), np.float32)
     b = np.zeros((arch.num_layers, width, *out_shape), np.float32)

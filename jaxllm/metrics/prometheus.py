@@ -147,9 +147,13 @@ class KVTransferCollectors:
         )
 
 
+LORA_LABELS = ("max_lora", "waiting_lora_adapters", "running_lora_adapters")
+
+
 class Collectors:
     def __init__(self, registry: CollectorRegistry):
         self._registry = registry
+        self._lora_info: Gauge | None = None
         self._spec: SpecDecodeCollectors | None = None
         self._kv_transfer: KVTransferCollectors | None = None
         self._experts: ExpertCollectors | None = None
@@ -186,6 +190,19 @@ class Collectors:
         if self._kv_transfer is None:
             self._kv_transfer = KVTransferCollectors(self._registry)
         return self._kv_transfer
+
+    @property
+    def lora_info(self) -> Gauge:
+        """vLLM's lora_requests_info: the adapters of the running and waiting requests (comma-joined names) as
+        labels, the time they were seen as the value; registered once an engine with LoRA reports."""
+        if self._lora_info is None:
+            self._lora_info = Gauge(
+                "jaxllm:lora_requests_info",
+                "Running stats on lora requests.",
+                LABELS + LORA_LABELS,
+                registry=self._registry,
+            )
+        return self._lora_info
 
     @property
     def experts(self) -> ExpertCollectors:
@@ -255,6 +272,14 @@ class PrometheusStatLogger:
             self._record_kv_transfer(stats)
         if "moe_expert_tokens" in stats:  # ... and a mixture of experts' routing only for one
             self._record_experts(stats["moe_expert_tokens"])
+        if "lora" in stats:  # ... and the adapters in use only with LoRA on
+            lora = stats["lora"]
+            self._collectors.lora_info.labels(
+                **self._labels,
+                max_lora=str(lora["max_loras"]),
+                waiting_lora_adapters=",".join(lora["waiting"]),
+                running_lora_adapters=",".join(lora["running"]),
+            ).set_to_current_time()
 
     def _record_experts(self, tokens: dict[int, list[int]]) -> None:
         """Each expert's routed tokens (running totals) as counter increments; each layer's imbalance."""

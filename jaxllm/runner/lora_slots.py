@@ -15,30 +15,20 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.config import LoRAConfig
+from jaxllm.lora.peft import PROJECTIONS, fused_shapes
 from jaxllm.model.grouped import flat_stack
 from jaxllm.model.llama import stack_name
 from jaxllm.model.lora import rank_width
 from jaxllm.model.registry import ModelArch
 from pallas_kernels import stacked_matmul
 
-# fused projection → (its module path in a layer, the parts its rank columns hold)
-PROJECTIONS = {
-    "qkv_proj": (("self_attn", "qkv_proj"), 3),
-    "o_proj": (("self_attn", "o_proj"), 1),
-    "gate_up_proj": (("mlp", "gate_up_proj"), 2),
-    "down_proj": (("mlp", "down_proj"), 1),
+# fused projection → (its module in a layer, the mesh axes of its input and of its output's axes, as `Linear` shards)
+PLACES = {
+    "qkv_proj": (("self_attn", "qkv_proj"), None, ("model", None, None)),
+    "o_proj": (("self_attn", "o_proj"), "model", (None,)),
+    "gate_up_proj": (("mlp", "gate_up_proj"), None, (None, "model")),
+    "down_proj": (("mlp", "down_proj"), "model", (None,)),
 }
-
-
-def projection_shapes(arch: ModelArch) -> dict[str, tuple[int, tuple[int, ...], str | None, tuple]]:
-    """fused projection → (K, output shape, K's mesh axis, the output axes' mesh axes), as `Linear` shards them."""
-    h, d, hkv = arch.hidden_size, arch.head_dim, arch.num_kv_heads
-    return {
-        "qkv_proj": (h, (hkv, arch.num_heads // hkv + 2, d), None, ("model", None, None)),
-        "o_proj": (arch.num_heads * d, (h,), "model", (None,)),
-        "gate_up_proj": (h, (2, arch.intermediate_size), None, (None, "model")),
-        "down_proj": (arch.intermediate_size, (h,), "model", (None,)),
-    }
 
 
 class LoRASlots:
@@ -50,9 +40,9 @@ class LoRASlots:
         self.stacks = [(stack_name(start, arch.num_layers, end), start, end) for start, end, _ in arch.layer_runs()]
         self.tree: dict = {}
         self.shardings: dict = {}
-        for name, (k, out, in_axis, out_axes) in projection_shapes(arch).items():
-            (module, proj), parts = PROJECTIONS[name]
-            r = rank_width(parts, config.max_lora_rank)
+        for name, (k, out) in fused_shapes(arch).items():
+            (module, proj), in_axis, out_axes = PLACES[name]
+            r = rank_width(len(PROJECTIONS[name]), config.max_lora_rank)
             for stack, start, end in self.stacks:
                 shapes = {"lora_a": (end - start, s, k, r), "lora_b": (end - start, s, r, *out)}
                 specs = {"lora_a": P(None, None, in_axis, None), "lora_b": P(None, None, None, *out_axes)}
@@ -93,7 +83,7 @@ class LoRASlots:
         assert self._compiled is not None, "LoRASlots.compile runs at warm-up"
         assert 1 <= slot <= self.config.max_loras, f"slot {slot} out of 1..{self.config.max_loras}"
         values: dict = {}
-        for name, ((module, proj), _) in PROJECTIONS.items():
+        for name, ((module, proj), _, _) in PLACES.items():
             a, b = projections[name]
             for stack, start, end in self.stacks:
                 leaves = self.tree[stack][module][proj]

@@ -8,6 +8,8 @@ finish_reason "abort"), let the responses finish, stop the engine, exit 0.
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 
 from jaxllm.engine.args import EngineArgs
@@ -77,12 +79,55 @@ def register(sub) -> None:
         help="refuse request bodies larger than this with a 413 (default 16 MiB; 0: no limit)",
     )
     serve.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=lora_module,
+        default=None,
+        metavar="NAME=PATH",
+        help="LoRA adapters (PEFT checkpoints) to serve, each a model of its own named NAME, loaded at start-up "
+        "(needs --enable-lora): NAME=PATH, or vLLM's JSON "
+        '\'{"name": "x", "path": "/p", "base_model_name": "m"}\'; '
+        "$JAXLLM_ALLOW_RUNTIME_LORA_UPDATING=true also serves /v1/load_lora_adapter and /v1/unload_lora_adapter",
+    )
+    serve.add_argument(
         "--headless",
         action="store_true",
         help="multi-host follower (--node-rank > 0): no HTTP, only run node 0's steps",
     )
     EngineArgs.add_cli_args(serve)
     serve.set_defaults(func=run)
+
+
+def lora_module(value: str) -> tuple[str, str, str | None]:
+    """One --lora-modules entry, `name=path` or vLLM's JSON form: (name, path, base_model_name)."""
+    if value.lstrip().startswith("{"):
+        try:
+            entry = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {value!r}") from None
+        if (
+            not isinstance(entry, dict)
+            or not isinstance(entry.get("name"), str)
+            or not isinstance(entry.get("path"), str)
+        ):
+            raise argparse.ArgumentTypeError(
+                f'expected {{"name": str, "path": str[, "base_model_name": str]}}: {value!r}'
+            )
+        unknown = set(entry) - {"name", "path", "base_model_name"}
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown field(s) {', '.join(sorted(unknown))}: {value!r}")
+        base = entry.get("base_model_name")
+        if base is not None and not isinstance(base, str):
+            raise argparse.ArgumentTypeError(f"base_model_name must be a string: {value!r}")
+        name, path = entry["name"], entry["path"]
+    else:
+        name, sep, path = value.partition("=")
+        base = None
+        if not sep:
+            raise argparse.ArgumentTypeError(f"expected NAME=PATH or a JSON object, got {value!r}")
+    if not name or not path:
+        raise argparse.ArgumentTypeError(f"an adapter needs a name and a path, got {value!r}")
+    return name, path, base
 
 
 def run(args) -> None:
@@ -98,6 +143,10 @@ def run(args) -> None:
         raise ValueError(f"--max-log-len must be 0 or more, got {args.max_log_len}")
     if args.max_request_body_bytes < 0:
         raise ValueError(f"--max-request-body-bytes must be 0 (no limit) or more, got {args.max_request_body_bytes}")
+    if args.lora_modules and not args.enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    if args.lora_modules and len({m[0] for m in args.lora_modules}) < len(args.lora_modules):
+        raise ValueError("--lora-modules: two adapters of the same name")
     if args.headless != (args.node_rank > 0):
         raise ValueError("--headless goes with --node-rank > 0 (a follower), and every follower needs it")
     if args.headless:
@@ -110,23 +159,29 @@ def run(args) -> None:
     try:
         from jaxllm.engine.async_llm import AsyncLLM  # imports JAX: seconds
         from jaxllm.entrypoints.openai.api_server import build_app
+        from jaxllm.entrypoints.openai.serving_models import LoRAModulePath
 
         engine = AsyncLLM.from_engine_args(
             engine_args,
             log_stats=not args.disable_log_stats,
             served_model_name=(args.served_model_name or [None])[0],
         )
-        app = build_app(
-            engine,
-            served_model_names=args.served_model_name,
-            api_key=args.api_key,
-            enable_log_requests=args.enable_log_requests,
-            max_log_len=args.max_log_len,
-            chat_template=args.chat_template,
-            enable_auto_tool_choice=args.enable_auto_tool_choice,
-            tool_call_parser=args.tool_call_parser,
-            max_request_body_bytes=args.max_request_body_bytes or None,
-        )
+        try:
+            app = build_app(
+                engine,
+                served_model_names=args.served_model_name,
+                api_key=args.api_key,
+                enable_log_requests=args.enable_log_requests,
+                max_log_len=args.max_log_len,
+                chat_template=args.chat_template,
+                enable_auto_tool_choice=args.enable_auto_tool_choice,
+                tool_call_parser=args.tool_call_parser,
+                max_request_body_bytes=args.max_request_body_bytes or None,
+                lora_modules=[LoRAModulePath(*m) for m in args.lora_modules or []],
+            )
+        except BaseException:  # a bad --lora-modules (or other flag): stop the engine before saying why
+            engine.shutdown()
+            raise
         serve_http(
             app,
             engine,

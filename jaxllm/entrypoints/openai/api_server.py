@@ -12,7 +12,7 @@ from typing import Protocol, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -27,7 +27,6 @@ from jaxllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ModelCard,
     ModelList,
     TokenizeRequest,
 )
@@ -35,6 +34,13 @@ from jaxllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from jaxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from jaxllm.entrypoints.openai.serving_engine import ServingOptions, convert_engine_errors
+from jaxllm.entrypoints.openai.serving_models import (
+    LoadLoRAAdapterRequest,
+    LoRAModulePath,
+    OpenAIServingModels,
+    UnloadLoRAAdapterRequest,
+    runtime_lora_updating,
+)
 from jaxllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from jaxllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from jaxllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
@@ -78,22 +84,32 @@ def build_app(
     enable_auto_tool_choice: bool = False,
     tool_call_parser: str | None = None,
     max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES,
+    lora_modules: list[LoRAModulePath] | None = None,
 ) -> FastAPI:
+    """The app. `lora_modules` (--lora-modules) are loaded into the engine now: ValueError naming a bad one. With
+    $JAXLLM_ALLOW_RUNTIME_LORA_UPDATING set, adapters can also be loaded and unloaded while serving."""
     names = served_model_names or [engine.model_name]
     options = serving_options(engine, chat_template, enable_auto_tool_choice, tool_call_parser)
+    models = OpenAIServingModels(engine, names)
+    models.load_static(lora_modules or [])
     tokenizer = AsyncTokenizer(engine.tokenizer, engine.info.max_model_len)
     request_logger = RequestLogger(max_log_len=max_log_len) if enable_log_requests else None
-    completion = OpenAIServingCompletion(engine, names, request_logger, options=options, tokenizer=tokenizer)
-    chat = OpenAIServingChat(engine, names, request_logger, options=options, tokenizer=tokenizer)
+    completion = OpenAIServingCompletion(
+        engine, names, request_logger, options=options, tokenizer=tokenizer, models=models
+    )
+    chat = OpenAIServingChat(engine, names, request_logger, options=options, tokenizer=tokenizer, models=models)
     app = FastAPI(title="jaxllm OpenAI-compatible server", version=jaxllm.__version__)
     app.state.engine = engine
     app.state.openai_serving_completion, app.state.openai_serving_chat = completion, chat  # vLLM's names
+    app.state.openai_serving_models = models
     add_error_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     parse = body_parser(max_request_body_bytes)
     add_generation_routes(app, parse, completion, chat, OpenAIServingResponses(chat))
-    add_info_routes(app, parse, engine, names, OpenAIServingTokenization(chat))
+    add_info_routes(app, parse, engine, models, OpenAIServingTokenization(chat))
+    if runtime_lora_updating():
+        add_lora_routes(app, parse, models)
     return app
 
 
@@ -161,14 +177,17 @@ def add_generation_routes(
 
 
 def add_info_routes(
-    app: FastAPI, parse: Parse, engine: AsyncLLM, names: list[str], tokenization: OpenAIServingTokenization
+    app: FastAPI,
+    parse: Parse,
+    engine: AsyncLLM,
+    models: OpenAIServingModels,
+    tokenization: OpenAIServingTokenization,
 ) -> None:
     """Everything but generation: models, (de)tokenization, health, version, metrics."""
 
     @app.get("/v1/models")
-    async def models():
-        cards = [ModelCard(id=name, root=engine.info.model, max_model_len=engine.info.max_model_len) for name in names]
-        return ModelList(data=cards)
+    async def list_models() -> ModelList:
+        return models.show_available_models()
 
     @app.post("/tokenize")
     async def tokenize(raw: Request):
@@ -198,6 +217,21 @@ def add_info_routes(
     async def metrics():
         engine.refresh_metrics()
         return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+
+def add_lora_routes(app: FastAPI, parse: Parse, models: OpenAIServingModels) -> None:
+    """vLLM's runtime adapter routes (only with $JAXLLM_ALLOW_RUNTIME_LORA_UPDATING): 200 and a plain message;
+    400 for an adapter the engine refuses or a name in use, 404 for unloading an unknown one."""
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(raw: Request):
+        message = await models.load_lora_adapter(await parse(LoadLoRAAdapterRequest, raw))
+        return PlainTextResponse(message)
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(raw: Request):
+        message = await models.unload_lora_adapter(await parse(UnloadLoRAAdapterRequest, raw))
+        return PlainTextResponse(message)
 
 
 class APIKeyMiddleware:

@@ -88,7 +88,10 @@ class OpenAIServingChat(OpenAIServing):
         self.check_request(request)
         prepared = await self.prepare(request)
         request_id = request_id or random_id("chatcmpl")
-        outputs = self.generate_all(request_id, [prepared.prompt], [prepared.params], request.priority, request.user)
+        lora = self.lora_request(request.model)
+        outputs = self.generate_all(
+            request_id, [prepared.prompt], [prepared.params], request.priority, request.user, lora
+        )
         if request.stream:
             return self.stream(request, request_id, prepared, outputs)
         return await self.full_response(request, request_id, prepared, outputs)

@@ -37,7 +37,8 @@ class OpenAIServingCompletion(OpenAIServing):
         constraint = self.output_constraint(request).params
         params = [self.completion_sampling_params(request, len(p["prompt_token_ids"]), constraint) for p in prompts]
         request_id = request_id or random_id("cmpl")
-        outputs = self.generate_all(request_id, prompts, params, request.priority, request.user)
+        lora = self.lora_request(request.model)
+        outputs = self.generate_all(request_id, prompts, params, request.priority, request.user, lora)
         if request.stream:
             return self.stream(request, request_id, prompts, outputs)
         return await self.full_response(request, request_id, prompts, outputs)

@@ -18,7 +18,9 @@ from jaxllm.entrypoints.logger import RequestLogger
 from jaxllm.entrypoints.openai.async_tokenizer import AsyncTokenizer
 from jaxllm.entrypoints.openai.errors import OpenAIError, bad_request, from_value_error
 from jaxllm.entrypoints.openai.protocol import PromptLogprob, SamplingRequest, UsageInfo
+from jaxllm.entrypoints.openai.serving_models import OpenAIServingModels, model_not_found
 from jaxllm.entrypoints.openai.unsupported import refuse_unsupported
+from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import RequestOutput
 from jaxllm.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams, StructuredOutputsParams
 from jaxllm.structured.openai_fields import OutputConstraint, RequestFieldError, output_constraint
@@ -46,9 +48,11 @@ class OpenAIServing:
         *,
         options: ServingOptions | None = None,
         tokenizer: AsyncTokenizer | None = None,
+        models: OpenAIServingModels | None = None,
     ):
         self.engine = engine
         self.served_model_names = served_model_names
+        self.models = models  # the base model's names and the LoRA adapters (None: the base model's names only)
         self.request_logger = request_logger  # None: requests are not logged (no --enable-log-requests)
         self.max_model_len = engine.info.max_model_len
         self.options = options or ServingOptions()
@@ -60,8 +64,17 @@ class OpenAIServing:
     # ---- checks ------------------------------------------------------------------------------
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.served_model_names:
-            raise OpenAIError(f"The model `{model}` does not exist.", status=404, param="model", code="model_not_found")
+        if self.models is not None:
+            self.models.check_model(model)
+        elif model is not None and model not in self.served_model_names:
+            raise model_not_found(model)
+
+    def lora_request(self, model: str | None) -> LoRARequest | None:
+        """The LoRA adapter a request's `model` names (None: the base model); a 404 for an unknown model."""
+        if self.models is not None:
+            return self.models.lora_request(model)
+        self.check_model(model)
+        return None
 
     def check_engine(self) -> None:
         try:
@@ -186,14 +199,23 @@ class OpenAIServing:
     # ---- running -------------------------------------------------------------------------------
 
     def generate_all(
-        self, request_id: str, prompts: list[dict], params: list[SamplingParams], priority: int, user: str | None = None
+        self,
+        request_id: str,
+        prompts: list[dict],
+        params: list[SamplingParams],
+        priority: int,
+        user: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """One engine request per prompt, merged: yields (prompt index, output) as they come."""
+        """One engine request per prompt (with `lora_request`'s adapter), merged: yields (prompt index, output) as
+        they come."""
         if self.request_logger is not None:
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
                 self.request_logger.log_inputs(f"{request_id}-{i}", prompt.get("prompt"), prompt["prompt_token_ids"], p)
         streams = [
-            self.engine.generate(prompt, p, f"{request_id}-{i}", priority=priority, user=user)
+            self.engine.generate(
+                prompt, p, f"{request_id}-{i}", priority=priority, user=user, lora_request=lora_request
+            )
             for i, (prompt, p) in enumerate(zip(prompts, params, strict=True))
         ]
         return merge_async_iterators(streams)

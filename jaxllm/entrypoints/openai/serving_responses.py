@@ -157,7 +157,12 @@ class OpenAIServingResponses:
         response_id = item_id("resp")
         head = self.head(request, response_id)
         outputs = self.chat.generate_all(
-            request_id or response_id, [prepared.prompt], [prepared.params], chat.priority, chat.user
+            request_id or response_id,
+            [prepared.prompt],
+            [prepared.params],
+            chat.priority,
+            chat.user,
+            self.chat.lora_request(chat.model),
         )
         if request.stream:
             return self.stream(head, prepared, outputs)

@@ -16,7 +16,12 @@ FILE_KEYS = ("vocab_file", "merges_file", "tokenizer_file", "name_or_path")  # p
 class OpenAIServingTokenization(OpenAIServing):
     def __init__(self, chat: OpenAIServingChat):
         super().__init__(
-            chat.engine, chat.served_model_names, chat.request_logger, options=chat.options, tokenizer=chat.tokenizing
+            chat.engine,
+            chat.served_model_names,
+            chat.request_logger,
+            options=chat.options,
+            tokenizer=chat.tokenizing,
+            models=chat.models,
         )
         self.chat = chat  # renders conversations exactly as the chat endpoint does
 
