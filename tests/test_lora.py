@@ -181,18 +181,32 @@ def test_an_engine_without_enable_lora_refuses_adapters(llm, adapters):
         llm.generate([{"prompt_token_ids": PROMPTS[0]}], GREEDY, use_tqdm=False, lora_request=adapters["all8"][0])
 
 
-def test_tensor_parallel_splits_each_adapter_as_its_projection(tmp_path):
-    """Two devices (a tiny Llama whose heads split): A replicated or split with its input, B with its output."""
-    config = transformers.LlamaConfig(**PANEL_LLAMA)
-    model = random_model(transformers.LlamaForCausalLM, config)
-    model.save_pretrained(tmp_path / "hf")
-    merged = make_adapter(model, tmp_path / "adapter", 8, 16, False, ALL_SEVEN, 0, scale=1.0)
-    prompt = [5, 17, 42, 8, 91, 3]
-    want, base = hf_greedy(merged, prompt, NUM_TOKENS), hf_greedy(model, prompt, NUM_TOKENS)
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny Llama whose heads split over two devices, an adapter, and transformers' greedy tokens with it merged
+    and without it."""
+    root = tmp_path_factory.mktemp("tiny_lora")
+    model = random_model(transformers.LlamaForCausalLM, transformers.LlamaConfig(**PANEL_LLAMA))
+    model.save_pretrained(root / "hf")
+    merged = make_adapter(model, root / "adapter", 8, 16, False, ALL_SEVEN, 0, scale=1.0)
+    want, base = hf_greedy(merged, TINY_PROMPT, NUM_TOKENS), hf_greedy(model, TINY_PROMPT, NUM_TOKENS)
     assert want != base
+    return str(root / "hf"), LoRARequest("a", 1, str(root / "adapter")), want, base
+
+
+TINY_PROMPT = [5, 17, 42, 8, 91, 3]
+
+
+@pytest.mark.parametrize(
+    "base_engine",
+    [dict(tensor_parallel_size=2), dict(dtype="bfloat16"), dict(quantization="int8"), dict(quantization="int4")],
+    ids=["tp2", "bfloat16", "int8", "int4"],
+)
+def test_adapters_on_every_base(tiny, base_engine):
+    """Two devices (A replicated or split with its input, B with its output), bfloat16 weights, int8 and int4."""
+    path, lora, want, base = tiny
     engine = dict(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64, dtype="float32", progress=False)
-    llm = LLM(str(tmp_path / "hf"), **engine, kv_cache_memory_bytes=1 << 20, enable_lora=True, tensor_parallel_size=2)
-    lora = LoRARequest("a", 1, str(tmp_path / "adapter"))
+    llm = LLM(path, **{**engine, **base_engine}, kv_cache_memory_bytes=1 << 20, enable_lora=True)
     params = SamplingParams(temperature=0, max_tokens=NUM_TOKENS, ignore_eos=True)
-    outputs = llm.generate([{"prompt_token_ids": prompt}] * 2, params, use_tqdm=False, lora_request=[lora, None])
+    outputs = llm.generate([{"prompt_token_ids": TINY_PROMPT}] * 2, params, use_tqdm=False, lora_request=[lora, None])
     assert [list(o.outputs[0].token_ids) for o in outputs] == [want, base]
