@@ -371,6 +371,7 @@ class EngineCore:
             "num_waiting_for_remote_kvs": len(self.scheduler.waiting_for_remote),
             **self._spec_stats(),
             **self._expert_stats(),
+            **self._lora_stats(),
             **(self.kv_connector.stats.totals() if self.kv_connector is not None else {}),
         }
 
@@ -381,6 +382,17 @@ class EngineCore:
             return {}
         layers = self.runner.loaded.arch.sparse_layers()
         return {"moe_expert_tokens": {layer: row.tolist() for layer, row in zip(layers, load, strict=True)}}
+
+    def _lora_stats(self) -> dict:
+        """LoRA: the adapters of the running and waiting requests (names) and max_loras (vLLM's lora_requests_info)."""
+        if self.lora is None:
+            return {}
+
+        def names(requests) -> list[str]:
+            return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})
+
+        running, waiting = names(self.scheduler.running), names(self.scheduler.waiting)
+        return {"lora": {"running": running, "waiting": waiting, "max_loras": self.lora.config.max_loras}}
 
     def _spec_stats(self) -> dict:
         """Speculation's running totals (vLLM's counter names), or nothing without speculation."""

@@ -156,7 +156,7 @@ class InProcessClient:
         self._on_outputs = on_outputs
         self._on_dead = on_dead
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._stats = [core_stats(self.core)]
+        self._stats = [self.core.stats()]
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="jaxllm-engine-core", daemon=True)
         self._thread.start()
@@ -225,7 +225,7 @@ class InProcessClient:
                 outputs = self._apply_commands(block)
                 if self.core.has_unfinished_requests() and not self._stopping:
                     outputs += self.core.step()
-                stats = core_stats(self.core)
+                stats = self.core.stats()
                 changed = stats != self._stats[0]
                 self._stats = [stats]
                 if outputs or changed:
@@ -273,18 +273,3 @@ def call(core, method: str, args: tuple, future: Future) -> None:
         future.set_exception(e)
     else:
         future.set_result(result)
-
-
-def core_stats(core) -> dict:
-    """`EngineCore.stats()` with, when LoRA is on, "lora": the adapters of the running and waiting requests (names,
-    sorted) and max_loras (vLLM's lora_requests_info)."""
-    stats = core.stats()
-    if "lora" in stats or getattr(core, "lora", None) is None:
-        return stats
-    scheduler = core.scheduler
-
-    def names(requests) -> list[str]:
-        return sorted({r.lora_request.lora_name for r in requests if r.lora_request is not None})
-
-    running, waiting = names(scheduler.running), names(scheduler.waiting)
-    return {**stats, "lora": {"running": running, "waiting": waiting, "max_loras": core.lora.config.max_loras}}
