@@ -199,11 +199,19 @@ TINY_PROMPT = [5, 17, 42, 8, 91, 3]
 
 @pytest.mark.parametrize(
     "base_engine",
-    [dict(tensor_parallel_size=2), dict(dtype="bfloat16"), dict(quantization="int8"), dict(quantization="int4")],
-    ids=["tp2", "bfloat16", "int8", "int4"],
+    [
+        dict(tensor_parallel_size=2),
+        dict(dtype="bfloat16"),
+        dict(quantization="int8"),
+        dict(quantization="int4"),
+        dict(async_scheduling=True),
+        dict(speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}),
+    ],
+    ids=["tp2", "bfloat16", "int8", "int4", "async", "ngram"],
 )
 def test_adapters_on_every_base(tiny, base_engine):
-    """Two devices (A replicated or split with its input, B with its output), bfloat16 weights, int8 and int4."""
+    """Two devices (A replicated or split with its input, B with its output), bfloat16 weights, int8 and int4; async
+    scheduling (placeholder tokens) and n-gram speculation (drafts verified in the adapter's rows)."""
     path, lora, want, base = tiny
     engine = dict(max_num_seqs=2, max_num_batched_tokens=8, max_model_len=64, dtype="float32", progress=False)
     llm = LLM(path, **{**engine, **base_engine}, kv_cache_memory_bytes=1 << 20, enable_lora=True)
