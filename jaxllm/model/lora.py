@@ -31,6 +31,7 @@ ArrayT = TypeVar("ArrayT", Array, np.ndarray, jax.ShapeDtypeStruct)
 class LoRATiles(NamedTuple, Generic[ArrayT]):
     """A step's tokens grouped by adapter slot (`tile_tokens`)."""
 
+    src: Int[ArrayT, " R"]  # each row of the tiled layout's token (padding rows: any, their results go unread)
     dest: Int[ArrayT, " T"]  # each token's row in the tiled layout
     tile_slots: Int[ArrayT, " N"]  # each tile's slot
 
@@ -42,9 +43,9 @@ def tiling(num_tokens: int, num_slots: int) -> tuple[int, int]:
     return m, -(-(num_tokens + num_slots * (m - 1)) // m)
 
 
-def tile_tokens(slots: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarray]:
-    """(dest, tile_slots) for tokens with adapter `slots` [T]: tokens of one slot in consecutive rows, each slot's
-    rows in whole tiles; tiles past the last group compute zeros of slot 0."""
+def tile_tokens(slots: np.ndarray, num_slots: int) -> LoRATiles[np.ndarray]:
+    """The tiles of tokens with adapter `slots` [T]: tokens of one slot in consecutive rows, each slot's rows in
+    whole tiles; tiles past the last group compute slot 0's zeros."""
     num_tokens = len(slots)
     m, num_tiles = tiling(num_tokens, num_slots)
     sizes = np.bincount(slots, minlength=num_slots)
@@ -57,7 +58,9 @@ def tile_tokens(slots: np.ndarray, num_slots: int) -> tuple[np.ndarray, np.ndarr
     tile_slots = np.zeros(num_tiles, np.int32)
     tile_of_slot = np.repeat(np.arange(num_slots), padded // m)
     tile_slots[: len(tile_of_slot)] = tile_of_slot
-    return dest, tile_slots
+    src = np.zeros(num_tiles * m, np.int32)  # (a gather: XLA's CPU scatter is a loop per row)
+    src[dest] = np.arange(num_tokens)
+    return LoRATiles(src, dest, tile_slots)
 
 
 def rank_width(parts: int, max_rank: int) -> int:
@@ -74,7 +77,7 @@ def lora_delta(
     num_tokens, k = x.shape
     out_shape = b.shape[3:]
     m, num_tiles = tiling(num_tokens, a.shape[1])
-    rows = jnp.zeros((num_tiles * m, k), jnp.float32).at[tiles.dest].set(x.astype(jnp.float32))
+    rows = x.astype(jnp.float32)[tiles.src]
     index = (layer, tiles.tile_slots)
     wa, wb = (KernelExperts(w, "cpu", kernel_max_rows) if packed else w for w in (a, b))
     h = tile_matmuls(rows.reshape(num_tiles, m, k), wa, index)

@@ -37,7 +37,7 @@ from jaxllm.config import EngineConfig
 from jaxllm.kv_cache_groups import KVCacheGroups
 from jaxllm.model import KVCache, StepInputs
 from jaxllm.model.llama import expert_loads
-from jaxllm.model.lora import LoRATiles, tile_tokens, tiling
+from jaxllm.model.lora import tile_tokens
 from jaxllm.parallel.mesh import replicated
 from jaxllm.runner.buckets import Bucket, make_buckets, pick_bucket
 from jaxllm.runner.compilations import watch_compilations
@@ -266,11 +266,8 @@ class ModelRunner:
             if bucket not in self._compiled:
                 jobs["forward", bucket] = (self._forward_fn, (self.params, self.cache, inputs, *rest))
             if self.lora is not None and bucket not in self._compiled_lora:
-                m, num_tiles = tiling(bucket.num_tokens, self.lora.config.num_slots)
-                tiles = LoRATiles(
-                    jax.ShapeDtypeStruct((bucket.num_tokens,), jnp.int32, sharding=sharding),
-                    jax.ShapeDtypeStruct((num_tiles,), jnp.int32, sharding=sharding),
-                )
+                no_adapters = tile_tokens(np.zeros(bucket.num_tokens, np.int64), self.lora.config.num_slots)
+                tiles = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), no_adapters)
                 args = (self.lora.merged(self.params), self.cache, inputs._replace(lora=tiles), *rest)
                 jobs["forward_lora", bucket] = (self._forward_fn, args)
             if self.async_scheduling and bucket.num_seqs < self.max_rows and bucket.num_seqs not in self._wideners:
@@ -401,7 +398,7 @@ class ModelRunner:
             slots = np.zeros(bucket.num_tokens, np.int64)
             per_request = np.array([(s.lora_slot, s.num_new_tokens) for s in out.scheduled])
             slots[: out.num_tokens] = np.repeat(per_request[:, 0], per_request[:, 1])
-            inputs = inputs._replace(lora=LoRATiles(*tile_tokens(slots, self.lora.config.num_slots)))
+            inputs = inputs._replace(lora=tile_tokens(slots, self.lora.config.num_slots))
         return bucket, inputs, sampling
 
     def load_lora(self, slot: int, projections: dict) -> None:
