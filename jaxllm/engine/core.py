@@ -107,7 +107,7 @@ class EngineCore:
             logger.info("KV connector %s (%s) ready", kv_transfer.kv_connector, kv_transfer.kv_role)
         connector = self.kv_connector.scheduler if self.kv_connector is not None else None
         lora = self.config.lora
-        self.lora = LoRAManager(lora, arch, self.runner.load_lora) if lora is not None else None
+        self.lora = LoRAManager(lora, arch, self.runner.prepare_lora, self.runner.load_lora) if lora else None
         max_loras = lora.max_loras if lora is not None else None
         self.scheduler = Scheduler(self.config.scheduler, self.kv, speculative, connector, max_loras)
         self.tokenizer = self.loaded.tokenizer

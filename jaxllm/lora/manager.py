@@ -12,9 +12,12 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from typing import Any
+
+import numpy as np
 
 from jaxllm.config import LoRAConfig
-from jaxllm.lora.peft import LoRAWeights, load_peft_adapter
+from jaxllm.lora.peft import load_peft_adapter
 from jaxllm.lora.request import LoRARequest
 from jaxllm.model.registry import ModelArch
 from jaxllm.scheduler_output import SchedulerOutput
@@ -24,11 +27,19 @@ class LoRAManager:
     """Adapters are told apart by their scope (name and weights digest), so that one reloaded with new weights is a
     new adapter to the slots and the prefix cache while requests with the old one finish."""
 
-    def __init__(self, config: LoRAConfig, arch: ModelArch, write_slot: Callable[[int, dict], None]):
-        self.config, self.arch, self.write_slot = config, arch, write_slot
+    def __init__(
+        self,
+        config: LoRAConfig,
+        arch: ModelArch,
+        prepare: Callable[[dict[str, tuple[np.ndarray, np.ndarray]]], Any],
+        write_slot: Callable[[int, Any], None],
+    ):
+        """`prepare`: an adapter's weights laid out as a device slot takes them (kept so: a slot write only moves
+        them); `write_slot(slot, prepared)`: the device write (the runner's)."""
+        self.config, self.arch, self.prepare, self.write_slot = config, arch, prepare, write_slot
         self.adapters: dict[int, LoRARequest] = {}  # known adapters, by lora_int_id
         self._scopes: dict[int, bytes] = {}  # each known adapter's scope
-        self._weights: OrderedDict[bytes, LoRAWeights] = OrderedDict()  # read, least recently used first
+        self._weights: OrderedDict[bytes, Any] = OrderedDict()  # prepared, least recently used first
         self._slots: OrderedDict[bytes, int] = OrderedDict()  # scope → device slot, least recently used first
 
     def add(self, request: LoRARequest) -> bytes:
@@ -45,7 +56,7 @@ class LoRAManager:
         weights = load_peft_adapter(request.lora_path, self.arch, self.config.max_lora_rank)
         # (by name and weights, not by id: another engine, a P/D peer, may number the same adapter otherwise)
         scope = hashlib.sha256(f"lora:{request.lora_name}:{weights.digest}".encode()).digest()
-        self._keep(scope, weights)
+        self._keep(scope, self.prepare(weights.projections))
         self.adapters[request.lora_int_id], self._scopes[request.lora_int_id] = request, scope
         return scope
 
@@ -79,19 +90,19 @@ class LoRAManager:
             slot = free[0]
         else:  # the least recently used adapter no running request needs
             slot = self._slots.pop(next(v for v in self._slots if v not in needed))
-        self.write_slot(slot, self._read(lora, scope).projections)
+        self.write_slot(slot, self._read(lora, scope))
         self._slots[scope] = slot
         return slot
 
-    def _read(self, lora: LoRARequest, scope: bytes) -> LoRAWeights:
-        """The adapter's weights from host memory, or read again from its files."""
-        weights = self._weights.get(scope)
-        if weights is None:
-            weights = load_peft_adapter(lora.lora_path, self.arch, self.config.max_lora_rank)
-        self._keep(scope, weights)
-        return weights
+    def _read(self, lora: LoRARequest, scope: bytes) -> Any:
+        """The adapter prepared, from host memory, or read again from its files."""
+        prepared = self._weights.get(scope)
+        if prepared is None:
+            prepared = self.prepare(load_peft_adapter(lora.lora_path, self.arch, self.config.max_lora_rank).projections)
+        self._keep(scope, prepared)
+        return prepared
 
-    def _keep(self, scope: bytes, weights: LoRAWeights) -> None:
+    def _keep(self, scope: bytes, weights: Any) -> None:
         """Keep `weights` in host memory, the least recently used dropped past max_cpu_loras."""
         self._weights[scope] = weights
         self._weights.move_to_end(scope)

@@ -235,7 +235,7 @@ def fused_shapes(arch: ModelArch) -> dict[str, tuple[int, tuple[int, ...]]]:
     }
 
 
-def _regions(arch: ModelArch) -> dict[str, tuple[slice, ...]]:
+def regions(arch: ModelArch) -> dict[str, tuple[slice, ...]]:
     """Where each module's output lies in its fused projection's output (weights/params.py fuses them so): per KV
     head j, its query heads j*G..j*G+G-1, then its key, then its value; gate, then up."""
     group, every = arch.num_heads // arch.num_kv_heads, slice(None)
@@ -258,7 +258,7 @@ def _fuse(
     width = len(PROJECTIONS[name]) * max_lora_rank
     a = np.zeros((arch.num_layers, fan_in, width), np.float32)
     b = np.zeros((arch.num_layers, width, *out_shape), np.float32)
-    regions = _regions(arch)
+    where = regions(arch)
     for part, module in enumerate(PROJECTIONS[name]):
         start = part * max_lora_rank
         for layer in range(arch.num_layers):
@@ -266,7 +266,7 @@ def _fuse(
                 continue
             lora_a, lora_b = factors[layer, module]
             a[layer, :, start : start + rank] = lora_a.T
-            index: tuple[int | slice, ...] = (layer, slice(start, start + rank), *regions[module])
+            index: tuple[int | slice, ...] = (layer, slice(start, start + rank), *where[module])
             rows = b[index]
             rows[...] = (lora_b.T * scaling).reshape(rows.shape)
     return a, b

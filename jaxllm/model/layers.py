@@ -108,6 +108,7 @@ class Linear(nn.Module):
     bias: bool
     stacking: Stacking = Stacking()
     packed: bool = False  # an unstacked kernel stored as `stacked_matmul.pack_matrix` lays it out
+    parts_axis: int | None = None  # a fused projection: the output axis its parts (q/k/v, gate/up) lie along (LoRA)
 
     @nn.compact
     def __call__(self, x: Float[Array, "T H"], layer=None, lora: LoRATiles | None = None) -> Array:
@@ -134,9 +135,11 @@ class Linear(nn.Module):
             y = y + st.at(bias, layer)
         if lora is not None and self.has_variable("params", "lora_a"):
             a: Array = self.get_variable("params", "lora_a")
-            b: Array = self.get_variable("params", "lora_b")
-            packed = st.matmul_backend == "cpu_packed" and packable(flat_stack(a))
-            delta = lora_delta(x, a, b, lora, st.index(layer), st.kernel_max_rows, packed)
+            bs: list[Array] = []
+            while self.has_variable("params", f"lora_b{len(bs)}"):
+                bs.append(self.get_variable("params", f"lora_b{len(bs)}"))
+            lora_packed = [st.matmul_backend == "cpu_packed" and packable(flat_stack(w)) for w in (a, *bs)]
+            delta = lora_delta(x, a, bs, lora, st.index(layer), st.kernel_max_rows, lora_packed, self.parts_axis)
             y = y + delta.astype(y.dtype)
         return y
 
@@ -219,9 +222,9 @@ class GatedMLP(nn.Module):
     def __call__(self, x: Float[Array, "T H"], layer=None, lora: LoRATiles | None = None) -> Float[Array, "T H"]:
         inner = self.intermediate_size or self.arch.intermediate_size
         bias, st = self.arch.mlp_bias, self.stacking
-        gate_up = Linear((2, inner), shard_axis=1, dtype=self.dtype, bias=bias, stacking=st, name="gate_up_proj")(
-            x, layer, lora
-        )
+        gate_up = Linear(
+            (2, inner), shard_axis=1, dtype=self.dtype, bias=bias, stacking=st, parts_axis=0, name="gate_up_proj"
+        )(x, layer, lora)
         down = Linear(
             (self.arch.hidden_size,), shard_axis=None, dtype=self.dtype, bias=bias, stacking=st, name="down_proj"
         )

@@ -106,6 +106,7 @@ class Attention(nn.Module):
             dtype=self.dtype,
             bias=a.qkv_bias,
             stacking=st,
+            parts_axis=1,
             name="qkv_proj",
         )(x, layer, batch.lora)
         q = qkv[:, :, :group].reshape(num_tokens, a.num_heads, a.head_dim)

@@ -70,16 +70,25 @@ def rank_width(parts: int, max_rank: int) -> int:
 
 
 def lora_delta(
-    x: Float[Array, "T K"], a, b, tiles: LoRATiles, layer, kernel_max_rows: int | None, packed: bool
+    x: Float[Array, "T K"],
+    a,
+    bs: list,
+    tiles: LoRATiles,
+    layer,
+    kernel_max_rows: int | None,
+    packed: list[bool],
+    parts_axis: int | None,
 ) -> Float[Array, "T ..."]:
-    """Each token's `(x @ A[slot]) @ B[slot]` of the running `layer` (an index into the stacks), float32. `packed`:
-    A and B are packed for the CPU kernel (`stacked_matmul.pack` of each layer's slot)."""
+    """Each token's `(x @ A[slot]) @ B[slot]` of the running `layer` (an index into the stacks), float32. `bs`: B of
+    each part of a fused projection, their outputs joined along `parts_axis` of the output; `packed`: for A, then
+    each B, whether it is packed for the CPU kernel (`stacked_matmul.pack` of each layer's slot)."""
     num_tokens, k = x.shape
-    out_shape = b.shape[3:]
     m, num_tiles = tiling(num_tokens, a.shape[1])
-    rows = x.astype(jnp.float32)[tiles.src]
+    rows = x.astype(jnp.float32)[tiles.src].reshape(num_tiles, m, k)
     index = (layer, tiles.tile_slots)
-    wa, wb = (KernelExperts(w, "cpu", kernel_max_rows) if packed else w for w in (a, b))
-    h = tile_matmuls(rows.reshape(num_tiles, m, k), wa, index)
-    y = tile_matmuls(h, wb, index)
-    return y.reshape(num_tiles * m, *out_shape)[tiles.dest]
+    wa, *wbs = (KernelExperts(w, "cpu", kernel_max_rows) if p else w for w, p in zip([a, *bs], packed, strict=True))
+    h = tile_matmuls(rows, wa, index)
+    r = bs[0].shape[2]  # each part's rank columns: r apart in h
+    ys = [tile_matmuls(h[..., p * r : (p + 1) * r], wb, index) for p, wb in enumerate(wbs)]
+    y = ys[0] if parts_axis is None else jnp.concatenate(ys, axis=2 + parts_axis)
+    return y.reshape(num_tiles * m, *y.shape[2:])[tiles.dest]

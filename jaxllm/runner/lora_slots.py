@@ -1,12 +1,17 @@
-"""LoRA adapters' device slots: for each projection of each stack of layers, "lora_a" `[L, S, K, R]` and "lora_b"
-`[L, S, R, *N]` (model/lora.py), slot 0 zeros, slots 1..max_loras an adapter each.
+"""LoRA adapters' device slots: for each projection of each stack of layers, "lora_a" `[L, S, K, R]` and, per part of
+the fused projection (q, k, v; gate, up; or the one), "lora_b<p>" `[L, S, r, *part]` (model/lora.py), slot 0 zeros,
+slots 1..max_loras an adapter each.
 
-The shapes never change, so an adapter is loaded (or replaced) by one executable compiled at warm-up that writes
-its slot in place (the slot arrays donated): no compile while serving. On "cpu_packed", each layer's slot is packed
-for the CPU kernel on the host before it moves. A and B are float32 whatever the model's type (a few MB an adapter).
+B is kept per part rather than as one block-diagonal `[R, *N]` (what `lora/peft.py` reads): q's rows never meet k's
+or v's columns, so the block form would read and multiply 2-4x the weights a step needs (at batch 1 the adapters'
+bytes are what LoRA costs). The shapes never change, so an adapter is loaded (or replaced) by one executable compiled
+at warm-up that writes its slot in place (the slot arrays donated): no compile while serving. On "cpu_packed", each
+layer's slot is packed for the CPU kernel. A and B are float32 whatever the model's type (a few MB an adapter).
 """
 
 from __future__ import annotations
+
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxllm.config import LoRAConfig
-from jaxllm.lora.peft import PROJECTIONS, fused_shapes
+from jaxllm.lora.peft import PROJECTIONS, fused_shapes, regions
 from jaxllm.model.grouped import flat_stack
 from jaxllm.model.llama import stack_name
 from jaxllm.model.lora import rank_width
@@ -30,27 +35,32 @@ PLACES = {
     "down_proj": (("mlp", "down_proj"), "model", (None,)),
 }
 
+Adapter = dict[str, dict[str, dict[str, dict[str, np.ndarray]]]]  # stack → module → projection → leaf → one slot
+
 
 class LoRASlots:
-    """The slot arrays of every projection (`tree`: parameters to merge into the model's, `merged`), and `load`."""
+    """The slot arrays of every projection (`tree`: parameters to merge into the model's, `merged`), `prepare` (an
+    adapter laid out as its slot, on the host) and `load` (written into a slot)."""
 
     def __init__(self, arch: ModelArch, config: LoRAConfig, mesh: Mesh, packed: bool):
         self.arch, self.config, self.mesh, self.packed = arch, config, mesh, packed
-        s = config.num_slots
+        s, r = config.num_slots, config.max_lora_rank
         self.stacks = [(stack_name(start, arch.num_layers, end), start, end) for start, end, _ in arch.layer_runs()]
         self.tree: dict = {}
-        self.shardings: dict = {}
         for name, (k, out) in fused_shapes(arch).items():
             (module, proj), in_axis, out_axes = PLACES[name]
-            r = rank_width(len(PROJECTIONS[name]), config.max_lora_rank)
+            width = rank_width(len(PROJECTIONS[name]), r)
             for stack, start, end in self.stacks:
-                shapes = {"lora_a": (end - start, s, k, r), "lora_b": (end - start, s, r, *out)}
-                specs = {"lora_a": P(None, None, in_axis, None), "lora_b": P(None, None, None, *out_axes)}
-                for leaf, shape in shapes.items():
-                    sharding = NamedSharding(mesh, specs[leaf])
-                    self.shardings.setdefault(stack, {}).setdefault(module, {}).setdefault(proj, {})[leaf] = sharding
-                    zeros = jax.device_put(np.zeros(shape, np.float32), sharding)
-                    self.tree.setdefault(stack, {}).setdefault(module, {}).setdefault(proj, {})[leaf] = zeros
+                layers = end - start
+                leaves: dict[str, tuple[tuple[int, ...], P]] = {
+                    "lora_a": ((layers, s, k, width), P(None, None, in_axis, None))
+                }
+                for p, part in enumerate(_parts(arch, name, out)):
+                    leaves[f"lora_b{p}"] = ((layers, s, r, *part), P(None, None, None, *out_axes))
+                self.tree.setdefault(stack, {}).setdefault(module, {})[proj] = {
+                    leaf: jax.device_put(np.zeros(shape, np.float32), NamedSharding(mesh, spec))
+                    for leaf, (shape, spec) in leaves.items()
+                }
         self._write = jax.jit(_write_slot, donate_argnums=(0,))
         self._compiled: jax.stages.Compiled | None = None
 
@@ -68,32 +78,46 @@ class LoRASlots:
                     out[stack][module][proj] = {**out[stack][module][proj], **leaves}
         return out
 
-    def _slot_abstract(self):
-        """One slot's arrays (the write's argument): each leaf without its S axis, float32 on the host."""
-        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[:1] + a.shape[2:], a.dtype), self.tree)
-
     def compile(self):
         """The slot write's executable (warm-up)."""
-        self._compiled = self._write.lower(self.abstract(), jnp.int32(0), self._slot_abstract()).compile()
+        one_slot = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[:1] + a.shape[2:], a.dtype), self.tree)
+        self._compiled = self._write.lower(self.abstract(), jnp.int32(0), one_slot).compile()
         return self._compiled
 
-    def load(self, slot: int, projections: dict[str, tuple[np.ndarray, np.ndarray]]) -> None:
-        """Write an adapter into `slot` (1..max_loras): `projections` as `lora.peft.LoRAWeights` has them (A `[L, K,
-        parts * max_rank]`, B `[L, parts * max_rank, *N]`, float32)."""
-        assert self._compiled is not None, "LoRASlots.compile runs at warm-up"
-        assert 1 <= slot <= self.config.max_loras, f"slot {slot} out of 1..{self.config.max_loras}"
-        values: dict = {}
+    def prepare(self, projections: dict[str, tuple[np.ndarray, np.ndarray]]) -> Adapter:
+        """An adapter (`lora.peft.LoRAWeights.projections`: A `[L, K, parts * max_rank]`, B `[L, parts * max_rank,
+        *N]`) laid out as one slot: A's rank padded to whole panels, B cut into its parts, each layer packed for the
+        CPU kernel where `Linear` reads it packed (host arrays: a slot write then only moves them)."""
+        r, values = self.config.max_lora_rank, cast(Adapter, {})
         for name, ((module, proj), _, _) in PLACES.items():
             a, b = projections[name]
+            part_regions = [regions(self.arch)[m] for m in PROJECTIONS[name]]
             for stack, start, end in self.stacks:
                 leaves = self.tree[stack][module][proj]
-                width = leaves["lora_a"].shape[-1]
-                padded = {"lora_a": _pad(a[start:end], width, axis=2), "lora_b": _pad(b[start:end], width, axis=1)}
+                arrays = {"lora_a": _pad(a[start:end], leaves["lora_a"].shape[-1], axis=2)}
+                for p, region in enumerate(part_regions):
+                    arrays[f"lora_b{p}"] = b[(slice(start, end), slice(p * r, (p + 1) * r), *region)]
                 values.setdefault(stack, {}).setdefault(module, {})[proj] = {
-                    leaf: _pack(v) if self.packed and stacked_matmul.packable(flat_stack(leaves[leaf])) else v
-                    for leaf, v in padded.items()
-                }  # (packed as `Linear` reads them: on "cpu_packed", every leaf the kernel takes)
-        self.tree = self._compiled(self.tree, np.int32(slot), values)
+                    leaf: self._layout(v, leaves[leaf]) for leaf, v in arrays.items()
+                }
+        return values
+
+    def load(self, slot: int, adapter: Adapter) -> None:
+        """Write a prepared adapter into `slot` (1..max_loras)."""
+        assert self._compiled is not None, "LoRASlots.compile runs at warm-up"
+        assert 1 <= slot <= self.config.max_loras, f"slot {slot} out of 1..{self.config.max_loras}"
+        self.tree = self._compiled(self.tree, np.int32(slot), adapter)
+
+    def _layout(self, value: np.ndarray, slots: jax.Array) -> np.ndarray:
+        """One slot's leaf, float32, contiguous, packed when the kernel reads `slots` packed."""
+        value = np.ascontiguousarray(value, np.float32)
+        packs = self.packed and stacked_matmul.packable(flat_stack(slots))
+        return np.ascontiguousarray(stacked_matmul.pack(value)) if packs else value
+
+
+def _parts(arch: ModelArch, name: str, out: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The output shape of each part of a fused projection (its region of `out`)."""
+    return [np.empty(out, np.bool_)[regions(arch)[m]].shape for m in PROJECTIONS[name]]
 
 
 def _write_slot(tree, slot, values):
@@ -101,12 +125,7 @@ def _write_slot(tree, slot, values):
 
 
 def _pad(a: np.ndarray, width: int, axis: int) -> np.ndarray:
-    """`a` with its rank axis zero-padded to `width` columns (float32, contiguous)."""
+    """`a` with its rank axis zero-padded to `width` columns."""
     pad = [(0, 0)] * a.ndim
     pad[axis] = (0, width - a.shape[axis])
-    return np.ascontiguousarray(np.pad(a.astype(np.float32), pad))
-
-
-def _pack(a: np.ndarray) -> np.ndarray:
-    """Each layer `[K, *N]` of one slot packed as the CPU kernel reads it."""
-    return np.ascontiguousarray(stacked_matmul.pack(a))
+    return np.pad(a, pad)

@@ -401,10 +401,15 @@ class ModelRunner:
             inputs = inputs._replace(lora=tile_tokens(slots, self.lora.config.num_slots))
         return bucket, inputs, sampling
 
-    def load_lora(self, slot: int, projections: dict) -> None:
-        """Write an adapter's weights into device slot `slot` (`LoRASlots.load`): nothing compiles."""
+    def prepare_lora(self, projections: dict):
+        """An adapter's weights laid out as a device slot takes them (`LoRASlots.prepare`; host arrays)."""
         assert self.lora is not None, "enable_lora is off"
-        self.lora.load(slot, projections)
+        return self.lora.prepare(projections)
+
+    def load_lora(self, slot: int, prepared) -> None:
+        """Write a prepared adapter into device slot `slot` (`LoRASlots.load`): nothing compiles."""
+        assert self.lora is not None, "enable_lora is off"
+        self.lora.load(slot, prepared)
         self._lora_params = None
 
     def run(
