@@ -49,11 +49,13 @@ def make_adapter(base, path, r, alpha, rslora, targets, seed, scale=0.3):
 
 
 def reference(model) -> list[tuple[list[int], list[float]]]:
+    """Per prompt: greedy tokens and their logprobs, then the prompt's own tokens' logprobs (all but the first)."""
     out = []
     for prompt in PROMPTS:
         tokens = hf_greedy(model, prompt, NUM_TOKENS)
         logprobs = hf_log_softmax(model, prompt + tokens)
-        out.append((tokens, [logprobs[len(prompt) - 1 + i, t] for i, t in enumerate(tokens)]))
+        generated = [logprobs[len(prompt) - 1 + i, t] for i, t in enumerate(tokens)]
+        out.append((tokens, generated, [logprobs[i - 1, prompt[i]] for i in range(1, len(prompt))]))
     return out
 
 
@@ -87,7 +89,7 @@ def run(llm, loras):
 
 
 def assert_matches(got, want, what):
-    for i, ((tokens, logprobs), (want_tokens, want_logprobs)) in enumerate(zip(got, want, strict=True)):
+    for i, ((tokens, logprobs), (want_tokens, want_logprobs, _)) in enumerate(zip(got, want, strict=True)):
         assert tokens == want_tokens, f"{what}, prompt {i}: {tokens} != {want_tokens}"
         np.testing.assert_allclose(logprobs, want_logprobs, atol=2e-3, err_msg=f"{what}, prompt {i}")
 
@@ -97,6 +99,16 @@ def test_each_adapter_generates_what_transformers_generates_with_it_merged(lora_
         (got,) = run(lora_llm, [lora])
         assert_matches(got, want, name)
     assert {a.lora_name for a in lora_llm.engine.list_loras()} == set(ADAPTERS)
+
+
+def test_prompt_logprobs_are_transformers_with_the_adapter_merged(lora_llm, adapters):
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=1)
+    for name, (lora, want) in adapters.items():
+        prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+        for i, out in enumerate(lora_llm.generate(prompts, params, use_tqdm=False, lora_request=lora)):
+            prompt = PROMPTS[i]
+            got = [lp[t].logprob for lp, t in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)]
+            np.testing.assert_allclose(got, want[i][2], atol=2e-3, err_msg=f"{name}, prompt {i}")
 
 
 def test_on_a_float32_base_too(adapters):

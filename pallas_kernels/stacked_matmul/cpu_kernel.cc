@@ -19,6 +19,15 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+// The end of the run of tiles from `s` that all name the same layer (a grouped matmul's tiles of one expert or
+// adapter are consecutive): the run is multiplied as one block of rows, the weights read once.
+int64_t RunEnd(ffi::Buffer<ffi::S32> layer, int64_t s) {
+  const int32_t* ids = layer.typed_data();
+  int64_t end = s + 1;
+  while (end < static_cast<int64_t>(layer.element_count()) && ids[end] == ids[s]) ++end;
+  return end;
+}
+
 // Every index in `layer` names one of the stack's `num_layers` layers.
 bool InRange(ffi::Buffer<ffi::S32> layer, int64_t num_layers) {
   for (size_t s = 0; s < layer.element_count(); ++s)
@@ -45,23 +54,25 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::B
     return ffi::Error::InvalidArgument("stacked_matmul_cpu: x and w float32, or bfloat16 packed with K even");
   if (packed && n % kPanel != 0) return ffi::Error::InvalidArgument("stacked_matmul_cpu: packed N must divide by 32");
   const Team team(pool);
-  for (int64_t s = 0; s < num_tiles; ++s) {
+  for (int64_t s = 0, end; s < num_tiles; s = end) {
     const int64_t l = layer.typed_data()[s], x_off = s * rows * k_dim, w_off = l * k_dim * n;
+    end = RunEnd(layer, s);
+    const int64_t run_rows = (end - s) * rows;  // consecutive tiles of one layer: one matmul, one team dispatch
     float* y = out->typed_data() + s * rows * n;
     if (bf16) {
       const auto* w16 = static_cast<const uint16_t*>(w.untyped_data()) + w_off;
       const auto* x16 = static_cast<const uint16_t*>(x.untyped_data()) + x_off;
-      PackedPanels(team, Bf16Rows(x16, rows * k_dim), rows, k_dim / 2, w16, n, y);
+      PackedPanels(team, Bf16Rows(x16, run_rows * k_dim), run_rows, k_dim / 2, w16, n, y);
       continue;
     }
     const float* xp = x.typed_data<float>() + x_off;
     const float* wl = w.typed_data<float>() + w_off;
     if (packed)
-      PackedPanels(team, xp, rows, k_dim, wl, n, y);
-    else if (rows <= kStreamRows)
-      Stream(xp, rows, k_dim, wl, n, y);
+      PackedPanels(team, xp, run_rows, k_dim, wl, n, y);
+    else if (run_rows <= kStreamRows)
+      Stream(xp, run_rows, k_dim, wl, n, y);
     else
-      Panels(team, xp, rows, k_dim, wl, n, y);
+      Panels(team, xp, run_rows, k_dim, wl, n, y);
   }
   return ffi::Error::Success();
 }
@@ -93,15 +104,16 @@ ffi::Error QuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
   if (!InRange(layer, num_layers)) return ffi::Error::InvalidArgument("quantized_matmul_cpu: layer out of range");
   const int64_t q_layer = qd[1] * n, s_layer = groups * n;
   const Team team(pool);
-  for (int64_t s = 0; s < num_tiles; ++s) {
+  for (int64_t s = 0, end; s < num_tiles; s = end) {
     const int64_t l = layer.typed_data()[s];
+    end = RunEnd(layer, s);
     QuantLayer w{static_cast<const int8_t*>(qs.untyped_data()) + l * q_layer,
                  static_cast<const uint16_t*>(scales.untyped_data()) + l * s_layer,
                  has_min ? static_cast<const uint16_t*>(mins.untyped_data()) + l * s_layer : nullptr,
                  k_dim,
                  group,
                  n};
-    QuantMatmul(team, x.typed_data() + s * rows * k_dim, rows, w, bits, out->typed_data() + s * rows * n);
+    QuantMatmul(team, x.typed_data() + s * rows * k_dim, (end - s) * rows, w, bits, out->typed_data() + s * rows * n);
   }
   return ffi::Error::Success();
 }
