@@ -42,8 +42,8 @@ class LoRASlots:
     """The slot arrays of every projection (`tree`: parameters to merge into the model's, `merged`), `prepare` (an
     adapter laid out as its slot, on the host) and `load` (written into a slot)."""
 
-    def __init__(self, arch: ModelArch, config: LoRAConfig, mesh: Mesh, packed: bool):
-        self.arch, self.config, self.mesh, self.packed = arch, config, mesh, packed
+    def __init__(self, arch: ModelArch, config: LoRAConfig, mesh: Mesh):
+        self.arch, self.config, self.mesh = arch, config, mesh
         s, r = config.num_slots, config.max_lora_rank
         self.stacks = [(stack_name(start, arch.num_layers, end), start, end) for start, end, _ in arch.layer_runs()]
         self.tree: dict = {}
@@ -84,10 +84,11 @@ class LoRASlots:
         self._compiled = self._write.lower(self.abstract(), jnp.int32(0), one_slot).compile()
         return self._compiled
 
-    def prepare(self, projections: dict[str, tuple[np.ndarray, np.ndarray]]) -> Adapter:
+    def prepare(self, projections: dict[str, tuple[np.ndarray, np.ndarray]], packed: bool) -> Adapter:
         """An adapter (`lora.peft.LoRAWeights.projections`: A `[L, K, parts * max_rank]`, B `[L, parts * max_rank,
         *N]`) laid out as one slot: A's rank padded to whole panels, B cut into its parts, each layer packed for the
-        CPU kernel where `Linear` reads it packed (host arrays: a slot write then only moves them)."""
+        CPU kernel where `Linear` reads it packed (`packed`: the model runs "cpu_packed"; host arrays: a slot write
+        then only moves them)."""
         r, values = self.config.max_lora_rank, cast(Adapter, {})
         for name, ((module, proj), _, _) in PLACES.items():
             a, b = projections[name]
@@ -98,7 +99,7 @@ class LoRASlots:
                 for p, region in enumerate(part_regions):
                     arrays[f"lora_b{p}"] = b[(slice(start, end), slice(p * r, (p + 1) * r), *region)]
                 values.setdefault(stack, {}).setdefault(module, {})[proj] = {
-                    leaf: self._layout(v, leaves[leaf]) for leaf, v in arrays.items()
+                    leaf: _layout(v, leaves[leaf], packed) for leaf, v in arrays.items()
                 }
         return values
 
@@ -108,11 +109,12 @@ class LoRASlots:
         assert 1 <= slot <= self.config.max_loras, f"slot {slot} out of 1..{self.config.max_loras}"
         self.tree = self._compiled(self.tree, np.int32(slot), adapter)
 
-    def _layout(self, value: np.ndarray, slots: jax.Array) -> np.ndarray:
-        """One slot's leaf, float32, contiguous, packed when the kernel reads `slots` packed."""
-        value = np.ascontiguousarray(value, np.float32)
-        packs = self.packed and stacked_matmul.packable(flat_stack(slots))
-        return np.ascontiguousarray(stacked_matmul.pack(value)) if packs else value
+
+def _layout(value: np.ndarray, slots: jax.Array, packed: bool) -> np.ndarray:
+    """One slot's leaf, float32, contiguous, packed when the kernel reads `slots` packed."""
+    value = np.ascontiguousarray(value, np.float32)
+    packs = packed and stacked_matmul.packable(flat_stack(slots))
+    return np.ascontiguousarray(stacked_matmul.pack(value)) if packs else value
 
 
 def _parts(arch: ModelArch, name: str, out: tuple[int, ...]) -> list[tuple[int, ...]]:

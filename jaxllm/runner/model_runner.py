@@ -107,6 +107,8 @@ class ModelRunner:
             sched_cfg.max_model_len, self.block_size, sched_cfg.max_num_batched_tokens
         )
         started = time.perf_counter()
+        # LoRA: adapters' device slots, first (the KV cache takes a share of the memory left)
+        self.lora = LoRASlots(arch, config.lora, mesh) if config.lora is not None else None
         self.num_blocks, self.cache = self._allocate_cache(cache_cfg.kv_dtype(loaded.dtype))
         self.startup_seconds = {"kv_cache": time.perf_counter() - started}  # phases, for the start-up report
         speculative = config.speculative
@@ -149,9 +151,7 @@ class ModelRunner:
         self._sample_fn = jax.jit(self._named(sample, "sample"))
         self._widen_fn = jax.jit(self._named(self._widen, "widen"), out_shardings=replicated(mesh))
         self._compiled: dict[Bucket, jax.stages.Compiled] = {}
-        # LoRA: adapters' device slots, and each bucket's forward with their terms (a step with an adapter in it)
-        packed = self.model.matmul_backend == "cpu_packed"
-        self.lora = LoRASlots(arch, config.lora, mesh, packed) if config.lora is not None else None
+        # LoRA: each bucket's forward with the adapters' terms (a step with an adapter in it)
         self._compiled_lora: dict[Bucket, jax.stages.Compiled] = {}
         self._lora_params = None  # the weights merged with the slots (`lora_params`), until a slot changes
         self._samplers: dict[int, jax.stages.Compiled] = {}  # rows → sampler
@@ -404,7 +404,7 @@ class ModelRunner:
     def prepare_lora(self, projections: dict):
         """An adapter's weights laid out as a device slot takes them (`LoRASlots.prepare`; host arrays)."""
         assert self.lora is not None, "enable_lora is off"
-        return self.lora.prepare(projections)
+        return self.lora.prepare(projections, packed=self.model.matmul_backend == "cpu_packed")
 
     def load_lora(self, slot: int, prepared) -> None:
         """Write a prepared adapter into device slot `slot` (`LoRASlots.load`): nothing compiles."""
