@@ -68,9 +68,6 @@ class LoRAManager:
         self._weights.pop(self._scopes.pop(lora_int_id), None)
         return True
 
-    def by_name(self, name: str) -> LoRARequest | None:
-        return next((a for a in self.adapters.values() if a.lora_name == name), None)
-
     def assign(self, out: SchedulerOutput, running: Iterable[bytes]) -> None:
         """Give each scheduled request its adapter's device slot, writing adapters into slots as needed. `running`:
         the scopes of the adapters running requests use."""

@@ -31,6 +31,13 @@ def tile_rows(num_rows: int, num_members: int) -> int:
     return 1 if mean <= 1 else min(MAX_TILE_ROWS, 1 << (mean.bit_length() - 1))
 
 
+def tiling(num_rows: int, num_members: int) -> tuple[int, int]:
+    """(rows a tile, tiles) for `num_rows` rows over `num_members` groups: enough tiles for any grouping (each group
+    padded to whole tiles wastes under one)."""
+    m = tile_rows(num_rows, num_members)
+    return m, -(-(num_rows + num_members * (m - 1)) // m)
+
+
 def weight_array(w: Experts):
     """The array whose shape a weight has: a quantized weight's quants."""
     return w.qs if isinstance(w, QuantizedWeight) else w

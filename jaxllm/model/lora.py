@@ -1,12 +1,13 @@
 """LoRA in the step: each projection an adapter targets adds `(x @ A[slot]) @ B[slot]` for every token's slot.
 
-Adapters live in fixed slots, `[L, S, ...]` per projection beside its weights ("lora_a" `[L, S, K, R]`, "lora_b"
-`[L, S, R, *N]`, the scaling folded into B; slot 0 holds zeros: no adapter), so loading or swapping one never changes
-a shape. A step's tokens are grouped by slot and each group padded to whole tiles of `m` rows (`tile_tokens`, on the
-host: one grouping serves every layer), and every tile is one small matmul against its own slot's A, then B — a
-grouped (SGMV-like) product that reads only the adapters in the step. With the CPU kernels the tiles run in one
-call of the grouped kernel on slots packed for it (model/grouped.py); elsewhere XLA gathers each
-tile's slot. A step without adapters runs the forward compiled without these terms (runner/model_runner.py).
+Adapters live in fixed slots, `[L, S, ...]` per projection beside its weights ("lora_a" `[L, S, K, R]` and, per part
+of a fused projection, "lora_b<p>" `[L, S, r, *part]`, the scaling folded into B; slot 0 holds zeros: no adapter;
+runner/lora_slots.py), so loading or swapping one never changes a shape. A step's tokens are grouped by slot and
+each group padded to whole tiles of `m` rows (`tile_tokens`, on the host: one grouping serves every layer), and
+every tile is one small matmul against its own slot's A, then B: a grouped (SGMV-like) product that reads only the
+adapters in the step. With the CPU kernels the tiles run in one call of the grouped kernel on slots packed for it
+(model/grouped.py); elsewhere XLA gathers each tile's slot. A step without adapters runs the forward compiled
+without these terms (runner/model_runner.py).
 """
 
 from __future__ import annotations
@@ -18,11 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jaxllm.model.grouped import KernelExperts, tile_matmuls, tile_rows
+from jaxllm.model.grouped import KernelExperts, tile_matmuls, tiling
 from pallas_kernels import stacked_matmul
-
-LORA_LEAVES = ("lora_a", "lora_b")
-
 
 # numpy as the host fills them, jax arrays (or their shapes, at warm-up) inside the compiled step
 ArrayT = TypeVar("ArrayT", Array, np.ndarray, jax.ShapeDtypeStruct)
@@ -34,13 +32,6 @@ class LoRATiles(NamedTuple, Generic[ArrayT]):
     src: Int[ArrayT, " R"]  # each row of the tiled layout's token (padding rows: any, their results go unread)
     dest: Int[ArrayT, " T"]  # each token's row in the tiled layout
     tile_slots: Int[ArrayT, " N"]  # each tile's slot
-
-
-def tiling(num_tokens: int, num_slots: int) -> tuple[int, int]:
-    """(rows a tile, tiles) for a step of `num_tokens`: a power of two near the mean group, and enough tiles for
-    any grouping (each group wastes under a tile)."""
-    m = tile_rows(num_tokens, num_slots)
-    return m, -(-(num_tokens + num_slots * (m - 1)) // m)
 
 
 def tile_tokens(slots: np.ndarray, num_slots: int) -> LoRATiles[np.ndarray]:

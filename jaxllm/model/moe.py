@@ -23,7 +23,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from jaxtyping import Array, Float, Int
 
-from jaxllm.model.grouped import Experts, KernelExperts, flat_stack, tile_matmuls, tile_rows, weight_array
+from jaxllm.model.grouped import Experts, KernelExperts, flat_stack, tile_matmuls, tiling, weight_array
 from jaxllm.model.layers import INIT_STD, Dtype, GatedMLP, Linear, Stacking
 from jaxllm.model.quant import QUANT_LEAVES, packs_quantized, quantized_params
 from jaxllm.model.registry import ModelArch
@@ -114,7 +114,7 @@ def grouped_swiglu(
     num_tokens, k = experts.shape
     num_experts = _num_experts(gate_up)
     hidden = x.shape[-1]
-    m = tile_rows(num_tokens * k, num_experts)
+    m, num_tiles = tiling(num_tokens * k, num_experts)  # (enough tiles for any routing)
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # assignments grouped by expert, each group in token order
     token, expert = order // k, flat[order]
@@ -123,8 +123,7 @@ def grouped_swiglu(
     padded_ends = jnp.cumsum(padded)
     rank = jnp.arange(num_tokens * k) - (jnp.cumsum(sizes) - sizes)[expert]  # place within its group
     dest = (padded_ends - padded)[expert] + rank  # its row in the tiled layout
-    num_rows = -(-(num_tokens * k + num_experts * (m - 1)) // m) * m  # the most the tiles can need
-    num_tiles = num_rows // m
+    num_rows = num_tiles * m
     # each tile's expert (tiles past the last group hold zero rows; any expert will do for them)
     tile_expert = jnp.minimum(jnp.searchsorted(padded_ends, jnp.arange(num_tiles) * m, side="right"), num_experts - 1)
     index = tile_expert if layer is None else (layer, tile_expert)

@@ -43,7 +43,7 @@ class LoRASlots:
     adapter laid out as its slot, on the host) and `load` (written into a slot)."""
 
     def __init__(self, arch: ModelArch, config: LoRAConfig, mesh: Mesh):
-        self.arch, self.config, self.mesh = arch, config, mesh
+        self.arch, self.config = arch, config
         s, r = config.num_slots, config.max_lora_rank
         self.stacks = [(stack_name(start, arch.num_layers, end), start, end) for start, end, _ in arch.layer_runs()]
         self.tree: dict = {}

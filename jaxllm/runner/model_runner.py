@@ -153,7 +153,6 @@ class ModelRunner:
         self._compiled: dict[Bucket, jax.stages.Compiled] = {}
         # LoRA: each bucket's forward with the adapters' terms (a step with an adapter in it)
         self._compiled_lora: dict[Bucket, jax.stages.Compiled] = {}
-        self._lora_params = None  # the weights merged with the slots (`lora_params`), until a slot changes
         self._samplers: dict[int, jax.stages.Compiled] = {}  # rows → sampler
         self._wideners: dict[int, jax.stages.Compiled] = {}  # rows → sampled ids widened to max_rows (async)
         self._no_prev = (
@@ -192,7 +191,7 @@ class ModelRunner:
             params = unstack_layers(params, self.loaded.arch.num_layers)
         self.startup_seconds["prepare_weights"] = time.perf_counter() - started
         self.params = params
-        self._lora_params = None  # (merged with the old weights)
+        self._lora_params = None  # the weights merged with the LoRA slots (`run`), until they or a slot change
 
     def _forward(self, params, cache: KVCache, inputs: StepInputs):
         """(logits, the cache) and, for a mixture of experts, its sparse layers' tokens per expert in this step."""
