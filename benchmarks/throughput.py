@@ -13,7 +13,9 @@ empty and then a warm compilation cache.
 `--kernels auto on off` runs one jaxllm engine per `JAXLLM_CPU_KERNELS` setting in the same rounds
 (the first is "jaxllm"; the others are compared with it like peers, as `jaxllm-kernels-MODE`), and
 `--quantization native none int8 int4` one per `quantization` ("native": the GGUF's own blocks, the
-default; the others as `jaxllm-QUANTIZATION`), each with the roofline of the bytes its weights take.
+default; the others as `jaxllm-QUANTIZATION`), each with the roofline of the bytes its weights take, and
+`--int8-dot auto off` one per `JAXLLM_CPU_INT8_DOT` setting (`jaxllm-int8-dot-MODE`: the quantized kernel's
+integer path, self-checked, or its float-activation path), each with the compute roofline of its path.
 `--emulate-isa avx2` reruns the script with the kernels built for x86-64-v3 and XLA, PyTorch and
 oneDNN held to AVX2: an AVX2 machine's figures on an AVX-512 one, for jaxllm and the peers alike.
 
@@ -59,11 +61,12 @@ def engine_args(args, quantization: str = "native") -> dict:
     )
 
 
-def fitted_engine(args, kernels: str = "auto", quantization: str = "native"):
+def fitted_engine(args, kernels: str = "auto", quantization: str = "native", int8_dot: str = "auto"):
     """`LLM()` with a KV cache that holds every sequence of the largest batch whole: a peer that allocates
     its own cache per sequence is not preempted either (CPU's default budget, 2 GiB, holds ~45k tokens).
-    `kernels`: `JAXLLM_CPU_KERNELS` while the engine picks its step (auto, on, off)."""
+    `kernels`, `int8_dot`: `JAXLLM_CPU_KERNELS` and `JAXLLM_CPU_INT8_DOT` while the engine picks its step."""
     os.environ["JAXLLM_CPU_KERNELS"] = kernels
+    os.environ["JAXLLM_CPU_INT8_DOT"] = int8_dot
     from jaxllm import LLM
     from jaxllm.runner.kv_cache import bytes_per_block
 
@@ -140,6 +143,7 @@ def main() -> None:
     ap.add_argument("--skip-startup", action="store_true")
     ap.add_argument("--kernels", nargs="+", default=["auto"], choices=["auto", "on", "off"])
     ap.add_argument("--quantization", nargs="+", default=["native"], choices=["native", "none", "int8", "int4"])
+    ap.add_argument("--int8-dot", nargs="+", default=["auto"], choices=["auto", "on", "off"])
     ap.add_argument("--emulate-isa", choices=sorted(EMULATE), default=None)
     ap.add_argument("--out", default=None, help="JSON file for the whole report")
     args = ap.parse_args()
@@ -159,9 +163,11 @@ def main() -> None:
             report["startup"] = {"cold_cache": startup(args, cache), "warm_cache": startup(args, cache)}
         print(json.dumps(report["startup"]), file=sys.stderr)
 
-    settings = {"jaxllm": (args.kernels[0], args.quantization[0])}
-    settings |= {f"jaxllm-kernels-{mode}": (mode, args.quantization[0]) for mode in args.kernels[1:]}
-    settings |= {f"jaxllm-{q}": (args.kernels[0], q) for q in args.quantization[1:]}
+    first = (args.kernels[0], args.quantization[0], args.int8_dot[0])
+    settings = {"jaxllm": first}
+    settings |= {f"jaxllm-kernels-{mode}": (mode, *first[1:]) for mode in args.kernels[1:]}
+    settings |= {f"jaxllm-{q}": (first[0], q, first[2]) for q in args.quantization[1:]}
+    settings |= {f"jaxllm-int8-dot-{mode}": (*first[:2], mode) for mode in args.int8_dot[1:]}
     engines = {name: fitted_engine(args, *setting) for name, setting in settings.items()}
     report["weight_bytes"] = {name: weight_bytes(llm) for name, llm in engines.items()}
     report["cpu_kernels"] = {name: offline.cpu_kernel_info(llm) for name, llm in engines.items()}

@@ -10,6 +10,11 @@ XLA's own path on some shapes must not run them there. `choose` times, on the mo
   row count up to the last one from which on it stops winning (`matmul_max_rows`; None: all of them).
 - the attention kernel (with its KV write) against the jnp reference on a decode batch and a
   prefill chunk, kept where it is the faster in total.
+- for quantized projections, the kernel's integer path too (x quantized to int8 blocks, integer dot instructions:
+  `stacked_matmul/int_panels.h`) against its float-activation path, from the fewest rows from which on it wins
+  at every timed row count (`int8_min_rows`; 0: never). `JAXLLM_CPU_INT8_DOT` overrides it: "on" (from the
+  first row count past the kernel's few-row regime), "off", "auto" (default: timed; under JAXLLM_CPU_KERNELS=on,
+  which times nothing, the exact float-activation path).
 It costs a few seconds once (logged when it starts, a bar per case while the engine's progress is on:
 `pallas_kernels.progress`): the decision is stored beside the kernels, keyed by the kernel
 libraries (source, flags, target, CPU, jaxlib), the shapes and XLA_FLAGS. `JAXLLM_CPU_KERNELS`
@@ -37,7 +42,7 @@ from pallas_kernels.stacked_matmul import quantized
 logger = logging.getLogger(__name__)
 
 MODES = ("auto", "on", "off")
-FORMAT = 4  # bump when the timed cases or the decision rule change: stored decisions are then retaken
+FORMAT = 5  # bump when the timed cases or the decision rule change: stored decisions are then retaken
 MAX_WEIGHT_ELEMENTS = 8 << 20  # a larger projection is timed on its first columns (the ratio is what counts)
 
 
@@ -46,6 +51,14 @@ def mode() -> str:
     value = os.environ.get("JAXLLM_CPU_KERNELS", "auto").strip().lower() or "auto"
     if value not in MODES:
         raise ValueError(f"JAXLLM_CPU_KERNELS must be one of {MODES}, got {value!r}")
+    return value
+
+
+def int8_mode() -> str:
+    """`$JAXLLM_CPU_INT8_DOT`: "auto" (default), "on" or "off"."""
+    value = os.environ.get("JAXLLM_CPU_INT8_DOT", "auto").strip().lower() or "auto"
+    if value not in MODES:
+        raise ValueError(f"JAXLLM_CPU_INT8_DOT must be one of {MODES}, got {value!r}")
     return value
 
 
@@ -62,7 +75,8 @@ class AttentionShape:
 class KernelChoice:
     """`matmul`: the stacked matmul kernel serves the step's projections, for x of at most
     `matmul_max_rows` rows (None: every row count; above it XLA's dot on the packed weights).
-    `attention`: the C++ attention kernel and KV write, else the jnp reference."""
+    `attention`: the C++ attention kernel and KV write, else the jnp reference. `int8_min_rows`: quantized
+    projections of at least this many rows run the integer path (0: never)."""
 
     matmul: bool
     matmul_max_rows: int | None
@@ -70,6 +84,7 @@ class KernelChoice:
     mode: str
     target: str  # what the kernels were compiled for: "AVX2+FMA (-march=native)"
     timings_ms: dict = dataclasses.field(default_factory=dict, compare=False)
+    int8_min_rows: int = 0
 
     def describe(self) -> str:
         if not self.matmul:
@@ -78,30 +93,32 @@ class KernelChoice:
             matmul = "on"
         else:
             matmul = f"on for rows <= {self.matmul_max_rows}"
+        if self.matmul and self.int8_min_rows:
+            matmul += f", int8 dot from {self.int8_min_rows} rows"
         attention = "on" if self.attention else "off"
         return f"CPU kernels ({self.mode}): matmul {matmul}, attention {attention}; {self.target}"
 
 
-def _best_ms(kernel, other, *args, reps: int = 5) -> tuple[float, float]:
-    """The kernel's and the other path's best times (ms) over `reps` calls each, the two called in turn. The
-    minimum, because other work on the machine only ever adds time; in turn, so that a busy spell slows both alike.
-    (Medians of one's calls, then the other's, had recorded XLA as faster for 512-row quantized chunks under a load
-    of 6, a decision then cached for good: B=64 Q4_1 14 % below float32.)"""
-    fns = (kernel, other)
+def _best_ms(fns, *args, reps: int = 5) -> tuple[float, ...]:
+    """Each path's best time (ms) over `reps` calls, the paths called in turn. The minimum, because other work on
+    the machine only ever adds time; in turn, so that a busy spell slows all alike. (Medians of one's calls, then
+    the other's, had recorded XLA as faster for 512-row quantized chunks under a load of 6, a decision then cached
+    for good: B=64 Q4_1 14 % below float32.)"""
     for fn in fns:
         jax.block_until_ready(fn(*args))  # compile and warm
-    best = [float("inf")] * 2
+    best = [float("inf")] * len(fns)
     for _ in range(reps):
         for i, fn in enumerate(fns):
             start = time.perf_counter()
             jax.block_until_ready(fn(*args))
             best[i] = min(best[i], time.perf_counter() - start)
-    return best[0] * 1e3, best[1] * 1e3
+    return tuple(t * 1e3 for t in best)
 
 
-def _time_matmuls(shapes, dtype, row_counts, rng, bar=None) -> dict[int, tuple[float, float]]:
-    """Per row count: (kernel ms, XLA ms) for one x @ W of every shape: `(K, N)` in `dtype`, `(K, N, fmt)` quantized.
-    `bar` (a tqdm bar, or None) advances by one per row count."""
+def _time_matmuls(shapes, dtype, row_counts, rng, bar=None, int8=False) -> dict[int, tuple[float, ...]]:
+    """Per row count: (kernel ms, XLA ms) for one x @ W of every shape: `(K, N)` in `dtype`, `(K, N, fmt)` quantized;
+    `int8`: and the kernel's ms with its integer path for the quantized shapes, past the few-row regime. `bar` (a
+    tqdm bar, or None) advances by one per row count."""
     weights = []
     for k, n, *fmt in shapes:
         n = max(stacked_matmul.PANEL, min(n, MAX_WEIGHT_ELEMENTS // k // stacked_matmul.PANEL * stacked_matmul.PANEL))
@@ -111,22 +128,25 @@ def _time_matmuls(shapes, dtype, row_counts, rng, bar=None) -> dict[int, tuple[f
         w = rng.standard_normal((1, k, n), np.float32).astype(jnp.dtype(dtype))
         weights.append(jnp.asarray(stacked_matmul.pack(w)))
 
-    def one(x, w, xla: bool):
+    def one(x, w, path: str):
         if isinstance(w, quantized.QuantizedWeight):
             x = x.astype(jnp.float32)  # quantized weights multiply float32 activations
-            return quantized.quantized_matmul_packed_xla(x, w, 0) if xla else quantized.quantized_matmul_cpu(x, w, 0)
-        if xla:
+            if path == "xla":
+                return quantized.quantized_matmul_packed_xla(x, w, 0)
+            return quantized.quantized_matmul_cpu(x, w, 0, int8_min_rows=int(path == "int8"))
+        if path == "xla":
             return stacked_matmul.stacked_matmul_packed_xla(x, w, 0)
         return stacked_matmul.stacked_matmul_cpu(x, w, 0, packed=True)
 
-    def chain(xs, ws, *, xla):
-        return [one(x, w, xla) for x, w in zip(xs, ws, strict=True)]
+    def chain(xs, ws, *, path):
+        return [one(x, w, path) for x, w in zip(xs, ws, strict=True)]
 
-    kernel, xla = jax.jit(functools.partial(chain, xla=False)), jax.jit(functools.partial(chain, xla=True))
+    paths = [jax.jit(functools.partial(chain, path=path)) for path in ("kernel", "xla", "int8")]
     out = {}
     for rows in row_counts:
         xs = [jnp.asarray(rng.standard_normal((rows, shape[0]), np.float32), dtype) for shape in shapes]
-        out[rows] = _best_ms(kernel, xla, xs, weights)
+        timed = int8 and rows > quantized.STREAM_ROWS  # below: the same few-row code either way
+        out[rows] = _best_ms(paths if timed else paths[:2], xs, weights)
         if bar is not None:
             bar.update()
     return out
@@ -161,7 +181,7 @@ def _time_attention(shape: AttentionShape, chunk: int, rng, bar=None) -> dict[st
         args = (b.q.astype(np.float32), *b.args()[1:], np.arange(len(b.q), dtype=np.int32))
         kernel = jax.jit(functools.partial(step, backend="cpu"))
         reference = jax.jit(functools.partial(step, backend="reference"))
-        out[name] = _best_ms(kernel, reference, *args)
+        out[name] = _best_ms((kernel, reference), *args)
         if bar is not None:
             bar.update()
     return out
@@ -195,12 +215,28 @@ def choose(
     `dtype` ("float32" or "bfloat16"), or (K, N, fmt) for one kept quantized in `fmt` (a key of
     `stacked_matmul.quantized.FORMATS`), up to `max_rows` rows of x; `attention`: the model's heads and cache
     (None: no attention kernel wanted). Self-checked under "auto" (see the module's docstring)."""
-    return _choose(matmul_shapes, dtype, max_rows, attention, mode())
+    return _choose(matmul_shapes, dtype, max_rows, attention, mode(), int8_mode())
+
+
+def _int8_min_rows(matmul: dict) -> int:
+    """The fewest timed rows from which on the integer path won at every timed row count (0: it lost the last)."""
+    start = 0
+    for rows in sorted((int(r) for r, t in matmul.items() if len(t) > 2), reverse=True):
+        kernel, _, int8 = matmul[str(rows)]
+        if int8 > kernel:
+            break
+        start = rows
+    return start
 
 
 @functools.cache
 def _choose(
-    matmul_shapes: tuple[MatmulShape, ...], dtype: str, max_rows: int, attention: AttentionShape | None, how: str
+    matmul_shapes: tuple[MatmulShape, ...],
+    dtype: str,
+    max_rows: int,
+    attention: AttentionShape | None,
+    how: str,
+    int8_how: str = "auto",
 ) -> KernelChoice:
     # a cold start compiles both kernels side by side (~5-10 s each), not one after the other in `available`
     wanted = ((stacked_matmul.SOURCE, bool(matmul_shapes)), (attention_cpu.SOURCE, attention is not None))
@@ -210,15 +246,19 @@ def _choose(
     if any(len(shape) > 2 for shape in matmul_shapes):
         matmul_ok = matmul_ok and quantized.available()
     attention_ok = attention is not None and attention_cpu.available()
+    quantized_shapes = any(len(shape) > 2 for shape in matmul_shapes)
+    forced_int8 = quantized.STREAM_ROWS + 1 if int8_how == "on" and quantized_shapes else 0
     if how != "auto" or not (matmul_ok or attention_ok):
         on = how != "off"
-        return KernelChoice(matmul_ok and on, None, attention_ok and on, how, target)
+        return KernelChoice(matmul_ok and on, None, attention_ok and on, how, target, int8_min_rows=forced_int8)
     # decode rows, and prefill chunks densely enough that the hand-over to XLA lands near the real crossover (a
     # quantized layer: XLA dequantizes it whole per step, which pays only for hundreds of rows)
     row_counts = sorted({r for r in (1, 8, 64, 128, 256, max_rows) if r <= max_rows})
     built = ((stacked_matmul.SOURCE, matmul_ok), (attention_cpu.SOURCE, attention_ok))
     libs = [cpu_ffi.library(source).name if ok else None for source, ok in built]  # each keyed by source and target
+    time_int8 = quantized_shapes and int8_how == "auto"
     parts = [FORMAT, libs, matmul_shapes, dtype, row_counts, dataclasses.astuple(attention) if attention else None]
+    parts.append(time_int8)
     parts += [os.environ.get("XLA_FLAGS", ""), jax.__version__, os.cpu_count()]
     key = hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
     record = _stored(key)
@@ -232,16 +272,23 @@ def _choose(
             cases,
         )
         with progress.bar(cases, "CPU kernel self-check", "case") as bar:
-            matmul = _time_matmuls(matmul_shapes, dtype, row_counts, rng, bar) if matmul_ok else {}
+            matmul = _time_matmuls(matmul_shapes, dtype, row_counts, rng, bar, time_int8) if matmul_ok else {}
             attn = _time_attention(attention, min(max_rows, 256), rng, bar) if attention_ok and attention else {}
         record = {"matmul": {str(r): t for r, t in matmul.items()}, "attention": attn}
         record["seconds"] = round(time.perf_counter() - started, 2)
         _store(key, record)
         logger.info("CPU kernel self-check took %.1fs", record["seconds"])
-    wins = [int(r) for r, (kernel, xla) in record["matmul"].items() if kernel <= xla]
-    losses = [int(r) for r, (kernel, xla) in record["matmul"].items() if kernel > xla]
+    int8_min_rows = _int8_min_rows(record["matmul"]) if time_int8 else forced_int8
+
+    def kernel_ms(rows: str, times) -> float:  # the path the kernel takes at this row count
+        return times[2] if int8_min_rows and len(times) > 2 and int(rows) >= int8_min_rows else times[0]
+
+    wins = [int(r) for r, t in record["matmul"].items() if kernel_ms(r, t) <= t[1]]
+    losses = [int(r) for r, t in record["matmul"].items() if kernel_ms(r, t) > t[1]]
     max_kernel_rows = None if not losses else max((r for r in wins if r < min(losses)), default=0)
     attn_times = record["attention"].values()
     attention_on = attention_ok and sum(k for k, _ in attn_times) <= sum(r for _, r in attn_times)
     timings = {"matmul": record["matmul"], "attention": record["attention"]}
-    return KernelChoice(matmul_ok and max_kernel_rows != 0, max_kernel_rows, attention_on, how, target, timings)
+    matmul_on = matmul_ok and max_kernel_rows != 0
+    int8_min_rows = int8_min_rows if matmul_on else 0
+    return KernelChoice(matmul_on, max_kernel_rows, attention_on, how, target, timings, int8_min_rows)

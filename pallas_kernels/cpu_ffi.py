@@ -52,7 +52,8 @@ def flags() -> list[str]:
 @functools.cache
 def isa() -> str:
     """The vector ISA the kernels are built for (cpu_simd.h's choice), from the compiler's own macros for
-    `-march=march()`: "AVX-512+BF16", "AVX-512", "AVX2+FMA", "NEON", "SSE" or "generic"."""
+    `-march=march()`: "AVX-512+BF16", "AVX-512", "AVX2+FMA", "NEON", "SSE" or "generic", with "+VNNI" or
+    "+dotprod" where the target has integer dot instructions (AVX512-VNNI or AVX-VNNI; armv8.2-a's sdot)."""
     compiler = _compiler()
     if not compiler:
         return "no compiler"
@@ -60,13 +61,16 @@ def isa() -> str:
         [compiler, f"-march={march()}", "-dM", "-E", "-x", "c++", "-"], input="", capture_output=True, text=True
     )
     macros = set(line.split()[1] for line in done.stdout.splitlines() if line.startswith("#define "))
+    # the integer dot instructions the quantized kernel's integer path takes (cpu_simd.h's kIntDot)
+    dot = "+dotprod" if "__ARM_FEATURE_DOTPROD" in macros else ""
+    dot = "+VNNI" if macros & {"__AVX512VNNI__", "__AVXVNNI__"} else dot
     if "__AVX512F__" in macros:
-        return "AVX-512+BF16" if "__AVX512BF16__" in macros else "AVX-512"
+        return ("AVX-512+BF16" if "__AVX512BF16__" in macros else "AVX-512") + dot
     if "__AVX2__" in macros:
-        return "AVX2+FMA" if "__FMA__" in macros else "AVX2"
+        return ("AVX2+FMA" if "__FMA__" in macros else "AVX2") + dot
     for macro, name in (("__AVX__", "AVX"), ("__aarch64__", "NEON"), ("__SSE2__", "SSE")):
         if macro in macros:
-            return name
+            return name + dot
     return "generic"
 
 

@@ -178,6 +178,74 @@ inline VecF DotBf16Pairs(VecF acc, VecBf16Pairs a, VecBf16Pairs b) {
 }
 #endif
 
+// Integer dot products of bytes, for the quantized kernels' integer path (int_panels.h): lane i of
+// DotBytes<BITS>(acc, w, x) is acc[i] plus the sum over j < 4 of w's byte 4i + j times x's, x signed (int8) and w
+// as an integer panel stores it: a 4-bit quant (0..15) or an 8-bit one plus kQ8Bias. kIntDot names the way:
+// - AVX512-VNNI, AVX-VNNI: vpdpbusd multiplies unsigned by signed bytes in one instruction, so 8-bit quants are
+//   stored biased by 128 (unsigned) and the caller takes the bias's 128 * sum(x) off with the block's scales.
+// - AVX2, AVX-512BW, SSSE3: pmaddubsw (unsigned by signed bytes, pairs summed to int16) and pmaddwd by ones. 4-bit
+//   quants are the unsigned operand (no int16 saturation: 2 * 15 * 127); 8-bit ones take the sign trick (|x| by w
+//   with x's sign: 2 * 127 * 127 fits), exact for quants in [-127, 127] (kQ8Symmetric: the panel clamps -128).
+// - NEON: sdot (armv8.2-a+dotprod), else smull and pairwise adds; elsewhere plain widened arithmetic.
+// kQ8Bias: what an 8-bit quant is stored plus; kQ8Symmetric: whether -128 must be read as -127.
+#if (defined(__AVX512VNNI__) && defined(__AVX512F__)) || (defined(__AVXVNNI__) && !defined(__AVX512F__))
+constexpr const char* kIntDot = kVecBytes == 64 ? "AVX512-VNNI" : "AVX-VNNI";
+constexpr int kQ8Bias = 128;
+constexpr bool kQ8Symmetric = false;
+#elif defined(__AVX512BW__) || defined(__AVX2__) || (defined(__SSSE3__) && !defined(__AVX__))
+constexpr const char* kIntDot = "pmaddubsw";
+constexpr int kQ8Bias = 0;
+constexpr bool kQ8Symmetric = true;
+#else
+#if defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+constexpr const char* kIntDot = "NEON sdot";
+#elif defined(__aarch64__)
+constexpr const char* kIntDot = "NEON smull";
+#else
+constexpr const char* kIntDot = "generic";
+#endif
+constexpr int kQ8Bias = 0;
+constexpr bool kQ8Symmetric = false;
+#endif
+
+template <int BITS>
+inline VecI DotBytes(VecI acc, VecI w, VecI x) {
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+  return (VecI)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, (__m512i)x);
+#elif defined(__AVXVNNI__) && !defined(__AVX512F__)
+  return (VecI)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)w, (__m256i)x);
+#elif defined(__AVX512BW__)
+  __m512i u = (__m512i)w, s = (__m512i)x;
+  if constexpr (BITS == 8) {
+    const __mmask64 negative = _mm512_movepi8_mask(s);
+    u = _mm512_abs_epi8(s);
+    s = _mm512_mask_sub_epi8((__m512i)w, negative, _mm512_setzero_si512(), (__m512i)w);
+  }
+  return acc + (VecI)_mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1));
+#elif defined(__AVX2__)
+  __m256i u = (__m256i)w, s = (__m256i)x;
+  if constexpr (BITS == 8) u = _mm256_sign_epi8(s, s), s = _mm256_sign_epi8((__m256i)w, (__m256i)x);
+  return acc + (VecI)_mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#elif defined(__SSSE3__) && !defined(__AVX__)
+  __m128i u = (__m128i)w, s = (__m128i)x;
+  if constexpr (BITS == 8) u = _mm_sign_epi8(s, s), s = _mm_sign_epi8((__m128i)w, (__m128i)x);
+  return acc + (VecI)_mm_madd_epi16(_mm_maddubs_epi16(u, s), _mm_set1_epi16(1));
+#elif defined(__aarch64__) && defined(__ARM_FEATURE_DOTPROD)
+  return (VecI)vdotq_s32((int32x4_t)acc, (int8x16_t)w, (int8x16_t)x);
+#elif defined(__aarch64__)
+  const int8x16_t a = (int8x16_t)w, b = (int8x16_t)x;
+  const int32x4_t lo = vpaddlq_s16(vmull_s8(vget_low_s8(a), vget_low_s8(b)));
+  const int32x4_t hi = vpaddlq_s16(vmull_high_s8(a, b));
+  return acc + (VecI)vpaddq_s32(lo, hi);
+#else
+  typedef int8_t VecB __attribute__((vector_size(kVecBytes)));
+  const VecB a = (VecB)w, b = (VecB)x;
+  for (int i = 0; i < kLanes; ++i)
+    for (int j = 0; j < 4; ++j) acc[i] += static_cast<int32_t>(a[4 * i + j]) * b[4 * i + j];
+  return acc;
+#endif
+}
+
 // A spin-wait's pause: x86's pause, ARM's yield, else nothing.
 inline void Pause() {
 #if defined(__x86_64__) || defined(__i386__)

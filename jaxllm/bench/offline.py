@@ -179,16 +179,21 @@ def write_json(result: dict, path: str | None) -> None:
 
 def cpu_kernel_info(llm) -> dict | None:
     """The C++ CPU kernels the engine's step runs (None off the CPU): the choice in words, and from the
-    self-check the kernel's speed-up over XLA's path per timed case (>1: the kernel is faster)."""
+    self-check the kernel's speed-up over XLA's path per timed case (>1: the kernel is faster), and where timed the
+    quantized kernel's integer path over its float-activation one."""
     choice = llm.engine.runner.cpu_kernels
     if choice is None:
         return None
-    speedups = {
-        f"{what}_{case}": round(xla / kernel, 2)
-        for what, cases in choice.timings_ms.items()
-        for case, (kernel, xla) in cases.items()
+    timed = [(f"{what}_{case}", times) for what, cases in choice.timings_ms.items() for case, times in cases.items()]
+    info = {
+        "choice": choice.describe(),
+        "target": choice.target,
+        "int8_min_rows": choice.int8_min_rows,
+        "kernel_over_xla": {name: round(times[1] / times[0], 2) for name, times in timed},
     }
-    return {"choice": choice.describe(), "target": choice.target, "kernel_over_xla": speedups}
+    if int8 := {name: round(times[0] / times[2], 2) for name, times in timed if len(times) > 2}:
+        info["int8_over_float"] = int8
+    return info
 
 
 def cpu_name() -> str:

@@ -65,6 +65,7 @@ class KernelExperts(NamedTuple):
     weights: Float[Array, "*L E K N"] | QuantizedWeight
     kernel: str
     kernel_max_rows: int | None = None  # "cpu": XLA above this many rows a tile (the self-check's)
+    int8_min_rows: int = 0  # "cpu", quantized members: the integer path from this many rows a run (the same's)
 
 
 def tile_matmuls(tiles, w: Experts | KernelExperts, index) -> Float[Array, "S M N"]:
@@ -78,5 +79,7 @@ def tile_matmuls(tiles, w: Experts | KernelExperts, index) -> Float[Array, "S M 
         assert not isinstance(flat, QuantizedWeight)  # (`pallas_takes`: float members only)
         return grouped_matmul.grouped_matmul(tiles, flat, ids)
     if isinstance(flat, QuantizedWeight):
-        return quantized.grouped_quantized_matmul(tiles, flat, ids, kernel_max_rows=w.kernel_max_rows)
+        return quantized.grouped_quantized_matmul(
+            tiles, flat, ids, kernel_max_rows=w.kernel_max_rows, int8_min_rows=w.int8_min_rows
+        )
     return stacked_matmul.grouped_matmul(tiles, flat, ids, kernel_max_rows=w.kernel_max_rows)

@@ -56,6 +56,7 @@ class Stacking:
     quant: QuantPlan = field(default_factory=QuantPlan)  # which projections (by module name) are quantized
     first_layer: int = 0  # the model's layer at index 0 of the stack (a run of layers of one kind)
     expert_kernel: str | None = None  # "pallas": a mixture of experts' grouped matmul by the Pallas kernel (one GPU)
+    int8_min_rows: int = 0  # "cpu_packed": quantized weights' integer path from this many rows (0: never)
 
     def index(self, layer):
         """The running layer's index in the stack (the layer index in the carry counts every layer)."""
@@ -88,7 +89,9 @@ class Stacking:
         if self.num_layers is None:
             qw = stack_of_one(qw)
         backend = "cpu_packed" if packed else "reference"
-        return quantized.quantized_matmul(x, qw, index, backend=backend, kernel_max_rows=self.kernel_max_rows)
+        return quantized.quantized_matmul(
+            x, qw, index, backend=backend, kernel_max_rows=self.kernel_max_rows, int8_min_rows=self.int8_min_rows
+        )
 
 
 def stack_of_one(qw: quantized.QuantizedWeight) -> quantized.QuantizedWeight:
@@ -178,6 +181,7 @@ class Embed(nn.Module):
     packed: bool = False
     kernel_max_rows: int | None = None  # packed: XLA's dot above this many rows (stacked_matmul's)
     quant: str | None = None  # a quantized table: stored as E.T `[H, V]` (a kernel of the LM head), model/quant.py
+    int8_min_rows: int = 0  # a quantized head's integer path from this many rows (0: never)
 
     def setup(self):
         if self.quant:
@@ -202,7 +206,8 @@ class Embed(nn.Module):
 
     def attend(self, x: Float[Array, "S H"]) -> Float[Array, "S V"]:
         if self.quant:  # the LM head: an unstacked quantized kernel [H, V]
-            return Stacking(kernel_max_rows=self.kernel_max_rows).quantized_matmul(x, self.table, None, self.packed)
+            head = Stacking(kernel_max_rows=self.kernel_max_rows, int8_min_rows=self.int8_min_rows)
+            return head.quantized_matmul(x, self.table, None, self.packed)
         if self.packed:
             return packed_matmul(x, self.embedding, kernel_max_rows=self.kernel_max_rows)
         # E @ x.T reads the embedding's contiguous rows; x @ E.T makes XLA (CPU) copy E transposed per step

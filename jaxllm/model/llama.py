@@ -207,6 +207,7 @@ class CausalLM(nn.Module):
     scan_layers: bool = True
     matmul_backend: str = "auto"  # pallas_kernels.stacked_matmul's, for the scanned layers
     matmul_kernel_max_rows: int | None = None  # "cpu_packed": XLA's dot above this many rows (the self-check's)
+    matmul_int8_min_rows: int = 0  # "cpu_packed": quantized weights' integer path from this many rows (the same's)
     quant: QuantPlan = QuantPlan()  # projections kept quantized (model/quant.py); empty: all float
     expert_mesh: Mesh | None = None  # expert parallelism: the step's mesh (the experts run under shard_map)
     expert_kernel: str | None = None  # "pallas": the experts' grouped matmul by the Pallas GPU kernel (`Stacking`)
@@ -258,7 +259,13 @@ class CausalLM(nn.Module):
 
     def layer_stacking(self, num_layers: int | None, first_layer: int = 0) -> Stacking:
         return Stacking(
-            num_layers, self.matmul_backend, self.matmul_kernel_max_rows, self.quant, first_layer, self.expert_kernel
+            num_layers,
+            self.matmul_backend,
+            self.matmul_kernel_max_rows,
+            self.quant,
+            first_layer,
+            self.expert_kernel,
+            self.matmul_int8_min_rows,
         )
 
     @nn.compact
@@ -276,6 +283,7 @@ class CausalLM(nn.Module):
             head_packed and a.tie_word_embeddings,
             self.matmul_kernel_max_rows,
             self.quant.get("embed_tokens"),
+            self.matmul_int8_min_rows,
             name="embed_tokens",
         )
         if self.first_stage:

@@ -252,7 +252,9 @@ class SparseMoE(nn.Module):
         run_gate_up: Experts | KernelExperts = gate_up  # as the grouped matmul reads them: a kernel's, or XLA's
         run_down: Experts | KernelExperts = down
         if packed and packs_experts(gate_up) and packs_experts(down):  # (CausalLM.pack_leaf packed them)
-            run_gate_up, run_down = (KernelExperts(w, "cpu", st.kernel_max_rows) for w in (gate_up, down))
+            run_gate_up, run_down = (
+                KernelExperts(w, "cpu", st.kernel_max_rows, st.int8_min_rows) for w in (gate_up, down)
+            )
         elif st.expert_kernel == "pallas" and all(pallas_takes(w, index is not None) for w in (gate_up, down)):
             run_gate_up, run_down = (KernelExperts(w, "pallas") for w in (gate_up, down))
         glu_kind = moe.clamped_glu

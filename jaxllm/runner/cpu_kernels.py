@@ -81,7 +81,7 @@ def step_model(
     """The model the step runs: attention and matmul backends, and the dtype it computes in, for this platform;
     `kv_groups`: where each layer's K/V lives (None: a slot per layer, one block table)."""
     scan, attention = config.model.scan_layers, config.model.attention_backend
-    matmul, compute_dtype, kernel_max_rows = "auto", dtype, None
+    matmul, compute_dtype, kernel_max_rows, int8_min_rows = "auto", dtype, None, 0
     choice = cpu_kernel_choice(arch, config, dtype, mesh, quant)
     if mesh.size > 1 and jax.default_backend() == "cpu":  # the C++ kernels have no partitioning rules:
         attention = "reference" if attention == "auto" else attention  # XLA would all-gather the cache
@@ -95,6 +95,7 @@ def step_model(
             # SwiGLU) runs in float32, which XLA's CPU backend runs 3-4x faster than bfloat16 (benchmarks/NOTES.md
             # lever 13) and which is the more accurate
             matmul, compute_dtype, kernel_max_rows = "cpu_packed", jnp.float32, choice.matmul_max_rows
+            int8_min_rows = choice.int8_min_rows
         else:
             matmul = "reference"  # XLA's dot ("auto" would take the unpacked kernel)
     return CausalLM(
@@ -104,6 +105,7 @@ def step_model(
         scan_layers=scan,
         matmul_backend=matmul,
         matmul_kernel_max_rows=kernel_max_rows,
+        matmul_int8_min_rows=int8_min_rows,
         quant=quant,
         expert_mesh=mesh if arch.moe is not None and arch.moe.expert_parallel else None,
         # one GPU: the experts' grouped matmul by the Pallas kernel (it has no partitioning rule either)

@@ -226,6 +226,7 @@ class ModelRunner:
             model.scan_layers,
             model.matmul_backend,
             model.matmul_kernel_max_rows,
+            model.matmul_int8_min_rows,
             model.quant,
             model.kv_groups,
             kernels,

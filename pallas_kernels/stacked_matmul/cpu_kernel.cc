@@ -4,7 +4,8 @@
 // grouped matmul of a mixture of experts (each tile of rows against its own expert, model/moe.py).
 // This file holds the two handlers, which check their buffers and call a kernel once per tile:
 // - StackedMatmulCpu: float32 weights, stacked or packed, or packed bfloat16 (float_panels.h);
-// - QuantizedMatmulCpu: packed int8 / 4-bit quants with float16 scales (quant_panels.h, quantized.py).
+// - QuantizedMatmulCpu: packed int8 / 4-bit quants with float16 scales (quant_panels.h, quantized.py), from
+//   `int8_min_rows` rows on against x quantized to int8 by integer dot instructions (int_panels.h).
 // Every choice by instruction set is cpu_simd.h's; the threads are XLA's own pool (cpu_team.h).
 // cpu_ffi.py compiles this file alone: the kernels are headers it includes (one translation unit),
 // and the build is keyed by every file it includes.
@@ -12,6 +13,7 @@
 #include <cstdint>
 
 #include "float_panels.h"
+#include "int_panels.h"
 #include "quant_panels.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -81,7 +83,7 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::B
 // float16 like scales, or size 0 (none); layer [S] (S tiles of x); out [T, N]. Every weight array packed
 // (quantized.py).
 ffi::Error QuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer qs, ffi::AnyBuffer scales, ffi::AnyBuffer mins,
-                     ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out) {
+                     ffi::Buffer<ffi::S32> layer, ffi::ResultBuffer<ffi::F32> out, int64_t int8_min_rows) {
   auto xd = x.dimensions(), qd = qs.dimensions(), sd = scales.dimensions();
   const int bits = qs.element_type() == ffi::S8 ? 8 : qs.element_type() == ffi::U8 ? 4 : 0;
   if (!bits || scales.element_type() != ffi::F16 || mins.element_type() != ffi::F16)
@@ -113,7 +115,8 @@ ffi::Error QuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
                  k_dim,
                  group,
                  n};
-    QuantMatmul(team, x.typed_data() + s * rows * k_dim, (end - s) * rows, w, bits, out->typed_data() + s * rows * n);
+    QuantMatmul(team, x.typed_data() + s * rows * k_dim, (end - s) * rows, w, bits, out->typed_data() + s * rows * n,
+                int8_min_rows);
   }
   return ffi::Error::Success();
 }
@@ -137,4 +140,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(QuantizedMatmulCpu, QuantImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("int8_min_rows"));

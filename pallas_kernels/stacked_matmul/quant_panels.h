@@ -308,10 +308,4 @@ void QuantPanels(const Team& team, const float* xp, int64_t rows, const QuantLay
   });
 }
 
-void QuantMatmul(const Team& team, const float* xp, int64_t rows, const QuantLayer& w, int bits, float* y) {
-  if (bits == 8) return QuantPanels<8, false>(team, xp, rows, w, y);
-  if (w.mins) return QuantPanels<4, true>(team, xp, rows, w, y);
-  QuantPanels<4, false>(team, xp, rows, w, y);
-}
-
 }  // namespace

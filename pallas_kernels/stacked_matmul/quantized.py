@@ -36,6 +36,7 @@ from pallas_kernels import stacked_matmul as sm
 
 TARGET = "jaxllm_quantized_matmul_cpu"
 PANEL = sm.PANEL
+STREAM_ROWS = 4  # quant_panels.h's kQuantStreamRows: up to this many rows, the kernel's few-row code (never int8)
 
 
 class QuantFormat(NamedTuple):
@@ -188,10 +189,12 @@ def quantized_matmul(
     *,
     backend: str,
     kernel_max_rows: int | None = None,
+    int8_min_rows: int = 0,
 ) -> Float[Array, " T *N"]:
     """`x @ W[layer]` in float32 for the quantized W. backend "reference": `qw` unpacked, XLA's dequantize and
     dot; "cpu_packed": `qw = pack(...)`, the C++ kernel up to `kernel_max_rows` rows of x (None: every row
-    count), above it XLA's dequantize and dot on the packed arrays."""
+    count), its integer path from `int8_min_rows` rows (0: never), above it XLA's dequantize and dot on the
+    packed arrays."""
     out_shape = (x.shape[0], *qw.qs.shape[2:])
     if backend == "reference":
         lay = _layout(qw)
@@ -201,11 +204,16 @@ def quantized_matmul(
         raise ValueError(f"backend must be 'reference' or 'cpu_packed', got {backend!r}")
     if (kernel_max_rows is not None and x.shape[0] > kernel_max_rows) or not available():
         return quantized_matmul_packed_xla(x, qw, layer)  # also where the kernel did not build (warned once)
-    return jnp.reshape(quantized_matmul_cpu(x, qw, layer), out_shape)
+    return jnp.reshape(quantized_matmul_cpu(x, qw, layer, int8_min_rows=int8_min_rows), out_shape)
 
 
 def grouped_quantized_matmul(
-    tiles: Float[Array, "S M K"], qw: QuantizedWeight, index: Int[Array, " S"], *, kernel_max_rows: int | None = None
+    tiles: Float[Array, "S M K"],
+    qw: QuantizedWeight,
+    index: Int[Array, " S"],
+    *,
+    kernel_max_rows: int | None = None,
+    int8_min_rows: int = 0,
 ) -> Float[Array, "S M *N"]:
     """`tiles[s] @ W[index[s]]` in float32 for `qw = pack(...)`, each tile of rows times its own layer (a mixture of
     experts' grouped matmul, `sm.grouped_matmul`'s quantized twin): one kernel call for every tile, XLA tile by
@@ -213,7 +221,7 @@ def grouped_quantized_matmul(
     s, m, k = tiles.shape
     if (kernel_max_rows is not None and m > kernel_max_rows) or not available():
         return jax.lax.map(lambda a: quantized_matmul_packed_xla(a[0], qw, a[1]), (tiles, index))
-    out = quantized_matmul_cpu(jnp.reshape(tiles, (s * m, k)), qw, index)
+    out = quantized_matmul_cpu(jnp.reshape(tiles, (s * m, k)), qw, index, int8_min_rows=int8_min_rows)
     return jnp.reshape(out, (s, m, *qw.qs.shape[2:]))
 
 
@@ -259,9 +267,10 @@ def available() -> bool:
     return cpu_ffi.register(sm.SOURCE, "QuantizedMatmulCpu", TARGET)
 
 
-def quantized_matmul_cpu(x, qw: QuantizedWeight, layer) -> Array:
+def quantized_matmul_cpu(x, qw: QuantizedWeight, layer, *, int8_min_rows: int = 0) -> Array:
     """The C++ kernel on packed `qw`: float32 `[T, N]` (N flattened). `layer`: one index, or S (x's rows then S
-    tiles, each times its own layer)."""
+    tiles, each times its own layer). `int8_min_rows` > 0: from that many rows on (past the few-row regime), x is
+    quantized to int8 blocks (`quantize_rows`) and multiplied by integer dot instructions (int_panels.h)."""
     if not available():
         raise RuntimeError("the CPU stacked-matmul kernel could not be built (see the warning above)")
     lay = _layout(qw)
@@ -270,7 +279,8 @@ def quantized_matmul_cpu(x, qw: QuantizedWeight, layer) -> Array:
     mins = qw.mins if qw.mins is not None else jnp.zeros((0,), jnp.float16)
     out = jax.ShapeDtypeStruct((x.shape[0], lay.n), jnp.float32)
     index = jnp.reshape(jnp.asarray(layer, jnp.int32), (-1,))
-    return jax.ffi.ffi_call(TARGET, out)(x.astype(jnp.float32), qw.qs, qw.scales, mins, index)
+    call = jax.ffi.ffi_call(TARGET, out)
+    return call(x.astype(jnp.float32), qw.qs, qw.scales, mins, index, int8_min_rows=np.int64(int8_min_rows))
 
 
 def quantized_rows(qw: QuantizedWeight, index: Int[Array, " T"], *, packed: bool, dtype=jnp.float32):
@@ -334,6 +344,23 @@ def _dequant_numpy(qw: QuantizedWeight, layer: int) -> np.ndarray:
     if qw.mins is not None:
         w = w + np.repeat(np.asarray(qw.mins[layer]).astype(np.float64), group, axis=0)
     return w
+
+
+def quantize_rows(x) -> tuple[np.ndarray, np.ndarray]:
+    """x `[T, K]` as the integer path quantizes it (llama.cpp's `quantize_row_q8_1`): each block of 32 to int8,
+    round-to-nearest-even of x * 127 / max|x|, with its float32 scale max|x| / 127. Returns (q `[T, K]` int8,
+    scales `[T, K // 32]`); q * scales is what that path multiplies."""
+    x = np.asarray(x, np.float32)
+    blocks = x.reshape(x.shape[0], -1, 32)
+    amax = np.abs(blocks).max(axis=2)
+    inv = np.divide(np.float32(127), amax, out=np.zeros_like(amax), where=amax > 0)
+    q = np.rint(blocks * inv[:, :, None]).astype(np.int8).reshape(x.shape)
+    return q, amax / np.float32(127)
+
+
+def dequantize_rows(q: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """`quantize_rows`' blocks back to float32 `[T, K]`."""
+    return (q.reshape(q.shape[0], -1, 32) * scales[:, :, None]).reshape(q.shape).astype(np.float32)
 
 
 def reference_matmul(x, qw: QuantizedWeight, layer: int) -> np.ndarray:

@@ -32,7 +32,7 @@ def fresh(monkeypatch, tmp_path):
 def timed(monkeypatch, matmul: dict, attention: dict):
     """Fixed timings instead of measured ones: {rows: (kernel ms, XLA ms)}, {case: (kernel ms, reference ms)}."""
     monkeypatch.setattr(
-        cpu_choice, "_time_matmuls", lambda shapes, dtype, rows, rng, bar=None: {r: matmul[r] for r in rows}
+        cpu_choice, "_time_matmuls", lambda shapes, dtype, rows, rng, bar=None, int8=False: {r: matmul[r] for r in rows}
     )
     monkeypatch.setattr(cpu_choice, "_time_attention", lambda shape, chunk, rng, bar=None: attention)
 
@@ -159,3 +159,60 @@ def test_the_self_check_times_quantized_projections_too(monkeypatch, fresh):
     assert cpu_choice.choose(shapes, "float32", 8, None) == choice  # stored
     with pytest.raises(AssertionError, match="timed again"):
         cpu_choice.choose(((64, 96, "q4_0"), *shapes[1:]), "float32", 8, None)
+
+
+QUANT_SHAPES = ((64, 96, "q4_1"), (64, 96))
+
+
+def test_auto_runs_the_integer_path_from_the_rows_where_it_wins_from_there_on(monkeypatch, fresh):
+    """(kernel, XLA, kernel's integer path) per row count: the integer path from 64 rows (it lost at 8), and the
+    kernel's limit against XLA judged by the path it then takes (the integer one beats XLA at 512, the float one
+    would not)."""
+    monkeypatch.setenv("JAXLLM_CPU_KERNELS", "auto")
+    monkeypatch.delenv("JAXLLM_CPU_INT8_DOT", raising=False)
+    times = {1: (1, 2), 8: (1, 2, 1.5), 64: (2, 3, 1), 128: (2, 3, 1), 256: (4, 5, 2), 512: (6, 5, 3)}
+    timed(monkeypatch, times, {"decode": (1, 3), "prefill": (1, 3)})
+    choice = cpu_choice.choose(QUANT_SHAPES, "float32", 512, ATTENTION)
+    assert (choice.matmul, choice.matmul_max_rows, choice.int8_min_rows) == (True, None, 64)
+    assert "matmul on, int8 dot from 64 rows" in choice.describe()
+
+
+def test_auto_keeps_the_float_path_where_the_integer_one_loses_at_the_most_rows(monkeypatch, fresh):
+    monkeypatch.setenv("JAXLLM_CPU_KERNELS", "auto")
+    monkeypatch.delenv("JAXLLM_CPU_INT8_DOT", raising=False)
+    timed(monkeypatch, {1: (1, 2), 8: (1, 2, 0.5), 64: (1, 2, 1.5)}, {"decode": (1, 3), "prefill": (1, 3)})
+    choice = cpu_choice.choose(QUANT_SHAPES, "float32", 64, ATTENTION)
+    assert choice.int8_min_rows == 0 and "int8" not in choice.describe()
+
+
+@pytest.mark.parametrize("kernels", ["auto", "on"])
+@pytest.mark.parametrize("int8", ["on", "off"])
+def test_the_int8_override_needs_no_timing(monkeypatch, fresh, kernels, int8):
+    monkeypatch.setenv("JAXLLM_CPU_KERNELS", kernels)
+    monkeypatch.setenv("JAXLLM_CPU_INT8_DOT", int8)
+    timed(monkeypatch, {1: (1, 2), 8: (1, 2), 64: (1, 2)}, {"decode": (1, 3), "prefill": (1, 3)})  # pairs: no int8
+    choice = cpu_choice.choose(QUANT_SHAPES, "float32", 64, ATTENTION)
+    assert choice.int8_min_rows == (5 if int8 == "on" else 0)
+    assert cpu_choice.choose(SHAPES, "float32", 64, ATTENTION).int8_min_rows == 0  # nothing quantized
+
+
+def test_under_kernels_on_int8_auto_is_the_exact_path(monkeypatch, fresh):
+    monkeypatch.setenv("JAXLLM_CPU_KERNELS", "on")
+    monkeypatch.delenv("JAXLLM_CPU_INT8_DOT", raising=False)
+    untimed(monkeypatch)
+    assert cpu_choice.choose(QUANT_SHAPES, "float32", 64, ATTENTION).int8_min_rows == 0
+
+
+def test_a_bad_int8_mode_is_a_clear_error(monkeypatch, fresh):
+    monkeypatch.setenv("JAXLLM_CPU_INT8_DOT", "yes")
+    with pytest.raises(ValueError, match="JAXLLM_CPU_INT8_DOT must be one of"):
+        cpu_choice.choose(QUANT_SHAPES, "float32", 64, ATTENTION)
+
+
+def test_the_real_self_check_times_the_integer_path(monkeypatch, fresh):
+    monkeypatch.setenv("JAXLLM_CPU_KERNELS", "auto")
+    monkeypatch.delenv("JAXLLM_CPU_INT8_DOT", raising=False)
+    choice = cpu_choice.choose(((64, 96, "q4_1"), (96, 64, "q8_0")), "float32", 64, None)
+    matmul = choice.timings_ms["matmul"]
+    assert len(matmul["1"]) == 2 and len(matmul["8"]) == 3 and len(matmul["64"]) == 3  # few rows: one code
+    assert all(ms > 0 for times in matmul.values() for ms in times)

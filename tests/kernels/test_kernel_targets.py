@@ -4,10 +4,12 @@
 panels, packed float32 and bfloat16; ragged paged attention: float32 and bfloat16 caches, NaN in
 every block and row a sequence does not own) against a float64 oracle of its own. On x86-64 it is
 built for this CPU (`-march=native`), for x86-64-v3 (the AVX2 code) and x86-64-v2 (the SSE code),
-so every machine checks the paths its own CPU would not take; for ARM64 (NEON), which has no machine
-here, with Debian's aarch64 cross compiler, run under qemu-aarch64; every kernel source also builds
-for aarch64 as a shared object, as `cpu_ffi.py` builds it. CI installs the tools with
-`.ci/install_cross_tools.sh`.
+so every machine checks the paths its own CPU would not take, and for the integer dot instructions of the
+quantized kernel's integer path (int_panels.h): skylake-avx512 (AVX-512 without VNNI: pmaddubsw) and alderlake
+(AVX2 with AVX-VNNI), run where this CPU has them and only compiled elsewhere; for ARM64 (NEON), which has no
+machine here, with Debian's aarch64 cross compiler, run under qemu-aarch64 with and without armv8.2-a's dotprod
+(sdot); every kernel source also builds for aarch64 as a shared object, as `cpu_ffi.py` builds it. CI installs
+the tools with `.ci/install_cross_tools.sh`.
 """
 
 from __future__ import annotations
@@ -25,10 +27,18 @@ from pallas_kernels import cpu_ffi
 
 HARNESS = Path(__file__).with_name("cross") / "harness.cc"
 KERNELS = sorted(Path(cpu_ffi.__file__).parent.glob("*/*.cc"))
-CROSS_CXX, QEMU, ARM_MARCH = "aarch64-linux-gnu-g++", "qemu-aarch64", "armv8-a"
+CROSS_CXX, QEMU, ARM_MARCH, ARM_DOTPROD = "aarch64-linux-gnu-g++", "qemu-aarch64", "armv8-a", "armv8.2-a+dotprod"
 HAVE_CROSS = bool(shutil.which(CROSS_CXX) and shutil.which(QEMU))
 # x86-64 targets any x86-64 machine runs, and the vector code cpu_simd.h picks for each
 X86_TARGETS = {"x86-64-v3": "AVX2+FMA", "x86-64-v2": "SSE"} if platform.machine() == "x86_64" else {}
+# the integer dot code each target takes (cpu_simd.h's kIntDot), and for the targets below the CPU flag that runs it
+INT_DOT = {"x86-64-v3": "pmaddubsw", "x86-64-v2": "pmaddubsw"}
+INT_DOT |= {"armv8-a": "NEON smull", "armv8.2-a+dotprod": "NEON sdot"}
+X86_DOT_TARGETS = (
+    {"skylake-avx512": ("AVX-512", "pmaddubsw", "avx512bw"), "alderlake": ("AVX2+FMA", "AVX-VNNI", "avx_vnni")}
+    if platform.machine() == "x86_64"
+    else {}
+)
 MISSING = f"no {CROSS_CXX} or {QEMU}: run .ci/install_cross_tools.sh (apt: g++-aarch64-linux-gnu qemu-user)"
 # skipped without the tools, except in CI, which installs them: there the NEON path must not go silently unchecked
 needs_cross = pytest.mark.skipif(not HAVE_CROSS and os.environ.get("CI") != "true", reason=MISSING)
@@ -46,10 +56,15 @@ def builds(tmp_path_factory):
     native_cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     assert native_cxx, "no C++ compiler (a test requirement, as for the kernels themselves)"
     specs = {"native": (native_cxx, [*executable_flags(cpu_ffi.march()), str(HARNESS)], out / "harness")}
-    for march in X86_TARGETS:
+    for march in [*X86_TARGETS, *X86_DOT_TARGETS]:
         specs[march] = (native_cxx, [*executable_flags(march), str(HARNESS)], out / f"harness-{march}")
     if HAVE_CROSS:
         specs["aarch64"] = (CROSS_CXX, [*executable_flags(ARM_MARCH), "-static", str(HARNESS)], out / "harness-arm")
+        specs["aarch64-dotprod"] = (
+            CROSS_CXX,
+            [*executable_flags(ARM_DOTPROD), "-static", str(HARNESS)],
+            out / "harness-arm-dotprod",
+        )
         for source in KERNELS:  # exactly as cpu_ffi.build would, for aarch64
             so = out / f"{source.parent.name}-aarch64.so"
             specs[source.parent.name] = (CROSS_CXX, [*cpu_ffi.FLAGS, f"-march={ARM_MARCH}", str(source)], so)
@@ -85,13 +100,37 @@ def test_harness_natively(builds):
 @pytest.mark.parametrize("march", sorted(X86_TARGETS))
 def test_harness_for_each_x86_target(builds, march):
     out = run_harness([str(build(builds, march))])
-    assert out.startswith(f"isa {X86_TARGETS[march]},"), f"{march} built other code: {out.splitlines()[0]}"
+    first = out.splitlines()[0]
+    assert first.startswith(f"isa {X86_TARGETS[march]},"), f"{march} built other code: {first}"
+    assert first.endswith(f"integer dot {INT_DOT[march]}"), first
+
+
+def cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":")[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+@pytest.mark.parametrize("march", sorted(X86_DOT_TARGETS))
+def test_harness_for_each_integer_dot_target(builds, march):
+    """Built everywhere; run where this CPU has the instructions (a VNNI machine runs both)."""
+    isa, dot, flag = X86_DOT_TARGETS[march]
+    binary = build(builds, march)
+    if flag not in cpu_flags():
+        pytest.skip(f"built for {march}; this CPU lacks {flag} to run it")
+    first = run_harness([str(binary)]).splitlines()[0]
+    assert first.startswith(f"isa {isa},") and first.endswith(f"integer dot {dot}"), first
 
 
 @needs_cross
-def test_harness_on_aarch64_under_qemu(builds):
-    out = run_harness([QEMU, str(build(builds, "aarch64"))])
-    assert out.startswith("isa NEON,"), f"the aarch64 build did not use NEON: {out.splitlines()[0]}"
+@pytest.mark.parametrize("build_name, march", [("aarch64", ARM_MARCH), ("aarch64-dotprod", ARM_DOTPROD)])
+def test_harness_on_aarch64_under_qemu(builds, build_name, march):
+    out = run_harness([QEMU, str(build(builds, build_name))])
+    first = out.splitlines()[0]
+    assert first.startswith("isa NEON,"), f"the aarch64 build did not use NEON: {first}"
+    assert first.endswith(f"integer dot {INT_DOT[march]}"), first
 
 
 @needs_cross

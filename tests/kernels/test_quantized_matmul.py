@@ -110,6 +110,62 @@ def test_grouped_kernel_runs_each_tile_against_its_own_layer(fmt):
                 check(out, x, keep, qw, int(layer))
 
 
+def as_int8_blocks(x: np.ndarray, keep: np.ndarray) -> np.ndarray:
+    """x with its compared rows as the integer path multiplies them: `quantize_rows`' int8 blocks, dequantized."""
+    out = x.copy()
+    out[keep] = qm.dequantize_rows(*qm.quantize_rows(x[keep]))
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_integer_path_matches_the_oracle_on_x_as_its_int8_blocks(fmt):
+    """`int8_min_rows`: from that many rows on (past the few-row regime) x is quantized to int8 blocks of 32 and
+    multiplied by integer dot instructions. Against the float64 oracle on those blocks dequantized, within the
+    float32 accumulation's 1e-5 (x's own quantization error is ~100x that, so the float-activation path fails
+    this); a NaN row of x stays in its row, other layers' scales are NaN; the grouped call alike."""
+    rng = np.random.default_rng(hash(("int8", fmt)) % 2**32)
+    matmul = jax.jit(lambda x, w, i: qm.quantized_matmul(x, w, i, backend="cpu_packed", int8_min_rows=5))
+    for shape in SHAPES:
+        qw = qm.random_weight(rng, fmt, shape)
+        weight = jax.device_put(qm.pack(poisoned(qw, LAYER)))
+        for rows in (5, 8, 17, 64):
+            x, keep = x_rows(rng, rows, shape[1])
+            check(matmul(x, weight, LAYER), as_int8_blocks(x, keep), keep, qw, LAYER)
+    grouped = jax.jit(lambda t, w, i: qm.grouped_quantized_matmul(t, w, i, int8_min_rows=5))
+    index = np.array([2, 0, 0], np.int32)
+    qw = qm.random_weight(rng, fmt, (3, 96, 64))
+    tiles = [x_rows(rng, 6, 96) for _ in index]
+    got = grouped(np.stack([x for x, _ in tiles]), jax.device_put(qm.pack(qw)), index)
+    for (x, keep), out, layer in zip(tiles, np.asarray(got), index, strict=True):
+        check(out, as_int8_blocks(x, keep), keep, qw, int(layer))
+
+
+@needs_kernel
+def test_the_integer_path_leaves_the_few_row_regime_exact():
+    """Up to quant_panels.h's few-row regime (`STREAM_ROWS`) the float-activation code runs whatever
+    `int8_min_rows` says: bit for bit the same outputs."""
+    rng = np.random.default_rng(7)
+    packed = jax.device_put(qm.pack(qm.random_weight(rng, "q4_1", (1, 96, 64))))
+    for rows in range(1, qm.STREAM_ROWS + 1):
+        x = rng.standard_normal((rows, 96)).astype(np.float32)
+        plain, integer = (np.asarray(qm.quantized_matmul_cpu(x, packed, 0, int8_min_rows=m)) for m in (0, 1))
+        assert np.array_equal(plain, integer)
+
+
+def test_quantize_rows_is_llama_cpps_q8_1():
+    """Each block of 32: scale max|x| / 127, q = round-half-to-even(x * 127 / max|x|) in [-127, 127]; a zero
+    block stays zero."""
+    x = np.zeros((2, 64), np.float32)
+    x[0, :32] = np.linspace(-2, 2, 32, dtype=np.float32)
+    x[0, 32:36] = [63.5, 1.25, 1.75, -0.25]  # scale 0.5: 127, 2.5, 3.5 and -0.5 steps
+    q, scales = qm.quantize_rows(x)
+    assert scales[0, 0] == np.float32(2) / np.float32(127) and (q[0, 0], q[0, 31]) == (-127, 127)
+    assert scales[0, 1] == np.float32(0.5) and list(q[0, 32:36]) == [127, 2, 4, 0]
+    assert not q[1].any() and not scales[1].any()
+    np.testing.assert_allclose(qm.dequantize_rows(q, scales), x, atol=float(scales.max()) / 2 + 1e-6)
+
+
 def numpy_dequant32(qw: qm.QuantizedWeight, layer: int) -> np.ndarray:
     """The formulas in float32 numpy, each operation rounded once: `d * q`, `d * q + m`, `d * (q - 8)`."""
     qs, d = np.asarray(qw.qs[layer]), np.asarray(qw.scales[layer]).astype(np.float32)

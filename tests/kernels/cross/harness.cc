@@ -230,7 +230,7 @@ void QuantCases(Rng& rng) {
     std::vector<uint16_t> d(kLayers * groups * kQN, 0x7e00), m(c.has_min ? d.size() : 0, 0x7e00);
     for (auto& q : qs) {
       q = static_cast<uint8_t>(rng.Below(256));
-      if (c.bits == 8 && q == 0) q = 1;
+      if (c.bits == 8 && (q == 0 || q == 0x80)) q = 1;  // 8-bit quants in [-127, 127], the formats' range
     }
     for (int64_t i = kLayer * groups * kQN; i < (kLayer + 1) * groups * kQN; ++i) {
       d[i] = RandomHalf(rng, c.has_min);
@@ -271,6 +271,15 @@ void QuantCases(Rng& rng) {
       std::vector<float> y(rows * kQN, kNaN);
       matmul::QuantMatmul(kTeam, x.data(), rows, layer, c.bits, y.data());
       CheckMatmul(std::string("quantized ") + c.name + " rows=" + std::to_string(rows), x, rows, w, kQN, y, kQK);
+      if (rows <= matmul::kQuantStreamRows) continue;
+      // the integer path: against x as its int8 blocks hold it (the integer sums exact, the scales float32)
+      std::fill(y.begin(), y.end(), kNaN);
+      matmul::QuantMatmul(kTeam, x.data(), rows, layer, c.bits, y.data(), 1);
+      const matmul::QuantizedRows xq = matmul::QuantizeRows(x.data(), rows, kQK);
+      std::vector<float> x8(x.size());
+      for (size_t i = 0; i < x.size(); ++i) x8[i] = xq.a[i / matmul::kQ8Block] * xq.q[i];
+      CheckMatmul(std::string("quantized int8-dot ") + c.name + " rows=" + std::to_string(rows), x8, rows, w, kQN, y,
+                  kQK);
     }
   }
 }
@@ -410,7 +419,8 @@ void CheckAttention(Rng& rng, const AttentionCase& c) {
 }  // namespace
 
 int main() {
-  std::printf("isa %s, %d float32 lanes, %d threads\n", jaxllm_simd::kIsa, jaxllm_simd::kLanes, kTeam.max_threads());
+  std::printf("isa %s, %d float32 lanes, %d threads, integer dot %s\n", jaxllm_simd::kIsa, jaxllm_simd::kLanes,
+              kTeam.max_threads(), jaxllm_simd::kIntDot);
   Rng rng{20240601};
   MatmulCases(rng);
   QuantCases(rng);

@@ -1,0 +1,231 @@
+// The quantized kernel's integer path (QuantMatmul with `int8_min_rows`): x quantized to int8 once per call, then
+// multiplied by the quants with integer dot instructions (cpu_simd.h's DotBytes: vpdpbusd, pmaddubsw, sdot), as
+// llama.cpp's CPU backend does. Float32 multiply-adds cap a compute-bound matmul (a batch of 64, a prefill
+// chunk) at the float roof; one vpdpbusd does four times an FMA's multiply-adds. QuantMatmul, at the end, picks
+// between this path and quant_panels.h's.
+//
+// - x: each row's blocks of 32 to int8, symmetric and round-to-nearest-even, with the block's scale a =
+//   max|x| / 127 and s = a * (the sum of its int8 values), llama.cpp's Q8_1 (QuantizeRows; quantized.py's
+//   quantize_rows is the same in numpy). Every panel and row strip reuses them.
+// - w: each panel rearranged, per thread, into a buffer of "quads" (RepackPanel): the 4 quants of k = 4i .. 4i + 3
+//   side by side per column, [K / 4, kPanel, 4] bytes, the order the dot instructions sum in; its float16
+//   scales widened, and the min term's coefficients m' (the min; -8 d for Q4_0; minus kQ8Bias d for a biased
+//   8-bit panel). Like DequantPanel's float panel, amortized over the rows, and one copy of the weights stays in
+//   memory: nothing new is packed at load.
+// - per block b of 32 k and group g: y[r, c] += a[r, b] d[g, c] I[r, c, b] + s[r, b] m'[g, c], with I the exact
+//   int32 dot of the block (at most 32 * 255 * 127 in magnitude).
+// Register tiles: kIntRows rows by kTileVecs vectors of columns, float accumulators over K and int32 ones per block.
+
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "../cpu_simd.h"
+#include "../cpu_team.h"
+#include "float_panels.h"
+#include "quant_panels.h"
+
+namespace {
+
+using jaxllm_simd::DotBytes;
+using jaxllm_simd::kQ8Bias;
+using jaxllm_simd::kQ8Symmetric;
+using jaxllm_simd::kVecBytes;
+
+constexpr int64_t kQ8Block = 32;  // x's values per scale
+
+struct QuantizedRows {  // x as llama.cpp's Q8_1 blocks, [rows, K] and [rows, K / 32]
+  std::vector<int8_t> q;
+  std::vector<float> a;  // the block's scale
+  std::vector<float> s;  // a times the sum of the block's q
+};
+
+// Round-to-nearest-even of |v| < 2^22 as an integer: v + 1.5 * 2^23 rounds in the float add, and the sum's bits
+// are then 0x4B400000 plus the integer (bits, not a float subtraction, which -ffast-math could fold away).
+inline VecI RoundToInt(VecF v) { return (VecI)(v + 12582912.f) - 0x4B400000; }
+
+QuantizedRows QuantizeRows(const float* x, int64_t rows, int64_t k_dim) {
+  constexpr int kVecs = kQ8Block / kLanes;
+  const int64_t blocks = rows * k_dim / kQ8Block;
+  QuantizedRows out{std::vector<int8_t>(rows * k_dim), std::vector<float>(blocks), std::vector<float>(blocks)};
+  for (int64_t b = 0; b < blocks; ++b) {
+    VecF v[kVecs];
+    VecF amax{};
+    for (int i = 0; i < kVecs; ++i) {
+      v[i] = Load(x + b * kQ8Block + i * kLanes);
+      const VecF magnitude = (VecF)((VecU)v[i] & 0x7fffffffu);
+      amax = amax > magnitude ? amax : magnitude;
+    }
+    float m = 0;
+    for (int l = 0; l < kLanes; ++l) m = std::max(m, amax[l]);
+    const float inv = m > 0 ? 127.f / m : 0.f;
+    VecI sum{};
+    for (int i = 0; i < kVecs; ++i) {
+      const VecI q = RoundToInt(v[i] * inv);
+      sum += q;
+      for (int l = 0; l < kLanes; ++l) out.q[b * kQ8Block + i * kLanes + l] = static_cast<int8_t>(q[l]);
+    }
+    int32_t total = 0;
+    for (int l = 0; l < kLanes; ++l) total += sum[l];
+    out.a[b] = m / 127.f;
+    out.s[b] = out.a[b] * static_cast<float>(total);
+  }
+  return out;
+}
+
+typedef uint8_t Bytes16 __attribute__((vector_size(16)));
+
+inline Bytes16 Load16(const uint8_t* p) {
+  Bytes16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// Rows r0 .. r3 of a panel's quants (kPanel bytes each, `ld` apart), each byte through `f`, as 32 quads:
+// out[4 c + j] = f(r_j[c]).
+template <class F>
+inline void InterleaveQuads(const uint8_t* src, int64_t ld, uint8_t* out, F f) {
+  for (int h = 0; h < 2; ++h) {
+    const Bytes16 r0 = f(Load16(src + h * 16)), r1 = f(Load16(src + ld + h * 16));
+    const Bytes16 r2 = f(Load16(src + 2 * ld + h * 16)), r3 = f(Load16(src + 3 * ld + h * 16));
+    const Bytes16 lo01 = __builtin_shufflevector(r0, r1, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const Bytes16 hi01 = __builtin_shufflevector(r0, r1, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    const Bytes16 lo23 = __builtin_shufflevector(r2, r3, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const Bytes16 hi23 = __builtin_shufflevector(r2, r3, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    const Bytes16 quads[4] = {
+        __builtin_shufflevector(lo01, lo23, 0, 1, 16, 17, 2, 3, 18, 19, 4, 5, 20, 21, 6, 7, 22, 23),
+        __builtin_shufflevector(lo01, lo23, 8, 9, 24, 25, 10, 11, 26, 27, 12, 13, 28, 29, 14, 15, 30, 31),
+        __builtin_shufflevector(hi01, hi23, 0, 1, 16, 17, 2, 3, 18, 19, 4, 5, 20, 21, 6, 7, 22, 23),
+        __builtin_shufflevector(hi01, hi23, 8, 9, 24, 25, 10, 11, 26, 27, 12, 13, 28, 29, 14, 15, 30, 31),
+    };
+    std::memcpy(out + h * 64, quads, sizeof quads);
+  }
+}
+
+struct IntPanel {  // one panel as the integer tiles read it (see the top)
+  std::vector<uint8_t> quads;  // [K / 4, kPanel, 4]
+  std::vector<float> d, m;     // [groups, kPanel]
+};
+
+template <int BITS, bool MIN>
+void RepackPanel(const QuantLayer& w, int64_t p, IntPanel& out) {
+  const int64_t k_dim = w.k_dim, groups = k_dim / w.group, q_rows = BITS == 4 ? k_dim / 2 : k_dim;
+  out.quads.resize(k_dim * kPanel);
+  out.d.resize(groups * kPanel);
+  out.m.resize(groups * kPanel);
+  const auto* q = static_cast<const uint8_t*>(w.qs) + p * q_rows * kPanel;
+  constexpr int64_t kQuad = 4 * kPanel;
+  if constexpr (BITS == 8) {
+    const auto stored = [](Bytes16 v) {  // plus the bias; -128 as -127 where the sign trick needs it
+      if constexpr (kQ8Symmetric) v = v == 0x80 ? Bytes16{} + 0x81 : v;
+      return v ^ static_cast<uint8_t>(kQ8Bias);
+    };
+    for (int64_t i = 0; i < k_dim / 4; ++i) InterleaveQuads(q + 4 * i * kPanel, kPanel, out.quads.data() + i * kQuad, stored);
+  } else {  // byte row 16 b + j holds k = 32 b + j (low nibble) and 32 b + 16 + j (high): quads 8 b + i and 8 b + 4 + i
+    const auto low = [](Bytes16 v) { return v & 15; };
+    const auto high = [](Bytes16 v) { return v >> 4; };
+    for (int64_t b = 0; b < k_dim / 32; ++b)
+      for (int64_t i = 0; i < 4; ++i) {
+        const uint8_t* rows = q + (16 * b + 4 * i) * kPanel;
+        InterleaveQuads(rows, kPanel, out.quads.data() + (8 * b + i) * kQuad, low);
+        InterleaveQuads(rows, kPanel, out.quads.data() + (8 * b + 4 + i) * kQuad, high);
+      }
+  }
+  const int64_t s0 = p * groups * kPanel;
+  for (int64_t i = 0; i < groups * kPanel; i += kLanes) {
+    const VecF d = LoadHalf(w.scales + s0 + i);
+    VecF m = MIN ? LoadHalf(w.mins + s0 + i) : VecF{};
+    if constexpr (BITS == 4 && !MIN) m = -8.f * d;
+    if constexpr (BITS == 8) m = -static_cast<float>(kQ8Bias) * d;
+    Store(out.d.data() + i, d);
+    Store(out.m.data() + i, m);
+  }
+}
+
+// Rows that fit the registers beside a strip of kTileVecs vectors: float and int32 accumulators, the quads and x.
+constexpr int kIntRows = std::max(1, std::min(8, (kVecRegs - kTileVecs - 3) / (2 * kTileVecs)));
+
+// y[0:ROWS, c0 + kTileCols) of panel `pw` = x's quantized rows from `x_row` on times the panel (overwritten).
+template <int ROWS, int BITS>
+void IntStrip(const QuantizedRows& xq, int64_t x_row, int64_t k_dim, int64_t group, const IntPanel& pw, int c0,
+              float* y, int64_t ldy) {
+  const int64_t blocks = k_dim / kQ8Block, per_group = group / kQ8Block;
+  VecF acc[ROWS][kTileVecs];
+  for (int r = 0; r < ROWS; ++r)
+    for (int v = 0; v < kTileVecs; ++v) acc[r][v] = VecF{};
+  for (int64_t b = 0; b < blocks; ++b) {
+    VecI dots[ROWS][kTileVecs];
+    for (int r = 0; r < ROWS; ++r)
+      for (int v = 0; v < kTileVecs; ++v) dots[r][v] = VecI{};
+    const uint8_t* wb = pw.quads.data() + (b * 8 * kPanel + c0) * 4;
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; ++j) {
+      VecI w[kTileVecs];
+      for (int v = 0; v < kTileVecs; ++v) std::memcpy(&w[v], wb + j * 4 * kPanel + v * kVecBytes, sizeof w[v]);
+#pragma GCC unroll 8
+      for (int r = 0; r < ROWS; ++r) {
+        int32_t x4;
+        std::memcpy(&x4, xq.q.data() + (x_row + r) * k_dim + b * kQ8Block + 4 * j, sizeof x4);
+        const VecI xs = VecI{} + x4;
+        for (int v = 0; v < kTileVecs; ++v) dots[r][v] = DotBytes<BITS>(dots[r][v], w[v], xs);
+      }
+    }
+    const int64_t g = b / per_group;
+    VecF d[kTileVecs], m[kTileVecs];
+    for (int v = 0; v < kTileVecs; ++v) {
+      d[v] = Load(pw.d.data() + g * kPanel + c0 + v * kLanes);
+      m[v] = Load(pw.m.data() + g * kPanel + c0 + v * kLanes);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < ROWS; ++r) {
+      const float a = xq.a[(x_row + r) * blocks + b], s = xq.s[(x_row + r) * blocks + b];
+      for (int v = 0; v < kTileVecs; ++v) acc[r][v] += __builtin_convertvector(dots[r][v], VecF) * (d[v] * a) + m[v] * s;
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int v = 0; v < kTileVecs; ++v) Store(y + r * ldy + c0 + v * kLanes, acc[r][v]);
+}
+
+template <int ROWS, int BITS>
+void IntStripRemainder(int rows, const QuantizedRows& xq, int64_t x_row, int64_t k_dim, int64_t group,
+                       const IntPanel& pw, int c0, float* y, int64_t ldy) {
+  if constexpr (ROWS > 0) {
+    if (rows == ROWS) return IntStrip<ROWS, BITS>(xq, x_row, k_dim, group, pw, c0, y, ldy);
+    IntStripRemainder<ROWS - 1, BITS>(rows, xq, x_row, k_dim, group, pw, c0, y, ldy);
+  }
+}
+
+template <int BITS, bool MIN>
+void IntPanels(const Team& team, const float* xp, int64_t rows, const QuantLayer& w, float* y) {
+  const QuantizedRows xq = QuantizeRows(xp, rows, w.k_dim);
+  const int64_t panels = w.n / kPanel;
+  const int threads = TeamSize(team, rows, w.k_dim * w.n * kQuantTeamBytesPerWeight);
+  team.ForEach(threads, panels, ChunkFor(panels, threads), [&](int64_t p) {
+    static thread_local IntPanel panel;  // reused across calls, as QuantPanels' float panel
+    RepackPanel<BITS, MIN>(w, p, panel);
+    for (int64_t r0 = 0; r0 < rows; r0 += kIntRows) {
+      const int n_rows = static_cast<int>(std::min<int64_t>(kIntRows, rows - r0));
+      for (int c = 0; c < kPanel; c += kTileCols)
+        IntStripRemainder<kIntRows, BITS>(n_rows, xq, r0, w.k_dim, w.group, panel, c, y + r0 * w.n + p * kPanel, w.n);
+    }
+  });
+}
+
+// y = x @ w: the integer path from `int8_min_rows` rows of x on (0: never; only past the few-row regime, whose
+// float-activation strips read the weights once at the memory's rate), else quant_panels.h's.
+void QuantMatmul(const Team& team, const float* xp, int64_t rows, const QuantLayer& w, int bits, float* y,
+                 int64_t int8_min_rows = 0) {
+  if (int8_min_rows > 0 && rows >= int8_min_rows && rows > kQuantStreamRows && w.k_dim % kQ8Block == 0) {
+    if (bits == 8) return IntPanels<8, false>(team, xp, rows, w, y);
+    if (w.mins) return IntPanels<4, true>(team, xp, rows, w, y);
+    return IntPanels<4, false>(team, xp, rows, w, y);
+  }
+  if (bits == 8) return QuantPanels<8, false>(team, xp, rows, w, y);
+  if (w.mins) return QuantPanels<4, true>(team, xp, rows, w, y);
+  QuantPanels<4, false>(team, xp, rows, w, y);
+}
+
+}  // namespace
