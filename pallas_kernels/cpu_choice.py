@@ -152,7 +152,7 @@ def _time_matmuls(shapes, dtype, row_counts, rng, bar=None, int8=False) -> dict[
     return out
 
 
-def _time_attention(shape: AttentionShape, chunk: int, rng, bar=None) -> dict[str, tuple[float, float]]:
+def _time_attention(shape: AttentionShape, chunk: int, rng, bar=None) -> dict[str, tuple[float, ...]]:
     """(kernel ms, reference ms) on a decode batch (8 rows, 512 keys each) and a prefill chunk; `bar` (a tqdm bar,
     or None) advances by one per case."""
     from pallas_kernels import ragged_paged_attention, write_kv
