@@ -14,6 +14,10 @@ it in the window. Perplexity = exp(total NLL / tokens scored). The very same win
   channel), `int4` (groups of 32);
 - transformers (PyTorch, float32) loading the same GGUF file (`gguf_file=`: dequantized on load).
 
+`--int8-dot off on` scores each quantized setting once per `JAXLLM_CPU_INT8_DOT` mode: "off" the CPU kernel's
+float-activation path, "on" its integer path (x quantized to int8 blocks of 32, as llama.cpp's CPU backend does;
+rows `native+int8dot` ...), so what 8-bit activations cost shows beside what the weights' formats cost.
+
 Reported per setting: perplexity, mean NLL, tokens scored, the ratio of its perplexity to jaxllm float32
 (`none`) and to transformers, the largest per-token logprob difference from `none`, and seconds (engine
 start-up and scoring apart).
@@ -88,9 +92,16 @@ def quantization_kwargs(setting: str) -> dict:
     return {"quantization": None if setting == "native" else setting}
 
 
+INT8_DOT = "+int8dot"  # a setting's suffix: the CPU kernel's integer path (JAXLLM_CPU_INT8_DOT=on)
+
+
 def make_engine(setting: str, window: int, *, model: str | None = None, **engine_args):
-    """An engine for `setting`, sized for scoring windows of `window` tokens; and its start-up seconds."""
+    """An engine for `setting` (a quantization, `+int8dot` for the integer path), sized for scoring windows of
+    `window` tokens; and its start-up seconds."""
     from jaxllm import LLM
+
+    int8_dot = setting.endswith(INT8_DOT)
+    setting = setting.removesuffix(INT8_DOT)
 
     args = {
         "max_model_len": window + KV_BLOCK_SIZE,
@@ -101,7 +112,14 @@ def make_engine(setting: str, window: int, *, model: str | None = None, **engine
         **quantization_kwargs(setting),
     }
     started = time.perf_counter()
-    llm = LLM(model, **args)
+    before = os.environ.get("JAXLLM_CPU_INT8_DOT")
+    os.environ["JAXLLM_CPU_INT8_DOT"] = "on" if int8_dot else "off"
+    try:
+        llm = LLM(model, **args)
+    finally:
+        os.environ.pop("JAXLLM_CPU_INT8_DOT")
+        if before is not None:
+            os.environ["JAXLLM_CPU_INT8_DOT"] = before
     return llm, time.perf_counter() - started
 
 
@@ -168,6 +186,13 @@ def main() -> None:
     parser.add_argument(
         "--kv-cache-memory-bytes", type=int, default=256 << 20, help="KV cache budget (default 256 MiB)"
     )
+    parser.add_argument(
+        "--int8-dot",
+        nargs="+",
+        default=["off"],
+        choices=["off", "on"],
+        help="the CPU kernel's paths for quantized weights: off (float activations), on (x in int8 blocks)",
+    )
     parser.add_argument("--output", default=None, help="write the result JSON here")
     args = parser.parse_args()
     if args.window < 2:
@@ -177,6 +202,8 @@ def main() -> None:
         parser.error("this jaxllm has no quantization argument yet (issue 29): only --quantization none runs")
     # the float32 reference first: the others' ratios are to it
     settings.sort(key=lambda s: s != "none")
+    settings = [s + suffix for s in settings for suffix in ("" if m == "off" else INT8_DOT for m in args.int8_dot)]
+    settings = [s for s in settings if s != "none" + INT8_DOT]  # float32 weights: no quantized kernel
 
     from jaxllm.bench import offline
 

@@ -7,6 +7,9 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 # the C++ kernels wherever they apply, as the self-check's "on": every test runs the same paths on every
 # machine, whatever its timings say (tests/kernels/test_cpu_choice.py tests the self-check itself)
 os.environ.setdefault("JAXLLM_CPU_KERNELS", "on")
+# the quantized kernel's exact float-activation path: tests compare tokens with transformers; the integer path
+# (x in 8 bits) has tests of its own (tests/test_int8_dot.py, tests/test_perplexity.py)
+os.environ.setdefault("JAXLLM_CPU_INT8_DOT", "off")
 
 import pytest  # noqa: E402
 

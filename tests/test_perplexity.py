@@ -8,7 +8,9 @@ engine reuses the compilations of the other end-to-end tests. Bounds, on perplex
 - `none` (every weight dequantized, float32) within 0.5 % of transformers' float32 on the same GGUF file;
 - the default (`quantization=None`: the GGUF's own Q4_1 / Q8_0 blocks) within 0.1 % of `none`: the same
   weights, only the summation order differs;
-- `int8` (per output channel) within 1 % of `none`, `int4` (groups of 32) within 5 %.
+- `int8` (per output channel) within 1 % of `none`, `int4` (groups of 32) within 5 %;
+- each of those three with the CPU kernel's integer path (`+int8dot`: x quantized to int8 blocks of 32, issue 49)
+  within 0.5 % of the same weights on the float-activation path.
 """
 
 import gc
@@ -19,6 +21,7 @@ import pytest
 
 from benchmarks.perplexity import (
     DEFAULT_TEXT,
+    INT8_DOT,
     has_quantization,
     make_engine,
     make_windows,
@@ -85,6 +88,15 @@ def test_float32_matches_transformers(scores, hf_default_model):
     assert a["tokens_scored"] == b["tokens_scored"] == TEXT_TOKENS - len(scores.windows)
     assert abs(a["perplexity"] / b["perplexity"] - 1) < 0.005, (a, b)
     assert max(float(np.abs(x - y).max()) for x, y in zip(ours, theirs, strict=True)) < 2e-3
+
+
+@pytest.mark.parametrize("setting", ["native", "int8", "int4"])
+def test_the_integer_path_keeps_the_perplexity_of_its_float_activations(scores, setting):
+    floats = summary(scores(setting))
+    got = summary(scores(setting + INT8_DOT))
+    assert got["tokens_scored"] == floats["tokens_scored"]
+    ratio = got["perplexity"] / floats["perplexity"]
+    assert abs(ratio - 1) < 0.005, f"{setting}: 8-bit x gives perplexity {got['perplexity']:.4f}, x{ratio:.5f}"
 
 
 @pytest.mark.parametrize("setting", ["native", "int8", "int4"])

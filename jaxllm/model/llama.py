@@ -17,6 +17,7 @@ Layers run one of two ways (`scan_layers`):
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Generic, NamedTuple, TypeVar
 
 import flax.linen as nn
@@ -283,7 +284,6 @@ class CausalLM(nn.Module):
             head_packed and a.tie_word_embeddings,
             self.matmul_kernel_max_rows,
             self.quant.get("embed_tokens"),
-            self.matmul_int8_min_rows,
             name="embed_tokens",
         )
         if self.first_stage:
@@ -341,7 +341,9 @@ class CausalLM(nn.Module):
                 shard_axis=0,
                 dtype=self.dtype,
                 bias=False,
-                stacking=self.layer_stacking(None),
+                # the LM head keeps x in float32 (the integer path's x in 8 bits moved the default model's
+                # held-out perplexity by 0.26 % through the head alone: docs/quantization.md)
+                stacking=dataclasses.replace(self.layer_stacking(None), int8_min_rows=0),
                 packed=head_packed,
                 name="lm_head",
             )
