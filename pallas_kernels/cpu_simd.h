@@ -178,6 +178,25 @@ inline VecF DotBf16Pairs(VecF acc, VecBf16Pairs a, VecBf16Pairs b) {
 }
 #endif
 
+// Each lane rounded to the nearest integer, ties to even (the conversion instructions under the default rounding
+// mode). An instruction of its own, so that -ffast-math cannot fuse the product rounded here into an FMA with a
+// rounding constant, which rounds once instead of twice and disagrees with llama.cpp's roundf(x * id) now and then.
+inline VecI RoundToInt(VecF v) {
+#if defined(__AVX512F__)
+  return (VecI)_mm512_cvtps_epi32((__m512)v);
+#elif defined(__AVX__)
+  return (VecI)_mm256_cvtps_epi32((__m256)v);
+#elif defined(__SSE2__)
+  return (VecI)_mm_cvtps_epi32((__m128)v);
+#elif defined(__aarch64__)
+  return (VecI)vcvtnq_s32_f32((float32x4_t)v);
+#else
+  VecI out;
+  for (int i = 0; i < kLanes; ++i) out[i] = static_cast<int32_t>(__builtin_nearbyintf(v[i]));
+  return out;
+#endif
+}
+
 // Integer dot products of bytes, for the quantized kernels' integer path (int_panels.h): lane i of
 // DotBytes<BITS>(acc, w, x) is acc[i] plus the sum over j < 4 of w's byte 4i + j times x's, x signed (int8) and w
 // as an integer panel stores it: a 4-bit quant (0..15) or an 8-bit one plus kQ8Bias. kIntDot names the way:

@@ -275,7 +275,7 @@ void QuantCases(Rng& rng) {
       // the integer path: against x as its int8 blocks hold it (the integer sums exact, the scales float32)
       std::fill(y.begin(), y.end(), kNaN);
       matmul::QuantMatmul(kTeam, x.data(), rows, layer, c.bits, y.data(), 1);
-      const matmul::QuantizedRows xq = matmul::QuantizeRows(x.data(), rows, kQK);
+      const matmul::QuantizedRows xq = matmul::QuantizeRows(kTeam, x.data(), rows, kQK);
       std::vector<float> x8(x.size());
       for (size_t i = 0; i < x.size(); ++i) x8[i] = xq.a[i / matmul::kQ8Block] * xq.q[i];
       CheckMatmul(std::string("quantized int8-dot ") + c.name + " rows=" + std::to_string(rows), x8, rows, w, kQN, y,
