@@ -4,7 +4,9 @@
 Matmul: a jitted `[n, n] @ [n, n]` in float32 and bfloat16 under XLA, median of `--reps` runs,
 and through jaxllm's own CPU kernel on packed weights (`pallas_kernels.stacked_matmul`,
 "cpu_packed"), with the target it was built for (`kernel_target`) and its ratio to XLA's dot
-(`matmul_{dtype}_kernel_over_xla`); `matmul_{dtype}_gflops`, the ceiling, is the faster.
+(`matmul_{dtype}_kernel_over_xla`); `matmul_{dtype}_gflops`, the ceiling, is the faster. `matmul_int8_gflops`:
+the quantized kernel's integer path (x in int8 blocks, integer dot instructions) on an `[n, n]` Q8_0 weight, the
+compute ceiling of engines that take it (multiply-adds counted as 2 operations, as for the floats).
 Memory: a jitted sum over a `--mem-mib` float32 array (reads every byte once, writes nothing),
 and numpy's copy of the same array for comparison. Prints one JSON object.
 
@@ -30,6 +32,22 @@ def median_seconds(fn, reps: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+def int8_ceiling(n: int, reps: int) -> dict:
+    """The quantized kernel's integer path on `[n, n] @ [n, n]` Q8_0 (empty where the kernel did not build)."""
+    import jax
+
+    from pallas_kernels.stacked_matmul import quantized
+
+    if not quantized.available():
+        return {}
+    rng = np.random.default_rng(0)
+    weight = jax.device_put(quantized.pack(quantized.random_weight(rng, "q8_0", (1, n, n))))
+    x = jax.numpy.asarray(rng.standard_normal((n, n), np.float32))
+    kernel = jax.jit(lambda x, w: quantized.quantized_matmul_cpu(x, w, 0, int8_min_rows=1))
+    seconds = median_seconds(lambda: kernel(x, weight).block_until_ready(), reps)
+    return {"matmul_int8_gflops": round(2 * n**3 / seconds / 1e9, 1)}
 
 
 def ceilings(n: int = 2048, reps: int = 7, mem_mib: int = 1024) -> dict:
@@ -61,6 +79,7 @@ def ceilings(n: int = 2048, reps: int = 7, mem_mib: int = 1024) -> dict:
                     out[f"matmul_{dtype}_kernel_gflops"] / out[f"matmul_{dtype}_xla_gflops"], 2
                 )
                 out[f"matmul_{dtype}_gflops"] = max(out[f"matmul_{dtype}_gflops"], out[f"matmul_{dtype}_kernel_gflops"])
+            out |= int8_ceiling(n, reps)
     host = np.ones(mem_mib * 2**20 // 4, np.float32)
     device = jnp.asarray(host)
     total = jax.jit(jnp.sum)

@@ -101,13 +101,16 @@ def startup(args, cache_dir: str) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def roofline(arch, dtype, weights: int, batch: int, input_len: int, output_len: int, ceiling: dict) -> dict:
+def roofline(
+    arch, dtype, weights: int, batch: int, input_len: int, output_len: int, ceiling: dict, compute: str | None = None
+) -> dict:
     """Best output tok/s for the workload: compute time and weight/KV read time, whichever is larger.
 
     FLOPs: every token of the prompt and of the output but the last goes through the layers' matmuls,
     the LM head runs once per output token, and attention costs 4·context·Hq·D per token and layer.
     Reads: one pass over the weights (`weights` bytes) per decode step plus each sequence's K/V so far.
-    `dtype`: the cache's and the compute's, which picks the matmul ceiling too."""
+    `dtype`: the cache's and the compute's, which picks the matmul ceiling too, unless `compute` names another
+    ("int8": the quantized kernel's integer path, for an engine that takes it)."""
     dtype_bytes = np.dtype(dtype).itemsize
     h, i, d = arch.hidden_size, arch.intermediate_size, arch.head_dim
     layer_params = arch.num_layers * (
@@ -120,7 +123,7 @@ def roofline(arch, dtype, weights: int, batch: int, input_len: int, output_len: 
     kv_per_token = 2 * arch.num_layers * arch.num_kv_heads * d * dtype_bytes
     kv_reads = sum(batch * (input_len + step) * kv_per_token for step in range(output_len))
     read_bytes = output_len * weights + kv_reads
-    compute_s = flops / (ceiling[f"matmul_{np.dtype(dtype).name}_gflops"] * 1e9)
+    compute_s = flops / (ceiling[f"matmul_{compute or np.dtype(dtype).name}_gflops"] * 1e9)
     memory_s = read_bytes / (ceiling["mem_read_gb_s"] * 1e9)
     return {
         "compute_s": round(compute_s, 3),
@@ -171,6 +174,11 @@ def main() -> None:
     engines = {name: fitted_engine(args, *setting) for name, setting in settings.items()}
     report["weight_bytes"] = {name: weight_bytes(llm) for name, llm in engines.items()}
     report["cpu_kernels"] = {name: offline.cpu_kernel_info(llm) for name, llm in engines.items()}
+    # the compute ceiling of each engine's path: the integer one's where its quantized matmuls take it
+    compute = {
+        name: "int8" if (info or {}).get("int8_min_rows") and "matmul_int8_gflops" in report["ceilings"] else None
+        for name, info in report["cpu_kernels"].items()
+    }
     llm = engines["jaxllm"]
     loaded = llm.engine.runner.loaded
     arch = loaded.arch
@@ -202,7 +210,9 @@ def main() -> None:
             "host_ms_per_step": round(statistics.median(r["jaxllm"]["host_ms_per_step"] for r in rows), 2),
         }
         rooflines = {
-            name: roofline(arch, loaded.dtype, size, batch, args.input_len, args.output_len, report["ceilings"])
+            name: roofline(
+                arch, loaded.dtype, size, batch, args.input_len, args.output_len, report["ceilings"], compute[name]
+            )
             for name, size in report["weight_bytes"].items()
         }
         entry["roofline"] = rooflines["jaxllm"]
