@@ -94,7 +94,7 @@ class KernelChoice:
         else:
             matmul = f"on for rows <= {self.matmul_max_rows}"
         if self.matmul and self.int8_min_rows:
-            matmul += f", int8 dot from {self.int8_min_rows} rows"
+            matmul += f", int8 dot from {self.int8_min_rows} row{'s' if self.int8_min_rows > 1 else ''}"
         attention = "on" if self.attention else "off"
         return f"CPU kernels ({self.mode}): matmul {matmul}, attention {attention}; {self.target}"
 
@@ -145,7 +145,7 @@ def _time_matmuls(shapes, dtype, row_counts, rng, bar=None, int8=False) -> dict[
     out = {}
     for rows in row_counts:
         xs = [jnp.asarray(rng.standard_normal((rows, shape[0]), np.float32), dtype) for shape in shapes]
-        timed = int8 and rows > quantized.STREAM_ROWS  # below: the same few-row code either way
+        timed = int8 and (rows > quantized.STREAM_ROWS or quantized.int8_few_rows())  # else the same code either way
         out[rows] = _best_ms(paths if timed else paths[:2], xs, weights)
         if bar is not None:
             bar.update()
@@ -247,7 +247,7 @@ def _choose(
         matmul_ok = matmul_ok and quantized.available()
     attention_ok = attention is not None and attention_cpu.available()
     quantized_shapes = any(len(shape) > 2 for shape in matmul_shapes)
-    forced_int8 = quantized.STREAM_ROWS + 1 if int8_how == "on" and quantized_shapes else 0
+    forced_int8 = 1 if int8_how == "on" and quantized_shapes else 0
     if how != "auto" or not (matmul_ok or attention_ok):
         on = how != "off"
         return KernelChoice(matmul_ok and on, None, attention_ok and on, how, target, int8_min_rows=forced_int8)

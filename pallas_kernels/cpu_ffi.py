@@ -50,17 +50,26 @@ def flags() -> list[str]:
 
 
 @functools.cache
+def target_macros() -> frozenset[str]:
+    """The compiler's predefined macros for `-march=march()` (empty without a compiler): what the kernels'
+    `#if`s see."""
+    compiler = _compiler()
+    if not compiler:
+        return frozenset()
+    done = subprocess.run(
+        [compiler, f"-march={march()}", "-dM", "-E", "-x", "c++", "-"], input="", capture_output=True, text=True
+    )
+    return frozenset(line.split()[1] for line in done.stdout.splitlines() if line.startswith("#define "))
+
+
+@functools.cache
 def isa() -> str:
     """The vector ISA the kernels are built for (cpu_simd.h's choice), from the compiler's own macros for
     `-march=march()`: "AVX-512+BF16", "AVX-512", "AVX2+FMA", "NEON", "SSE" or "generic", with "+VNNI" or
     "+dotprod" where the target has integer dot instructions (AVX512-VNNI or AVX-VNNI; armv8.2-a's sdot)."""
-    compiler = _compiler()
-    if not compiler:
+    if not _compiler():
         return "no compiler"
-    done = subprocess.run(
-        [compiler, f"-march={march()}", "-dM", "-E", "-x", "c++", "-"], input="", capture_output=True, text=True
-    )
-    macros = set(line.split()[1] for line in done.stdout.splitlines() if line.startswith("#define "))
+    macros = target_macros()
     # the integer dot instructions the quantized kernel's integer path takes (cpu_simd.h's kIntDot)
     dot = "+dotprod" if "__ARM_FEATURE_DOTPROD" in macros else ""
     dot = "+VNNI" if macros & {"__AVX512VNNI__", "__AVXVNNI__"} else dot

@@ -265,6 +265,63 @@ inline VecI DotBytes(VecI acc, VecI w, VecI x) {
 #endif
 }
 
+// Four rows of 16 bytes as their columns' quads: out[t] holds columns 4t .. 4t + 3, column c's bytes side by side
+// (out[t][4 i + j] = r_j[4 t + i]), by two levels of byte and word interleaves (punpck on x86, zip on NEON).
+typedef uint8_t Bytes16 __attribute__((vector_size(16)));
+inline void Quads4x16(Bytes16 r0, Bytes16 r1, Bytes16 r2, Bytes16 r3, Bytes16 out[4]) {
+  const Bytes16 lo01 = __builtin_shufflevector(r0, r1, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const Bytes16 hi01 = __builtin_shufflevector(r0, r1, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  const Bytes16 lo23 = __builtin_shufflevector(r2, r3, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const Bytes16 hi23 = __builtin_shufflevector(r2, r3, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  out[0] = __builtin_shufflevector(lo01, lo23, 0, 1, 16, 17, 2, 3, 18, 19, 4, 5, 20, 21, 6, 7, 22, 23);
+  out[1] = __builtin_shufflevector(lo01, lo23, 8, 9, 24, 25, 10, 11, 26, 27, 12, 13, 28, 29, 14, 15, 30, 31);
+  out[2] = __builtin_shufflevector(hi01, hi23, 0, 1, 16, 17, 2, 3, 18, 19, 4, 5, 20, 21, 6, 7, 22, 23);
+  out[3] = __builtin_shufflevector(hi01, hi23, 8, 9, 24, 25, 10, 11, 26, 27, 12, 13, 28, 29, 14, 15, 30, 31);
+}
+
+inline Bytes16 Load16(const void* p) {
+  Bytes16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// Four consecutive rows of 32 bytes (128 bytes, a 32-column panel's quants of 4 k) as their 32 columns' quads in
+// 128 / kVecBytes vectors, lane c of vector v holding column v * kLanes + c: in registers where the target has a
+// byte permute across the whole vector (kQuadsInRegisters): AVX512-VBMI's vpermt2b, one per vector; 16-byte
+// vectors (NEON, SSE) by Quads4x16. Elsewhere (AVX2's two 16-byte lanes) a kernel keeps to buffers.
+#if defined(__AVX512VBMI__)
+constexpr bool kQuadsInRegisters = true;
+struct QuadIndex {  // byte 4 c + j of vector h: row j's byte 16 h + c, rows 0-1 in the first source, 2-3 the second
+  uint8_t at[2][64];
+};
+constexpr QuadIndex MakeQuadIndex() {
+  QuadIndex q{};
+  for (int h = 0; h < 2; ++h)
+    for (int c = 0; c < 16; ++c)
+      for (int j = 0; j < 4; ++j) q.at[h][4 * c + j] = static_cast<uint8_t>(32 * j + 16 * h + c);
+  return q;
+}
+inline constexpr QuadIndex kQuadIndex = MakeQuadIndex();
+inline void QuadsOf4Rows(const uint8_t* rows, VecI out[2]) {
+  const __m512i a = _mm512_loadu_si512(rows), b = _mm512_loadu_si512(rows + 64);
+  for (int h = 0; h < 2; ++h)
+    out[h] = (VecI)_mm512_permutex2var_epi8(a, _mm512_loadu_si512(kQuadIndex.at[h]), b);
+}
+#elif defined(__aarch64__) || (defined(__SSE2__) && !defined(__AVX__))
+constexpr bool kQuadsInRegisters = true;
+inline void QuadsOf4Rows(const uint8_t* rows, VecI out[8]) {
+  for (int h = 0; h < 2; ++h) {
+    Bytes16 quads[4];
+    Quads4x16(Load16(rows + 16 * h), Load16(rows + 32 + 16 * h), Load16(rows + 64 + 16 * h), Load16(rows + 96 + 16 * h),
+              quads);
+    for (int t = 0; t < 4; ++t) out[4 * h + t] = (VecI)quads[t];
+  }
+}
+#else
+constexpr bool kQuadsInRegisters = false;
+inline void QuadsOf4Rows(const uint8_t*, VecI*) {}
+#endif
+
 // A spin-wait's pause: x86's pause, ARM's yield, else nothing.
 inline void Pause() {
 #if defined(__x86_64__) || defined(__i386__)

@@ -34,7 +34,12 @@ using jaxllm_simd::DotBytes;
 using jaxllm_simd::kQ8Bias;
 using jaxllm_simd::kQ8Symmetric;
 using jaxllm_simd::kVecBytes;
+using jaxllm_simd::Bytes16;
+using jaxllm_simd::Load16;
+using jaxllm_simd::Quads4x16;
+using jaxllm_simd::QuadsOf4Rows;
 using jaxllm_simd::RoundToInt;
+using jaxllm_simd::kQuadsInRegisters;
 
 constexpr int64_t kQ8Block = 32;  // x's values per scale
 
@@ -80,14 +85,6 @@ QuantizedRows QuantizeRows(const Team& team, const float* x, int64_t rows, int64
   return out;
 }
 
-typedef uint8_t Bytes16 __attribute__((vector_size(16)));
-
-inline Bytes16 Load16(const uint8_t* p) {
-  Bytes16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
 inline void Store16(uint8_t* p, Bytes16 v) { std::memcpy(p, &v, sizeof v); }
 
 // Rows r0 .. r3 of a panel's quants (kPanel bytes each, `ld` apart), each byte through `f`, as 32 quads:
@@ -95,19 +92,11 @@ inline void Store16(uint8_t* p, Bytes16 v) { std::memcpy(p, &v, sizeof v); }
 template <class F>
 inline void InterleaveQuads(const uint8_t* src, int64_t ld, uint8_t* out, F f) {
   for (int h = 0; h < 2; ++h) {
-    const Bytes16 r0 = f(Load16(src + h * 16)), r1 = f(Load16(src + ld + h * 16));
-    const Bytes16 r2 = f(Load16(src + 2 * ld + h * 16)), r3 = f(Load16(src + 3 * ld + h * 16));
-    const Bytes16 lo01 = __builtin_shufflevector(r0, r1, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-    const Bytes16 hi01 = __builtin_shufflevector(r0, r1, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-    const Bytes16 lo23 = __builtin_shufflevector(r2, r3, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-    const Bytes16 hi23 = __builtin_shufflevector(r2, r3, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    Bytes16 quads[4];
+    Quads4x16(f(Load16(src + h * 16)), f(Load16(src + ld + h * 16)), f(Load16(src + 2 * ld + h * 16)),
+              f(Load16(src + 3 * ld + h * 16)), quads);
     // stored one by one: gathered into one 64-byte store, they missed store forwarding (half the repack's time)
-    Store16(out + h * 64, __builtin_shufflevector(lo01, lo23, 0, 1, 16, 17, 2, 3, 18, 19, 4, 5, 20, 21, 6, 7, 22, 23));
-    Store16(out + h * 64 + 16,
-            __builtin_shufflevector(lo01, lo23, 8, 9, 24, 25, 10, 11, 26, 27, 12, 13, 28, 29, 14, 15, 30, 31));
-    Store16(out + h * 64 + 32, __builtin_shufflevector(hi01, hi23, 0, 1, 16, 17, 2, 3, 18, 19, 4, 5, 20, 21, 6, 7, 22, 23));
-    Store16(out + h * 64 + 48,
-            __builtin_shufflevector(hi01, hi23, 8, 9, 24, 25, 10, 11, 26, 27, 12, 13, 28, 29, 14, 15, 30, 31));
+    for (int t = 0; t < 4; ++t) Store16(out + h * 64 + 16 * t, quads[t]);
   }
 }
 
@@ -234,11 +223,78 @@ void IntPanels(const Team& team, const float* xp, int64_t rows, const QuantLayer
   });
 }
 
-// y = x @ w: the integer path from `int8_min_rows` rows of x on (0: never; only past the few-row regime, whose
-// float-activation strips read the weights once at the memory's rate), else quant_panels.h's.
+// The few-row regime (a decode step) on the integer path, for 4-bit quants where the target arranges quads in
+// registers: bound by reading the weights, so each panel's quants are read once, straight from memory, arranged
+// into quads as they arrive (no buffer), their nibbles split by a mask and a shift, and multiplied by x's int8
+// blocks, where the float-activation strips widen and convert every nibble.
+template <int ROWS, bool MIN>
+void IntStreamPanel(const QuantizedRows& xq, const QuantLayer& w, int64_t p, float* y) {
+  constexpr int kV = 4 * kPanel / kVecBytes;  // vectors of a panel's quads of 4 k
+  const int64_t k_dim = w.k_dim, blocks = k_dim / kQ8Block, groups = k_dim / w.group, per_group = w.group / kQ8Block;
+  const uint8_t* q = static_cast<const uint8_t*>(w.qs) + p * (k_dim / 2) * kPanel;
+  VecF acc[ROWS][kV] = {};
+  for (int64_t b = 0; b < blocks; ++b) {
+    VecI dots[ROWS][kV] = {};
+#pragma GCC unroll 4
+    for (int i = 0; i < 4; ++i) {  // byte rows 16 b + 4 i .. + 3: k = 32 b + 4 i + j (low nibbles), + 16 (high)
+      const uint8_t* rows = q + (16 * b + 4 * i) * kPanel;
+      __builtin_prefetch(rows + kQuantAheadBytes);
+      __builtin_prefetch(rows + kQuantAheadBytes + 64);
+      VecI quads[kV];
+      QuadsOf4Rows(rows, quads);
+#pragma GCC unroll 4
+      for (int r = 0; r < ROWS; ++r) {
+        int32_t lo4, hi4;
+        std::memcpy(&lo4, xq.q.data() + r * k_dim + b * kQ8Block + 4 * i, sizeof lo4);
+        std::memcpy(&hi4, xq.q.data() + r * k_dim + b * kQ8Block + 16 + 4 * i, sizeof hi4);
+        const VecI xlo = VecI{} + lo4, xhi = VecI{} + hi4;
+        for (int v = 0; v < kV; ++v) {
+          dots[r][v] = DotBytes<4>(dots[r][v], quads[v] & 0x0f0f0f0f, xlo);
+          dots[r][v] = DotBytes<4>(dots[r][v], (quads[v] >> 4) & 0x0f0f0f0f, xhi);
+        }
+      }
+    }
+    const int64_t s = (p * groups + b / per_group) * kPanel;
+#pragma GCC unroll 8
+    for (int v = 0; v < kV; ++v) {
+      const VecF d = LoadHalf(w.scales + s + v * kLanes);
+      const VecF m = MIN ? LoadHalf(w.mins + s + v * kLanes) : -8.f * d;
+      for (int r = 0; r < ROWS; ++r)
+        acc[r][v] += __builtin_convertvector(dots[r][v], VecF) * (d * xq.a[r * blocks + b]) + m * xq.s[r * blocks + b];
+    }
+  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int v = 0; v < kV; ++v) Store(y + r * w.n + p * kPanel + v * kLanes, acc[r][v]);
+}
+
+template <int ROWS, bool MIN>
+void IntStreamRemainder(int rows, const QuantizedRows& xq, const QuantLayer& w, int64_t p, float* y) {
+  if constexpr (ROWS > 0) {
+    if (rows == ROWS) return IntStreamPanel<ROWS, MIN>(xq, w, p, y);
+    IntStreamRemainder<ROWS - 1, MIN>(rows, xq, w, p, y);
+  }
+}
+
+template <bool MIN>
+void IntStreamPanels(const Team& team, const float* xp, int64_t rows, const QuantLayer& w, float* y) {
+  const QuantizedRows xq = QuantizeRows(team, xp, rows, w.k_dim);
+  const int64_t panels = w.n / kPanel;
+  const int threads = TeamSize(team, rows, w.k_dim * w.n * kQuantTeamBytesPerWeight);
+  team.ForEach(threads, panels, ChunkFor(panels, threads), [&](int64_t p) {
+    IntStreamRemainder<kQuantStreamRows, MIN>(static_cast<int>(rows), xq, w, p, y);
+  });
+}
+
+// y = x @ w: the integer path from `int8_min_rows` rows of x on (0: never; in the few-row regime only for 4-bit
+// quants where the target arranges quads in registers), else quant_panels.h's.
 void QuantMatmul(const Team& team, const float* xp, int64_t rows, const QuantLayer& w, int bits, float* y,
                  int64_t int8_min_rows = 0) {
-  if (int8_min_rows > 0 && rows >= int8_min_rows && rows > kQuantStreamRows && w.k_dim % kQ8Block == 0) {
+  const bool integer = int8_min_rows > 0 && rows >= int8_min_rows && w.k_dim % kQ8Block == 0;
+  if (integer && rows <= kQuantStreamRows && bits == 4 && kQuadsInRegisters) {
+    if (w.mins) return IntStreamPanels<true>(team, xp, rows, w, y);
+    return IntStreamPanels<false>(team, xp, rows, w, y);
+  }
+  if (integer && rows > kQuantStreamRows) {
     if (bits == 8) return IntPanels<8, false>(team, xp, rows, w, y);
     if (w.mins) return IntPanels<4, true>(team, xp, rows, w, y);
     return IntPanels<4, false>(team, xp, rows, w, y);

@@ -36,7 +36,14 @@ from pallas_kernels import stacked_matmul as sm
 
 TARGET = "jaxllm_quantized_matmul_cpu"
 PANEL = sm.PANEL
-STREAM_ROWS = 4  # quant_panels.h's kQuantStreamRows: up to this many rows, the kernel's few-row code (never int8)
+STREAM_ROWS = 4  # quant_panels.h's kQuantStreamRows: up to this many rows, the kernel's few-row code
+
+
+def int8_few_rows() -> bool:
+    """Whether the kernel's integer path serves the few-row regime too (4-bit weights; cpu_simd.h's
+    kQuadsInRegisters: AVX512-VBMI, NEON, SSE-only targets); elsewhere those rows keep float activations."""
+    macros = cpu_ffi.target_macros()
+    return "__AVX512VBMI__" in macros or "__aarch64__" in macros or ("__SSE2__" in macros and "__AVX__" not in macros)
 
 
 class QuantFormat(NamedTuple):
