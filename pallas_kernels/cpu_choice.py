@@ -4,8 +4,8 @@ The kernels are compiled for one target (`cpu_ffi.march()`); a CPU, or a target,
 XLA's own path on some shapes must not run them there. `choose` times, on the model's own shapes:
 - the stacked matmul kernel against XLA's dot on the same packed weights
   (`stacked_matmul.stacked_matmul_packed_xla`, so either choice reads one copy of the weights), each
-  projection of a layer, at a few row counts (decode rows, a prefill chunk); a projection kept quantized
-  (`(K, N, fmt)`, `stacked_matmul.quantized.FORMATS`) on random packed quants of its format, the kernel
+  projection of a layer one after another, at a few row counts (decode rows, a prefill chunk); a projection
+  kept quantized (`(K, N, fmt)`, `stacked_matmul.quantized.FORMATS`) on random packed quants of its format, the kernel
   against XLA's dequantize-and-dot on them (`quantized.quantized_matmul_packed_xla`). The kernel serves every
   row count up to the last one from which on it stops winning (`matmul_max_rows`; None: all of them).
 - the attention kernel (with its KV write) against the jnp reference on a decode batch and a
@@ -42,7 +42,7 @@ from pallas_kernels.stacked_matmul import quantized
 logger = logging.getLogger(__name__)
 
 MODES = ("auto", "on", "off")
-FORMAT = 5  # bump when the timed cases or the decision rule change: stored decisions are then retaken
+FORMAT = 6  # bump when the timed cases or the decision rule change: stored decisions are then retaken
 MAX_WEIGHT_ELEMENTS = 8 << 20  # a larger projection is timed on its first columns (the ratio is what counts)
 
 
@@ -139,7 +139,12 @@ def _time_matmuls(shapes, dtype, row_counts, rng, bar=None, int8=False) -> dict[
         return stacked_matmul.stacked_matmul_cpu(x, w, 0, packed=True)
 
     def chain(xs, ws, *, path):
-        return [one(x, w, path) for x, w in zip(xs, ws, strict=True)]
+        out: list = []
+        for x, w in zip(xs, ws, strict=True):
+            if out:  # after the previous one, as a layer's projections run: XLA would overlap independent calls
+                x = x + 0 * out[-1][0, 0].astype(x.dtype)
+            out.append(one(x, w, path))
+        return out
 
     paths = [jax.jit(functools.partial(chain, path=path)) for path in ("kernel", "xla", "int8")]
     out = {}
