@@ -12,16 +12,10 @@ import pytest
 from jaxllm import LLM, SamplingParams
 from jaxllm.runner.compilations import compilation_count
 from tests.conftest import TEST_ENGINE, kv_bytes
+from tests.test_engine import QUESTIONS as ENGINE_QUESTIONS
 
-QUESTIONS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three prime numbers.",
-    "Explain photosynthesis in one sentence.",
-    "What is 12 times 7?",
-    "Name a famous painter.",
-    "Translate 'good morning' to Spanish.",
-    "Why is the sky blue?",
+QUESTIONS = [  # test_engine's eight and four more
+    *ENGINE_QUESTIONS,
     "Give me a tip for learning to cook.",
     "What does a compiler do?",
     "Describe autumn in two sentences.",
