@@ -12,9 +12,9 @@ XLA's own path on some shapes must not run them there. `choose` times, on the mo
   prefill chunk, kept where it is the faster in total.
 - for quantized projections, the kernel's integer path too (x quantized to int8 blocks, integer dot instructions:
   `stacked_matmul/int_panels.h`) against its float-activation path, from the fewest rows from which on it wins
-  at every timed row count (`int8_min_rows`; 0: never). `JAXLLM_CPU_INT8_DOT` overrides it: "on" (from the
-  first row count past the kernel's few-row regime), "off", "auto" (default: timed; under JAXLLM_CPU_KERNELS=on,
-  which times nothing, the exact float-activation path).
+  at every timed row count (`int8_min_rows`; 0: never), when `JAXLLM_CPU_INT8_DOT=auto` asks for it ("on": from
+  the first row, untimed; "off", the default: the exact float-activation path; under JAXLLM_CPU_KERNELS=on, which
+  times nothing, auto is off too).
 It costs a few seconds once (logged when it starts, a bar per case while the engine's progress is on:
 `pallas_kernels.progress`): the decision is stored beside the kernels, keyed by the kernel
 libraries (source, flags, target, CPU, jaxlib), the shapes and XLA_FLAGS. `JAXLLM_CPU_KERNELS`
@@ -55,8 +55,9 @@ def mode() -> str:
 
 
 def int8_mode() -> str:
-    """`$JAXLLM_CPU_INT8_DOT`: "auto" (default), "on" or "off"."""
-    value = os.environ.get("JAXLLM_CPU_INT8_DOT", "auto").strip().lower() or "auto"
+    """`$JAXLLM_CPU_INT8_DOT`: "off" (default: 8-bit activations flip this model's near-ties, the README's own
+    question among them), "auto" or "on"."""
+    value = os.environ.get("JAXLLM_CPU_INT8_DOT", "off").strip().lower() or "off"
     if value not in MODES:
         raise ValueError(f"JAXLLM_CPU_INT8_DOT must be one of {MODES}, got {value!r}")
     return value

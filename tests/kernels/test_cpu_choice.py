@@ -169,7 +169,7 @@ def test_auto_runs_the_integer_path_from_the_rows_where_it_wins_from_there_on(mo
     kernel's limit against XLA judged by the path it then takes (the integer one beats XLA at 512, the float one
     would not)."""
     monkeypatch.setenv("JAXLLM_CPU_KERNELS", "auto")
-    monkeypatch.delenv("JAXLLM_CPU_INT8_DOT", raising=False)
+    monkeypatch.setenv("JAXLLM_CPU_INT8_DOT", "auto")
     times = {1: (1, 2), 8: (1, 2, 1.5), 64: (2, 3, 1), 128: (2, 3, 1), 256: (4, 5, 2), 512: (6, 5, 3)}
     timed(monkeypatch, times, {"decode": (1, 3), "prefill": (1, 3)})
     choice = cpu_choice.choose(QUANT_SHAPES, "float32", 512, ATTENTION)
@@ -179,7 +179,7 @@ def test_auto_runs_the_integer_path_from_the_rows_where_it_wins_from_there_on(mo
 
 def test_auto_keeps_the_float_path_where_the_integer_one_loses_at_the_most_rows(monkeypatch, fresh):
     monkeypatch.setenv("JAXLLM_CPU_KERNELS", "auto")
-    monkeypatch.delenv("JAXLLM_CPU_INT8_DOT", raising=False)
+    monkeypatch.setenv("JAXLLM_CPU_INT8_DOT", "auto")
     timed(monkeypatch, {1: (1, 2), 8: (1, 2, 0.5), 64: (1, 2, 1.5)}, {"decode": (1, 3), "prefill": (1, 3)})
     choice = cpu_choice.choose(QUANT_SHAPES, "float32", 64, ATTENTION)
     assert choice.int8_min_rows == 0 and "int8" not in choice.describe()
@@ -196,9 +196,16 @@ def test_the_int8_override_needs_no_timing(monkeypatch, fresh, kernels, int8):
     assert cpu_choice.choose(SHAPES, "float32", 64, ATTENTION).int8_min_rows == 0  # nothing quantized
 
 
+def test_the_default_is_the_exact_path(monkeypatch, fresh):
+    monkeypatch.setenv("JAXLLM_CPU_KERNELS", "auto")
+    monkeypatch.delenv("JAXLLM_CPU_INT8_DOT", raising=False)
+    timed(monkeypatch, {1: (1, 2), 8: (1, 2), 64: (1, 2)}, {"decode": (1, 3), "prefill": (1, 3)})
+    assert cpu_choice.choose(QUANT_SHAPES, "float32", 64, ATTENTION).int8_min_rows == 0
+
+
 def test_under_kernels_on_int8_auto_is_the_exact_path(monkeypatch, fresh):
     monkeypatch.setenv("JAXLLM_CPU_KERNELS", "on")
-    monkeypatch.delenv("JAXLLM_CPU_INT8_DOT", raising=False)
+    monkeypatch.setenv("JAXLLM_CPU_INT8_DOT", "auto")
     untimed(monkeypatch)
     assert cpu_choice.choose(QUANT_SHAPES, "float32", 64, ATTENTION).int8_min_rows == 0
 
@@ -211,7 +218,7 @@ def test_a_bad_int8_mode_is_a_clear_error(monkeypatch, fresh):
 
 def test_the_real_self_check_times_the_integer_path(monkeypatch, fresh):
     monkeypatch.setenv("JAXLLM_CPU_KERNELS", "auto")
-    monkeypatch.delenv("JAXLLM_CPU_INT8_DOT", raising=False)
+    monkeypatch.setenv("JAXLLM_CPU_INT8_DOT", "auto")
     choice = cpu_choice.choose(((64, 96, "q4_1"), (96, 64, "q8_0")), "float32", 64, None)
     matmul = choice.timings_ms["matmul"]
     from pallas_kernels.stacked_matmul import quantized
