@@ -118,8 +118,9 @@ def _best_ms(fns, *args, reps: int = 5) -> tuple[float, ...]:
 
 def _time_matmuls(shapes, dtype, row_counts, rng, bar=None, int8=False) -> dict[int, tuple[float, ...]]:
     """Per row count: (kernel ms, XLA ms) for one x @ W of every shape: `(K, N)` in `dtype`, `(K, N, fmt)` quantized;
-    `int8`: and the kernel's ms with its integer path for the quantized shapes, past the few-row regime. `bar` (a
-    tqdm bar, or None) advances by one per row count."""
+    `int8`: and the kernel's ms with its integer path for the quantized shapes, at the row counts where that path
+    exists (`quantized.int8_few_rows` says whether the few-row regime has it). `bar` (a tqdm bar, or None) advances
+    by one per row count."""
     weights = []
     for k, n, *fmt in shapes:
         n = max(stacked_matmul.PANEL, min(n, MAX_WEIGHT_ELEMENTS // k // stacked_matmul.PANEL * stacked_matmul.PANEL))
