@@ -68,6 +68,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     kv_transfer: KVTransferConfig | None = None
     lora: LoRAConfig | None = None  # None: LoRA off
+    reasoning_parser: str = "auto"  # "auto", "none" or a syntax's name (jaxllm/reasoning/syntax.py)
 
     def __post_init__(self):
         check_combinations(

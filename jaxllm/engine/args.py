@@ -26,11 +26,15 @@ from jaxllm.config import (
     SpeculativeConfig,
     check_combinations,
 )
+from jaxllm.reasoning.syntax import SETTINGS as REASONING_SETTINGS
 
 # defaults where vLLM's GPU-sized ones would make the CPU path compile too much
 CPU_DEFAULTS = {"max_num_seqs": 64, "max_num_batched_tokens": 512}
 ACCELERATOR_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": 4096}
 HELP = {
+    "reasoning_parser": "how a reasoning model's thinking is told from its answer: auto (the default: from the chat "
+    "template, none when it does not think), qwen3, deepseek_r1, none; the server returns it as reasoning_content and "
+    "starts a grammar after it",
     "quantization": "weights kept quantized: auto (the default: a GGUF keeps its Q8_0/Q4_0/Q4_1 blocks, other "
     "formats load as float), int8 (per output channel), int4 (groups of 32), none (dequantize everything to --dtype) "
     "(docs/quantization.md)",
@@ -54,6 +58,7 @@ HELP = {
 
 # flags whose values are a closed set: argparse lists them in --help and refuses others before anything loads
 CHOICES = {
+    "reasoning_parser": REASONING_SETTINGS,
     "quantization": QUANTIZATIONS,
     "load_format": LOAD_FORMATS,
     "dtype": ("auto", *DTYPES),
@@ -99,6 +104,7 @@ class EngineArgs:
     max_loras: int = 1  # adapters in one step (device slots)
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters kept read in host memory (None: max_loras)
+    reasoning_parser: str = "auto"  # vLLM's: how thinking is told from the answer (docs/serving.md, Reasoning)
 
     def speculative(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.parse(self.speculative_config)
@@ -135,6 +141,10 @@ class EngineArgs:
     def check(self) -> None:
         """Every setting that needs no model, alone and together: what can fail before a node joins the others
         or anything loads (the rest is checked against the model by `create_engine_config`)."""
+        if self.reasoning_parser not in REASONING_SETTINGS:
+            raise ValueError(
+                f"reasoning_parser {self.reasoning_parser!r}: must be one of {', '.join(REASONING_SETTINGS)}"
+            )
         check_combinations(
             self.model_config(),
             self.parallel_config(),
@@ -174,6 +184,7 @@ class EngineArgs:
             speculative=self.speculative(),
             kv_transfer=self.kv_transfer(),
             lora=self.lora(),
+            reasoning_parser=self.reasoning_parser,
         )
 
     @classmethod

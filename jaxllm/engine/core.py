@@ -34,6 +34,7 @@ from jaxllm.lora.manager import LoRAManager
 from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import RequestOutput
 from jaxllm.parallel.mesh import make_mesh
+from jaxllm.reasoning import resolve_reasoning_parser
 from jaxllm.request import Request, RequestStatus
 from jaxllm.runner.kv_blocks import KVBlockMover
 from jaxllm.runner.kv_cache import bytes_per_block, kv_cache_groups
@@ -120,7 +121,10 @@ class EngineCore:
         depth = self.config.scheduler.max_steps_in_flight
         self.loop = StepLoop(self.scheduler, self._launch, self._apply, depth)
         self._next_seed = 0
-        self.structured = StructuredOutputManager(self.tokenizer, arch.vocab_size, self.eos_token_ids)
+        self.reasoning = resolve_reasoning_parser(self.config.reasoning_parser, self.tokenizer)
+        self.structured = StructuredOutputManager(
+            self.tokenizer, arch.vocab_size, self.eos_token_ids, reasoning=self.reasoning
+        )
         self.drafter = make_drafter(
             speculative, self.scheduler, self.config, arch.vocab_size, mesh, executables, progress
         )

@@ -60,6 +60,15 @@ class EngineInfo:
     max_model_len: int
     max_num_seqs: int
     vocab_size: int
+    reasoning_parser: str | None = None  # the syntax the engine reads thinking in (None: the model does not reason)
+
+    @classmethod
+    def of(cls, core) -> EngineInfo:
+        """What an EngineCore's front needs to know about it."""
+        sched = core.config.scheduler
+        reasoning = core.reasoning.name if core.reasoning is not None else None
+        vocab = core.loaded.arch.vocab_size
+        return cls(core.loaded.name, core.tokenizer, sched.max_model_len, sched.max_num_seqs, vocab, reasoning)
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         from jaxllm.engine.startup import check_prompt
@@ -145,14 +154,7 @@ class InProcessClient:
         from jaxllm.engine.core import EngineCore
 
         self.core = EngineCore(args, progress=progress)
-        sched = self.core.config.scheduler
-        self.info = EngineInfo(
-            self.core.loaded.name,
-            self.core.tokenizer,
-            sched.max_model_len,
-            sched.max_num_seqs,
-            self.core.loaded.arch.vocab_size,
-        )
+        self.info = EngineInfo.of(self.core)
         self._on_outputs = on_outputs
         self._on_dead = on_dead
         self._commands: queue.SimpleQueue = queue.SimpleQueue()

@@ -69,16 +69,7 @@ def _replica_main(index: int, args: EngineArgs, env: dict[str, str], conn, progr
     except Exception as e:  # noqa: BLE001 - the front reports it
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
-    sched = core.config.scheduler
-    conn.send(
-        (
-            "ready",
-            EngineInfo(
-                core.loaded.name, core.tokenizer, sched.max_model_len, sched.max_num_seqs, core.loaded.arch.vocab_size
-            ),
-            core.stats(),
-        )
-    )
+    conn.send(("ready", EngineInfo.of(core), core.stats()))
     last_push = 0.0
     while True:
         outputs = []

@@ -14,6 +14,8 @@ Life of a constrained request (all on the engine thread, except compiling):
    finishes the request (finish_reason "stop"), so it never runs to max_tokens for lack of EOS.
 5. `free` — a finished, aborted or failed request drops its matcher (and any pending compile).
 
+With a reasoning parser, each matcher has a gate (reasoning/gate.py): the grammar starts after `</think>`.
+
 Preemption needs nothing here: recompute keeps `output_token_ids`, and a matcher only ever
 advances on tokens appended to them, so after recompute it is exactly where the request is.
 """
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from jaxllm.reasoning import Phase, ReasoningGate, ReasoningSyntax
 from jaxllm.structured.tokenizer import llguidance_tokenizer, tokenizer_problem
 
 if TYPE_CHECKING:
@@ -42,7 +45,14 @@ PARALLEL_FILL = (os.cpu_count() or 1) > 2
 
 
 class StructuredOutputManager:
-    def __init__(self, hf_tokenizer, vocab_size: int, eos_token_ids: tuple[int, ...], max_workers: int | None = None):
+    def __init__(
+        self,
+        hf_tokenizer,
+        vocab_size: int,
+        eos_token_ids: tuple[int, ...],
+        max_workers: int | None = None,
+        reasoning: ReasoningSyntax | None = None,
+    ):
         self.unsupported = tokenizer_problem(hf_tokenizer)  # a reason, or None when usable
         self._hf_tokenizer = hf_tokenizer
         self.vocab_size = vocab_size
@@ -53,6 +63,9 @@ class StructuredOutputManager:
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._pending: dict[str, tuple[list, Future]] = {}  # group id → (its requests, compiled matcher)
         self._matchers: dict[str, LLMatcher] = {}  # request id → its LLMatcher
+        self.reasoning = reasoning  # the grammar waits for the reasoning's end (None: no reasoning parser)
+        self._reasoning_ids = reasoning.token_ids(hf_tokenizer) if reasoning is not None else None
+        self._gates: dict[str, ReasoningGate] = {}  # request id → where its reasoning stands
         self.fill_seconds = 0.0  # host time filling masks (cost accounting: benchmarks/structured_cost.py)
         self.advance_seconds = 0.0  # host time advancing matchers
         self.num_masks = 0
@@ -106,6 +119,10 @@ class StructuredOutputManager:
                 continue
             for request in requests:
                 self._matchers[request.request_id] = template.deep_copy()
+                if self.reasoning is not None and self._reasoning_ids is not None:
+                    self._gates[request.request_id] = ReasoningGate(
+                        self.reasoning, *self._reasoning_ids, request.prompt_token_ids
+                    )
             done.append((requests, None))
         return done
 
@@ -126,20 +143,28 @@ class StructuredOutputManager:
         if not self._matchers:
             return []
         start = time.perf_counter()
-        rows, written = [], []
+        rows, written, may_open = [], [], []
         for s in scheduled:
             matcher = self._matchers.get(s.request.request_id)
             if matcher is None or not s.samples:
                 continue
-            if s.draft_token_ids:
+            gate = self._gates.get(s.request.request_id)
+            free = gate.free_prefix(s.draft_token_ids) if gate is not None else 0
+            if gate is not None and not gate.constrained and free == len(s.draft_token_ids):
+                continue  # thinking, drafts included: no mask
+            if s.draft_token_ids:  # the drafts may end the reasoning: the rows after the end tag are the grammar's
                 self._check(allowed)
-                written += self._fill_drafted(matcher, s.logits_row, s.draft_token_ids, allowed)
+                written += self._fill_drafted(matcher, s.logits_row + free, s.draft_token_ids[free:], allowed)
             else:
                 rows.append((matcher, s.sample_row))
+                if gate is not None and gate.phase is Phase.MAY_OPEN:
+                    may_open.append((s.sample_row, gate.start_id))
         if rows:
             self._check(allowed)
             self._fill_rows(rows, allowed)
             written += [row for _, row in rows]
+        for row, token in may_open:  # the output's first token may open the reasoning instead
+            allowed[row, token // 32] |= np.uint32(1 << (token % 32))
         self.num_masks += len(written)
         self.fill_seconds += time.perf_counter() - start
         return written
@@ -182,6 +207,9 @@ class StructuredOutputManager:
         matcher = self._matchers.get(request.request_id)
         if matcher is None:
             return False
+        gate = self._gates.get(request.request_id)
+        if gate is not None and not gate.feeds_grammar(token):
+            return False
         start = time.perf_counter()
         try:
             if not matcher.consume_token(token):
@@ -193,10 +221,19 @@ class StructuredOutputManager:
     def valid_prefix(self, request, tokens: list[int]) -> int:
         """How many leading `tokens` the request's grammar accepts from where it is (all, when unconstrained)."""
         matcher = self._matchers.get(request.request_id)
-        return len(tokens) if matcher is None else matcher.validate_tokens(tokens)
+        if matcher is None:
+            return len(tokens)
+        gate = self._gates.get(request.request_id)
+        if gate is None or gate.phase is Phase.ANSWER:
+            return matcher.validate_tokens(tokens)
+        if gate.phase is Phase.MAY_OPEN:
+            return 0  # no drafts for an output's first token
+        free = gate.free_prefix(tokens)
+        return free + (matcher.validate_tokens(tokens[free:]) if free < len(tokens) else 0)
 
     def free(self, request) -> None:
         self._matchers.pop(request.request_id, None)
+        self._gates.pop(request.request_id, None)
         self._pending.pop(request.output_key, None)
 
     # ---- introspection ---------------------------------------------------------------------

@@ -44,6 +44,7 @@ from jaxllm.entrypoints.openai.serving_models import (
 from jaxllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from jaxllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from jaxllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from jaxllm.reasoning import REASONING_PARSERS
 from jaxllm.weights.default import DEFAULT_MODEL_NAME
 
 logger = logging.getLogger("jaxllm.server")
@@ -66,10 +67,13 @@ def serving_options(
         enable_auto_tool_choice, tool_call_parser = True, tool_call_parser or "hermes"
     if enable_auto_tool_choice and tool_call_parser is None:
         raise ValueError(f"--enable-auto-tool-choice needs --tool-call-parser (one of: {', '.join(TOOL_PARSERS)})")
+    reasoning = REASONING_PARSERS[engine.info.reasoning_parser] if engine.info.reasoning_parser else None
     return ServingOptions(
         chat_template=load_chat_template(chat_template),
         tools_chat_template=CHATML_TOOLS if default_model else None,
         tool_parser=tool_call_parser if enable_auto_tool_choice else None,
+        reasoning=reasoning,
+        reasoning_end_id=reasoning.token_ids(engine.tokenizer)[1] if reasoning is not None else None,
     )
 
 

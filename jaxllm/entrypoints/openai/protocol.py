@@ -136,6 +136,9 @@ class ChatMessage(RequestModel):
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
+    # an assistant turn's thinking, under either name clients send it (the template reads `reasoning_content`)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -152,7 +155,8 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
+    include_reasoning: bool = True  # vLLM's: false drops a reasoning model's thinking from the reply
     documents: list[dict[str, Any]] | None = None  # for templates that take them (RAG)
     add_special_tokens: bool = False
     # OpenAI's fields that do not change the output: accepted
@@ -195,6 +199,7 @@ class UsageInfo(OpenAIModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    completion_tokens_details: dict[str, int] | None = None  # {"reasoning_tokens": N} from a reasoning model
 
 
 class CompletionLogProbs(OpenAIModel):
@@ -248,6 +253,9 @@ class ChatLogProbs(OpenAIModel):
 class ChatResponseMessage(OpenAIModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    # a reasoning model's thinking, under both names clients read (vLLM's older and newer)
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
 
 
@@ -273,6 +281,8 @@ class ChatCompletionResponse(OpenAIModel):
 class DeltaMessage(OpenAIModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # as ChatResponseMessage's: both names, the same text
+    reasoning: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
 
 

@@ -45,6 +45,7 @@ class ResponsesRequest(RequestModel):
     min_p: float | None = None
     repetition_penalty: float | None = None
     seed: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}
     # refused when set (`refuse_unsupported_responses`)
     previous_response_id: Any = None
     conversation: Any = None
@@ -103,12 +104,14 @@ def chat_request(request: ResponsesRequest) -> ChatCompletionRequest:
         min_p=request.min_p,
         repetition_penalty=request.repetition_penalty,
         seed=request.seed,
+        chat_template_kwargs=request.chat_template_kwargs,
     )
 
 
 def input_messages(value: str | list[dict[str, Any]]) -> list[dict]:
-    """Input items → chat messages: messages as they are, function calls as an assistant turn's
-    `tool_calls` (consecutive calls share one turn), their outputs as `tool` messages."""
+    """Input items → chat messages: messages as they are, a reasoning item as the `reasoning_content` of the
+    assistant turn it opens, function calls as an assistant turn's `tool_calls` (consecutive calls share one
+    turn), their outputs as `tool` messages."""
     if isinstance(value, str):
         return [{"role": "user", "content": value}]
     if not value:
@@ -120,7 +123,17 @@ def input_messages(value: str | list[dict[str, Any]]) -> list[dict]:
             role = item.get("role")
             if role not in ("user", "system", "developer", "assistant"):
                 raise bad_request(f"input.{i}.role must be user, system, developer or assistant", f"input.{i}.role")
-            messages.append({"role": role, "content": _text(item.get("content"), f"input.{i}.content")})
+            content = _text(item.get("content"), f"input.{i}.content")
+            last = messages[-1] if messages else None
+            if role == "assistant" and last is not None and last.get("reasoning_content") is not None:
+                if not last["content"] and "tool_calls" not in last:  # the turn its reasoning item opened
+                    last["content"] = content
+                    continue
+            messages.append({"role": role, "content": content})
+        elif kind == "reasoning":
+            parts = item.get("content") or item.get("summary") or []
+            thinking = "\n".join(p.get("text", "") for p in parts if isinstance(p, dict))
+            messages.append({"role": "assistant", "content": "", "reasoning_content": thinking})
         elif kind == "function_call":
             call = {
                 "id": _string(item, "call_id", i),
@@ -139,7 +152,7 @@ def input_messages(value: str | list[dict[str, Any]]) -> list[dict]:
         else:
             raise unsupported(
                 f"input.{i}.type",
-                f"{kind!r} is not supported: input items are message, function_call, function_call_output",
+                f"{kind!r} is not supported: input items are message, reasoning, function_call, function_call_output",
             )
     return messages
 

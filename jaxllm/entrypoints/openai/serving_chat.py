@@ -2,7 +2,8 @@
 
 Tool calls come back through a tool-call parser (tool_parsers/): the server's `--tool-call-parser`
 under tool_choice "auto" (the default when tools are given), or the forced-call readers for a named
-function or "required". A choice's text goes through the same parser whether it is streamed or not.
+function or "required". A reasoning model's thinking is split off first (jaxllm/reasoning/): the tool-call
+parser reads the answer after it. A choice's text goes through the same readers whether it is streamed or not.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from jaxllm.entrypoints.openai.protocol import (
     DeltaMessage,
     TokenLogprob,
     TopLogprob,
+    UsageInfo,
     random_id,
 )
 from jaxllm.entrypoints.openai.serving_engine import (
@@ -47,6 +49,7 @@ from jaxllm.entrypoints.openai.tool_parsers import (
     ToolParser,
 )
 from jaxllm.outputs import CompletionOutput
+from jaxllm.reasoning import ReasoningSplitter
 from jaxllm.sampling_params import SamplingParams, StructuredOutputsParams
 from jaxllm.structured.openai_fields import OutputConstraint, tool_names
 
@@ -59,22 +62,45 @@ class PreparedChat:
     params: SamplingParams
     tool_parser: Callable[[], ToolParser] | None  # a new parser per choice; None: the reply is plain content
     echo: str  # vLLM's chat echo: text the reply starts with
+    reasoning: Callable[[], ReasoningSplitter] | None = None  # a new splitter per choice; None: no thinking
+    include_reasoning: bool = True  # false: the thinking is split off and dropped
 
     def reader(self) -> ChoiceReader:
-        return ChoiceReader(self.tool_parser() if self.tool_parser is not None else None)
+        return ChoiceReader(
+            self.tool_parser() if self.tool_parser is not None else None,
+            self.reasoning() if self.reasoning is not None else None,
+            self.include_reasoning,
+        )
+
+    @property
+    def reasons(self) -> bool:
+        return self.reasoning is not None
 
 
 class ChoiceReader:
-    """One choice's text → content and tool-call pieces, a step at a time (streams) or all at once."""
+    """One choice's text → reasoning, content and tool-call pieces, a step at a time (streams) or all at once."""
 
-    def __init__(self, parser: ToolParser | None):
-        self.parser = parser
+    def __init__(self, parser: ToolParser | None, splitter: ReasoningSplitter | None = None, include: bool = True):
+        self.parser, self.splitter, self.include_reasoning = parser, splitter, include
 
-    def step(self, text: str, engine_reason: str | None) -> tuple[ParsedDelta, str | None]:
-        """What `text` (new since the last step) adds, and the choice's finish reason once it ends."""
+    @property
+    def reasoning_tokens(self) -> int:
+        return self.splitter.reasoning_tokens if self.splitter is not None else 0
+
+    def step(self, text: str, engine_reason: str | None, token_ids=()) -> tuple[ParsedDelta, str | None]:
+        """What `text` (new since the last step; `token_ids` its tokens) adds, and the choice's finish reason once
+        it ends."""
+        reasoning = ""
+        if self.splitter is not None:
+            split = self.splitter.feed(text, token_ids)
+            if engine_reason is not None:
+                rest = self.splitter.finish()
+                split.reasoning, split.content = split.reasoning + rest.reasoning, split.content + rest.content
+            reasoning, text = split.reasoning if self.include_reasoning else "", split.content
         if self.parser is None:
-            return ParsedDelta(content=text), engine_reason
+            return ParsedDelta(content=text, reasoning=reasoning), engine_reason
         delta = self.parser.feed(text)
+        delta.reasoning = reasoning
         if engine_reason is None:
             return delta, None
         return delta.merge(self.parser.finish()), self.parser.finish_reason(engine_reason)
@@ -102,7 +128,17 @@ class OpenAIServingChat(OpenAIServing):
         parser = self.tool_parser(request, constraint)
         prompt = await self.render(request)
         params = self.chat_sampling_params(request, len(prompt["prompt_token_ids"]), constraint.params)
-        return PreparedChat(prompt, params, parser, self.echo_text(request))
+        return PreparedChat(
+            prompt, params, parser, self.echo_text(request), self.splitter(prompt["prompt"]), request.include_reasoning
+        )
+
+    def splitter(self, prompt: str) -> Callable[[], ReasoningSplitter] | None:
+        """A reasoning model's splitter, starting where the rendered prompt leaves the output: inside an open
+        `<think>`, after a closed one (thinking off), or where the model may open one."""
+        syntax = self.options.reasoning
+        if syntax is None:
+            return None
+        return functools.partial(ReasoningSplitter, syntax, syntax.first_phase(prompt), self.options.reasoning_end_id)
 
     def chat_sampling_params(
         self, request: ChatCompletionRequest, prompt_len: int, structured_outputs: StructuredOutputsParams | None = None
@@ -206,16 +242,22 @@ class OpenAIServingChat(OpenAIServing):
     async def full_response(self, request, request_id, prepared: PreparedChat, outputs) -> ChatCompletionResponse:
         final = await last_output(outputs)
         choices = []
+        reasoning_tokens = 0
         for c in final.outputs:
-            parsed, finish_reason = prepared.reader().step(c.text, c.finish_reason)
+            reader = prepared.reader()
+            parsed, finish_reason = reader.step(c.text, c.finish_reason, c.token_ids)
+            reasoning_tokens += reader.reasoning_tokens
             calls = [call.openai() for call in parsed.calls] or None
             content: str | None = prepared.echo + parsed.content
             if calls and not content:
                 content = None
+            thinking = parsed.reasoning or None
             choices.append(
                 ChatChoice(
                     index=c.index,
-                    message=ChatResponseMessage(content=content, tool_calls=calls),
+                    message=ChatResponseMessage(
+                        content=content, reasoning_content=thinking, reasoning=thinking, tool_calls=calls
+                    ),
                     finish_reason=finish_reason,
                     stop_reason=c.stop_reason,
                     logprobs=self.logprobs(request, c),
@@ -226,7 +268,9 @@ class OpenAIServingChat(OpenAIServing):
             id=request_id,
             model=self.model_name(request),
             choices=choices,
-            usage=usage(len(prepared.prompt["prompt_token_ids"]), generated),
+            usage=usage(
+                len(prepared.prompt["prompt_token_ids"]), generated, self.reasoning_count(prepared, reasoning_tokens)
+            ),
             prompt_logprobs=prompt_logprobs_json(final),
             kv_transfer_params=final.kv_transfer_params,
         )
@@ -242,6 +286,10 @@ class OpenAIServingChat(OpenAIServing):
 
         def chunk(choices, usage_info=None) -> str:
             return sse(head.model_copy(update={"choices": choices, "usage": usage_info}))
+
+        def usage_now() -> UsageInfo:
+            reasoning = self.reasoning_count(prepared, sum(r.reasoning_tokens for r in readers))
+            return usage(prompt_tokens, sum(generated), reasoning)
 
         try:
             # every choice opens with the role, as OpenAI's stream does
@@ -259,7 +307,7 @@ class OpenAIServingChat(OpenAIServing):
                     for c in out.outputs:
                         generated[c.index] += len(c.token_ids)
                         reader = readers[c.index]
-                        parsed, finish_reason = reader.step(c.text, c.finish_reason)
+                        parsed, finish_reason = reader.step(c.text, c.finish_reason, c.token_ids)
                         deltas = delta_messages(parsed, plain=reader.parser is None)
                         if not deltas and (finish_reason or request.logprobs):
                             deltas = [DeltaMessage()]
@@ -272,12 +320,17 @@ class OpenAIServingChat(OpenAIServing):
                                 finish_reason=finish_reason if last else None,
                                 stop_reason=c.stop_reason if last else None,
                             )
-                            yield chunk([choice], usage(prompt_tokens, sum(generated)) if continuous else None)
+                            yield chunk([choice], usage_now() if continuous else None)
             if include_usage:
-                yield chunk([], usage(prompt_tokens, sum(generated)))
+                yield chunk([], usage_now())
         except Exception as e:
             yield convert_engine_errors(e).sse()
         yield SSE_DONE
+
+    @staticmethod
+    def reasoning_count(prepared: PreparedChat, tokens: int) -> int | None:
+        """usage's reasoning_tokens: counted where the model reasons, absent where it cannot."""
+        return tokens if prepared.reasons else None
 
     @staticmethod
     def logprobs(request: ChatCompletionRequest, c: CompletionOutput) -> ChatLogProbs | None:
@@ -287,11 +340,13 @@ class OpenAIServingChat(OpenAIServing):
 
 
 def delta_messages(parsed: ParsedDelta, plain: bool) -> list[DeltaMessage]:
-    """A step's stream deltas, as OpenAI sends them: content, then for each call its id and name first
-    (arguments "") and its argument fragments after. `plain`: no parser, one content delta even if empty."""
+    """A step's stream deltas, as OpenAI sends them: reasoning, content, then for each call its id and name first
+    (arguments "") and its argument fragments after. `plain`: no parser, a content delta even if empty (unless
+    the step was all reasoning)."""
+    deltas = [DeltaMessage(reasoning_content=parsed.reasoning, reasoning=parsed.reasoning)] if parsed.reasoning else []
     if plain:
-        return [DeltaMessage(content=parsed.content)]
-    deltas = [DeltaMessage(content=parsed.content)] if parsed.content else []
+        return deltas + [DeltaMessage(content=parsed.content)] if parsed.content or not deltas else deltas
+    deltas += [DeltaMessage(content=parsed.content)] if parsed.content else []
     for piece in parsed.calls:
         if piece.id is not None and piece.arguments:
             head = ToolCallDelta(piece.index, piece.id, piece.name)
@@ -310,6 +365,9 @@ def message_dict(message: ChatMessage) -> dict:
     for key in ("name", "tool_call_id", "tool_calls"):
         if (value := getattr(message, key)) is not None:
             out[key] = value
+    thinking = message.reasoning_content if message.reasoning_content is not None else message.reasoning
+    if thinking is not None:  # the name reasoning models' templates read
+        out["reasoning_content"] = thinking
     return out
 
 

@@ -22,6 +22,7 @@ from jaxllm.entrypoints.openai.serving_models import OpenAIServingModels, model_
 from jaxllm.entrypoints.openai.unsupported import refuse_unsupported
 from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import RequestOutput
+from jaxllm.reasoning import ReasoningSyntax
 from jaxllm.sampling_params import MAX_LOGPROBS, RequestOutputKind, SamplingParams, StructuredOutputsParams
 from jaxllm.structured.openai_fields import OutputConstraint, RequestFieldError, output_constraint
 
@@ -37,6 +38,8 @@ class ServingOptions:
     chat_template: str | None = None  # --chat-template: replaces the model's own template
     tools_chat_template: str | None = None  # for conversations with tools when the model's template has no tools
     tool_parser: str | None = None  # reads calls back under tool_choice "auto" (--tool-call-parser)
+    reasoning: ReasoningSyntax | None = None  # tells thinking from the answer (the engine's --reasoning-parser)
+    reasoning_end_id: int | None = None  # the end tag's token: counts reasoning_tokens
 
 
 class OpenAIServing:
@@ -289,9 +292,13 @@ def engine_error(out: RequestOutput) -> OpenAIError | None:
     return None
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+def usage(prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None) -> UsageInfo:
+    """OpenAI's usage; `reasoning_tokens` (a reasoning model's thinking) goes in completion_tokens_details."""
     return UsageInfo(
-        prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        completion_tokens_details=None if reasoning_tokens is None else {"reasoning_tokens": reasoning_tokens},
     )
 
 

@@ -2,7 +2,8 @@
 
 The request becomes a chat request (responses_protocol.py); the reply is read by the same
 per-choice reader (plain text, or tool calls through the server's parser) and laid out as
-Responses output items: a `message` with one `output_text` part, and a `function_call` per call.
+Responses output items: a `reasoning` item with a model's thinking (one `reasoning_text` part), a `message` with
+one `output_text` part, and a `function_call` per call.
 Streamed, the events are OpenAI's: response.created, response.in_progress, then per item
 response.output_item.added, its content or argument deltas and their done events,
 response.output_item.done, and last response.completed (or response.incomplete when
@@ -45,21 +46,10 @@ class OutputItems:
 
     def step(self, parsed: ParsedDelta) -> list[dict]:
         events: list[dict] = []
+        if parsed.reasoning:
+            events += self._text(parsed.reasoning, "reasoning")
         if parsed.content:
-            if self._open is None or self._open["type"] != "message":
-                events += self._close("completed") + self._open_message()
-            assert self._open is not None
-            self._open["content"][0]["text"] += parsed.content
-            events.append(
-                {
-                    "type": "response.output_text.delta",
-                    "item_id": self._open["id"],
-                    "output_index": len(self.items) - 1,
-                    "content_index": 0,
-                    "delta": parsed.content,
-                    "logprobs": [],
-                }
-            )
+            events += self._text(parsed.content, "message")
         for piece in parsed.calls:
             if piece.id is not None:
                 events += self._close("completed")
@@ -86,9 +76,21 @@ class OutputItems:
                 )
         return events
 
+    def _text(self, text: str, kind: str) -> list[dict]:
+        """`text` added to the open item of `kind` (a reasoning item or a message), opened if need be."""
+        events: list[dict] = []
+        if self._open is None or self._open["type"] != kind:
+            events += self._close("completed") + self._open_text_item(kind)
+        assert self._open is not None
+        self._open["content"][0]["text"] += text
+        event = {"item_id": self._open["id"], "output_index": len(self.items) - 1, "content_index": 0, "delta": text}
+        if kind == "message":
+            return events + [{"type": "response.output_text.delta", **event, "logprobs": []}]
+        return events + [{"type": "response.reasoning_text.delta", **event}]
+
     def finish(self, status: str) -> list[dict]:
         """The reply ended: the last item closes ("incomplete" when cut short); no output is an empty message."""
-        events = [] if self.items else self._open_message()
+        events = [] if self.items else self._open_text_item("message")
         return events + self._close(status)
 
     def _add(self, item: dict) -> list[dict]:
@@ -97,9 +99,15 @@ class OutputItems:
         index = len(self.items) - 1
         return [{"type": "response.output_item.added", "output_index": index, "item": copy.deepcopy(item)}]
 
-    def _open_message(self) -> list[dict]:
-        part: dict[str, Any] = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        item: dict[str, Any] = {"type": "message", "id": item_id("msg"), "status": "in_progress", "role": "assistant"}
+    def _open_text_item(self, kind: str) -> list[dict]:
+        part: dict[str, Any]
+        item: dict[str, Any]
+        if kind == "message":
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            item = {"type": "message", "id": item_id("msg"), "status": "in_progress", "role": "assistant"}
+        else:
+            part = {"type": "reasoning_text", "text": ""}
+            item = {"type": "reasoning", "id": item_id("rs"), "status": "in_progress", "summary": []}
         item["content"] = []
         events = self._add(item)
         item["content"] = [part]
@@ -121,10 +129,13 @@ class OutputItems:
         item["status"] = status
         index = self.items.index(item)
         events: list[dict] = []
-        if item["type"] == "message":
+        if item["type"] in ("message", "reasoning"):
             part = item["content"][0]
             common = {"item_id": item["id"], "output_index": index, "content_index": 0}
-            events.append({"type": "response.output_text.done", **common, "text": part["text"], "logprobs": []})
+            if item["type"] == "message":
+                events.append({"type": "response.output_text.done", **common, "text": part["text"], "logprobs": []})
+            else:
+                events.append({"type": "response.reasoning_text.done", **common, "text": part["text"]})
             events.append({"type": "response.content_part.done", **common, "part": copy.deepcopy(part)})
         else:
             events.append(
@@ -201,10 +212,10 @@ class OpenAIServingResponses:
         }
 
     @staticmethod
-    def done(head: dict, items: OutputItems, finish_reason: str | None, usage: tuple[int, int, int]) -> dict:
-        """The finished response object; `usage` is (input, cached input, output) tokens."""
+    def done(head: dict, items: OutputItems, finish_reason: str | None, usage: tuple[int, int, int, int]) -> dict:
+        """The finished response object; `usage` is (input, cached input, output, reasoning) tokens."""
         incomplete = finish_reason == "length"
-        input_tokens, cached_tokens, output_tokens = usage
+        input_tokens, cached_tokens, output_tokens, reasoning_tokens = usage
         return {
             **head,
             "status": "incomplete" if incomplete else "completed",
@@ -214,7 +225,7 @@ class OpenAIServingResponses:
                 "input_tokens": input_tokens,
                 "input_tokens_details": {"cached_tokens": cached_tokens},
                 "output_tokens": output_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                 "total_tokens": input_tokens + output_tokens,
             },
         }
@@ -222,11 +233,13 @@ class OpenAIServingResponses:
     async def full_response(self, head: dict, prepared: PreparedChat, outputs) -> dict:
         final = await last_output(outputs)
         (c,) = final.outputs
-        parsed, finish_reason = prepared.reader().step(c.text, c.finish_reason)
+        reader = prepared.reader()
+        parsed, finish_reason = reader.step(c.text, c.finish_reason, c.token_ids)
         items = OutputItems()
         items.step(parsed)
         items.finish("incomplete" if finish_reason == "length" else "completed")
-        usage = (len(prepared.prompt["prompt_token_ids"]), final.num_cached_tokens, len(c.token_ids))
+        prompt_tokens = len(prepared.prompt["prompt_token_ids"])
+        usage = (prompt_tokens, final.num_cached_tokens, len(c.token_ids), reader.reasoning_tokens)
         return self.done(head, items, finish_reason, usage)
 
     async def stream(self, head: dict, prepared: PreparedChat, outputs) -> AsyncIterator[str]:
@@ -251,12 +264,12 @@ class OpenAIServingResponses:
                     cached = out.num_cached_tokens
                     for c in out.outputs:
                         generated += len(c.token_ids)
-                        parsed, finish_reason = reader.step(c.text, c.finish_reason)
+                        parsed, finish_reason = reader.step(c.text, c.finish_reason, c.token_ids)
                         for payload in items.step(parsed):
                             yield event(payload)
             for payload in items.finish("incomplete" if finish_reason == "length" else "completed"):
                 yield event(payload)
-            usage = (len(prepared.prompt["prompt_token_ids"]), cached, generated)
+            usage = (len(prepared.prompt["prompt_token_ids"]), cached, generated, reader.reasoning_tokens)
             response = self.done(head, items, finish_reason, usage)
             kind = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
             yield event({"type": kind, "response": response})

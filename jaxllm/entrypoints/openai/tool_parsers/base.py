@@ -51,6 +51,7 @@ class ToolCallDelta:
 class ParsedDelta:
     content: str = ""
     calls: list[ToolCallDelta] = field(default_factory=list)
+    reasoning: str = ""  # a reasoning model's thinking (jaxllm/reasoning/), before the content
 
     def merge(self, other: ParsedDelta) -> ParsedDelta:
         calls = list(self.calls)
@@ -60,7 +61,7 @@ class ParsedDelta:
                 calls[-1] = ToolCallDelta(last.index, last.id, last.name, last.arguments + piece.arguments)
             else:
                 calls.append(piece)
-        return ParsedDelta(self.content + other.content, calls)
+        return ParsedDelta(self.content + other.content, calls, self.reasoning + other.reasoning)
 
 
 class ToolParser:
