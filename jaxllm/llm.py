@@ -20,11 +20,17 @@ if TYPE_CHECKING:
 PromptType = str | dict[str, Any]
 
 
-def chat_prompt(tokenizer, conversation, chat_template: str | None = None, add_generation_prompt=True):
+def chat_prompt(
+    tokenizer, conversation, chat_template: str | None = None, add_generation_prompt=True, chat_template_kwargs=None
+):
     """One conversation as a prompt: the chat template's text and its token ids (the template writes the special
-    tokens itself, so the tokenizer adds none)."""
+    tokens itself, so the tokenizer adds none). `chat_template_kwargs` go to the template ({"enable_thinking": False})."""
     text = tokenizer.apply_chat_template(
-        conversation, tokenize=False, chat_template=chat_template, add_generation_prompt=add_generation_prompt
+        conversation,
+        tokenize=False,
+        chat_template=chat_template,
+        add_generation_prompt=add_generation_prompt,
+        **(chat_template_kwargs or {}),
     )
     return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
 
@@ -108,13 +114,16 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         tokenizer = self._require_tokenizer()
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         prompts = []
         for conversation in conversations:
-            prompts.append(chat_prompt(tokenizer, conversation, chat_template, add_generation_prompt))
+            prompts.append(
+                chat_prompt(tokenizer, conversation, chat_template, add_generation_prompt, chat_template_kwargs)
+            )
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     # ---- helpers ---------------------------------------------------------------------

@@ -107,3 +107,66 @@ def save_gemma_test_tokenizer(path, vocab_size: int) -> None:
     )
     tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
     tokenizer.save_pretrained(path)
+
+
+# A tiny Qwen3 whose next token depends only on the last one (attention and MLPs zeroed; the LM head maps each token's
+# embedding to its successor), so greedy decoding follows a chain written here: it thinks between <think> and
+# </think>, then answers {"answer":4}. Its chat template is Qwen3's in small: `enable_thinking: false` renders an
+# empty <think></think> (whose last token, "\n\n", leads straight to the answer).
+REASONING_CHAIN = ["\n", "<think>", "Let me think.", " 2+2 is 4.", "</think>", '{"answer":', "4", "}", "<|im_end|>"]
+REASONING_TEXT, REASONING_ANSWER = "Let me think. 2+2 is 4.", '{"answer":4}'
+QWEN3_THINKING_TEMPLATE = (
+    "{%- for m in messages -%}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false -%}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif -%}"
+    "{%- endif -%}"
+)
+# DeepSeek-R1's way: the template opens the thinking, so the output starts inside it with no tag of its own
+R1_TEMPLATE = QWEN3_THINKING_TEMPLATE.replace("'<|im_start|>assistant\\n'", "'<|im_start|>assistant\\n<think>'")
+
+
+def save_reasoning_test_model(path) -> None:
+    """The chained Qwen3 above, with a character-level tokenizer whose tags and chain words are single tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen3Config, Qwen3ForCausalLM
+
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    words = [w for w in REASONING_CHAIN if len(w) > 1 and w not in special] + ["\n\n"]
+    # byte-level characters (GPT-2's: a space is Ġ, a newline Ċ), as Qwen's own tokenizer, which llguidance reads
+    chars = [*(chr(c) for c in range(33, 127)), "Ġ", "Ċ"]
+    vocab = {token: i for i, token in enumerate(special + words + chars)}
+    backend = Tokenizer(models.BPE(vocab, merges=[], unk_token="<|endoftext|>"))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="<|endoftext|>"
+    )
+    tokenizer.add_special_tokens({"additional_special_tokens": special[1:]})
+    tokenizer.add_tokens(words)  # matched whole, before the split into characters; not special: they stay in text
+    tokenizer.chat_template = QWEN3_THINKING_TEMPLATE
+    tokenizer.save_pretrained(path)
+
+    size = 128
+    config = Qwen3Config(
+        vocab_size=size,
+        hidden_size=size,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        eos_token_id=vocab["<|im_end|>"],
+    )
+    model = Qwen3ForCausalLM(config)
+    ids = {w: vocab["Ċ" if w == "\n" else w] for w in [*REASONING_CHAIN, "\n\n"]}
+    successor = {ids[a]: ids[b] for a, b in zip(REASONING_CHAIN, REASONING_CHAIN[1:], strict=False)}
+    successor[ids["\n\n"]] = ids['{"answer":']  # thinking off: the answer right away
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.ones_like(p) if "norm" in name else torch.zeros_like(p))
+        model.model.embed_tokens.weight.copy_(torch.eye(size))
+        for token, after in successor.items():
+            model.lm_head.weight[after, token] = 1.0
+    model.save_pretrained(path)
