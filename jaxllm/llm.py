@@ -24,7 +24,7 @@ def chat_prompt(
     tokenizer, conversation, chat_template: str | None = None, add_generation_prompt=True, chat_template_kwargs=None
 ):
     """One conversation as a prompt: the chat template's text and its token ids (the template writes the special
-    tokens itself, so the tokenizer adds none). `chat_template_kwargs` go to the template ({"enable_thinking": False})."""
+    tokens itself, so the tokenizer adds none); `chat_template_kwargs` go to the template (enable_thinking...)."""
     text = tokenizer.apply_chat_template(
         conversation,
         tokenize=False,

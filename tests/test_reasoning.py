@@ -97,11 +97,47 @@ def test_gate_frees_the_reasoning_and_hands_the_answer_to_the_grammar():
     gate = ReasoningGate(QWEN3, 3, 6, prompt_token_ids=[1, 9])
     assert gate.phase is Phase.MAY_OPEN and gate.constrained  # the grammar's first token, or <think>
     assert not gate.feeds_grammar(3) and not gate.constrained
-    assert gate.free_prefix([10, 11]) == 2 and gate.free_prefix([10, 6, 12]) == 2  # drafts past the end tag
+    # positions sampled after drafts: all reasoning; the answer's from the one after a drafted end tag
+    assert gate.answer_start([10, 11]) is None and gate.answer_start([10, 6, 12]) == 2 and gate.answer_start([6]) == 1
     assert not gate.feeds_grammar(10) and not gate.feeds_grammar(6)
-    assert gate.feeds_grammar(12) and gate.constrained and gate.free_prefix([12]) == 0
+    assert gate.feeds_grammar(12) and gate.constrained and gate.answer_start([12]) == 0
     off = ReasoningGate(QWEN3, 3, 6, prompt_token_ids=[1, 3, 8, 6, 8])
     assert off.phase is Phase.ANSWER and off.feeds_grammar(3)  # thinking off: the grammar from the first token
+
+
+def test_grammar_masks_start_after_a_drafted_end_tag(model_path):
+    """Speculative drafts may carry the thinking into the answer in one step: positions up to the end tag are free,
+    the one after it gets the grammar's first mask; a draft past the tag that the grammar rejects is cut."""
+    from transformers import AutoTokenizer
+
+    from jaxllm.request import Request
+    from jaxllm.runner.token_masks import all_allowed, allowed_token_ids
+    from jaxllm.scheduler_output import ScheduledRequest, SchedulerOutput
+    from jaxllm.structured.manager import StructuredOutputManager
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    ids = {t: tok.convert_tokens_to_ids(t) for t in ["<think>", "Let me think.", "</think>", '{"answer":', "4"]}
+    manager = StructuredOutputManager(tok, 128, (tok.eos_token_id,), reasoning=QWEN3)
+    prompt = tok.apply_chat_template(QUESTION, add_generation_prompt=True, tokenize=True)
+    params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    request = Request("r", list(prompt), params, (tok.eos_token_id,))
+    manager.add("r", [request])
+    manager.wait(timeout=30)
+    assert manager.take_compiled() == [([request], None)]
+    first = all_allowed(128, 1)
+    manager.fill_bitmask(SchedulerOutput(0, [ScheduledRequest(request, 1, len(prompt) - 1, [])]).scheduled, first)
+    assert ids["<think>"] in allowed_token_ids(first[0], 128)  # the grammar's first tokens, or <think>
+    assert not manager.advance(request, ids["<think>"])
+    drafts = [ids["Let me think."], ids["</think>"], ids["4"]]  # "4" cannot open a JSON object
+    assert manager.valid_prefix(request, drafts) == 2
+    request.output_token_ids.append(ids["<think>"])
+    step = ScheduledRequest(request, 3, len(prompt), [], draft_token_ids=drafts[:2])
+    allowed = all_allowed(128, 3)
+    assert manager.fill_bitmask(SchedulerOutput(0, [step]).scheduled, allowed) == [2]
+    assert (allowed[:2] == all_allowed(128)).all()  # reasoning: free
+    assert ids['{"answer":'] in allowed_token_ids(allowed[2], 128) and ids["4"] not in allowed_token_ids(
+        allowed[2], 128
+    )
 
 
 def test_auto_reasoning_parser_reads_the_chat_template(tmp_path_factory):

@@ -137,7 +137,7 @@ def test_text_format_json_schema(client):
         ({"reasoning": {"effort": "high"}}, "reasoning"),
         ({"tools": [{"type": "web_search"}]}, "tools.0"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content.0"),
-        ({"input": [{"type": "reasoning", "summary": []}]}, "input.0.type"),
+        ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input.0.type"),
         ({"max_output_tokens": 100000}, "max_output_tokens"),
         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "bad"}}}}, "text.format.schema"),
     ],

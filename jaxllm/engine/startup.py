@@ -52,7 +52,7 @@ def log_ready(core, cache_folder: str | None) -> None:
     capacity = core.kv.num_usable_blocks * block_size
     logger.info(
         "model %s (%s, %s; quantized: %s) loaded in %.1fs; KV cache %d blocks x %d = %d tokens%s; max_model_len %d, "
-        "max_num_seqs %d, max_num_batched_tokens %d; %d buckets (%d executables) ready in %.1fs (%d loaded "
+        "max_num_seqs %d, max_num_batched_tokens %d%s; %d buckets (%d executables) ready in %.1fs (%d loaded "
         "compiled; cache: %s); "
         "ready in %.1fs",
         core.loaded.name,
@@ -67,6 +67,7 @@ def log_ready(core, cache_folder: str | None) -> None:
         sched.max_model_len,
         sched.max_num_seqs,
         sched.max_num_batched_tokens,
+        f"; reasoning parser {core.reasoning.name}" if core.reasoning is not None else "",
         len(core.runner.buckets),
         core.runner.num_executables,
         core.runner.compile_seconds,

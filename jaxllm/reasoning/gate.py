@@ -33,12 +33,13 @@ class ReasoningGate:
         self.phase = Phase.ANSWER
         return True
 
-    def free_prefix(self, drafts: Sequence[int]) -> int:
-        """How many leading `drafts` are reasoning (free of the grammar); the rest are the answer's. Drafts may
-        carry the reasoning into the answer: the end tag is the last free one."""
+    def answer_start(self, drafts: Sequence[int]) -> int | None:
+        """Where the answer starts among a step's sampled positions (position j samples after `drafts[:j]`): 0 when
+        it has started, the position after the end tag when the drafts carry the reasoning into the answer, None
+        when every position is reasoning (free of the grammar)."""
         if self.phase is not Phase.REASONING:
             return 0
         for i, token in enumerate(drafts):
             if token == self.end_id:
                 return i + 1
-        return len(drafts)
+        return None

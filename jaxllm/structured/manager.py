@@ -149,12 +149,12 @@ class StructuredOutputManager:
             if matcher is None or not s.samples:
                 continue
             gate = self._gates.get(s.request.request_id)
-            free = gate.free_prefix(s.draft_token_ids) if gate is not None else 0
-            if gate is not None and not gate.constrained and free == len(s.draft_token_ids):
+            first = gate.answer_start(s.draft_token_ids) if gate is not None else 0
+            if first is None:
                 continue  # thinking, drafts included: no mask
             if s.draft_token_ids:  # the drafts may end the reasoning: the rows after the end tag are the grammar's
                 self._check(allowed)
-                written += self._fill_drafted(matcher, s.logits_row + free, s.draft_token_ids[free:], allowed)
+                written += self._fill_drafted(matcher, s.logits_row + first, s.draft_token_ids[first:], allowed)
             else:
                 rows.append((matcher, s.sample_row))
                 if gate is not None and gate.phase is Phase.MAY_OPEN:
@@ -228,8 +228,8 @@ class StructuredOutputManager:
             return matcher.validate_tokens(tokens)
         if gate.phase is Phase.MAY_OPEN:
             return 0  # no drafts for an output's first token
-        free = gate.free_prefix(tokens)
-        return free + (matcher.validate_tokens(tokens[free:]) if free < len(tokens) else 0)
+        first = gate.answer_start(tokens)
+        return len(tokens) if first is None else first + matcher.validate_tokens(tokens[first:])
 
     def free(self, request) -> None:
         self._matchers.pop(request.request_id, None)
