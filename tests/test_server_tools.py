@@ -164,8 +164,12 @@ def test_chat_template_flag_takes_a_name_a_file_or_a_template(tmp_path):
 
 
 def test_auto_tool_choice_needs_a_parser_except_on_the_default_model():
-    default = SimpleNamespace(info=SimpleNamespace(model="SmolLM2-135M-Instruct", max_model_len=512), tokenizer=None)
-    other = SimpleNamespace(info=SimpleNamespace(model="my/chatml-model", max_model_len=512), tokenizer=None)
+    default = SimpleNamespace(
+        info=SimpleNamespace(model="SmolLM2-135M-Instruct", max_model_len=512, reasoning_parser=None), tokenizer=None
+    )
+    other = SimpleNamespace(
+        info=SimpleNamespace(model="my/chatml-model", max_model_len=512, reasoning_parser=None), tokenizer=None
+    )
     assert serving_options(default, None, False, None) == ServingOptions(None, CHATML_TOOLS, "hermes")
     assert serving_options(other, None, True, "hermes") == ServingOptions(None, None, "hermes")
     assert serving_options(other, "chatml_tools", False, None) == ServingOptions(CHATML_TOOLS, None, None)
