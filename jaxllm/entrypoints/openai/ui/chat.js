@@ -290,7 +290,9 @@ async function send(text) {
   renderMessages();
   const el = $("messages").lastChild;
   const box = $("messages");
-  const timing = { sent: performance.now(), firstText: null, done: null };
+  // sent: Send pressed; headers: the response's headers in; firstText: the first answer text in the page (DOM);
+  // firstFrame: the next animation frame after it (about when it is on screen); done: the stream ended
+  const timing = { sent: performance.now(), headers: null, firstText: null, firstFrame: null, done: null };
   window.jaxllmTimings.push(timing);
   state.controller = new AbortController();
   setBusy(true);
@@ -299,7 +301,10 @@ async function send(text) {
     frame = 0;
     const stick = box.scrollHeight - box.scrollTop - box.clientHeight < 40;
     updateMessageElement(el, answer);
-    if (timing.firstText === null && answer.content) timing.firstText = performance.now();
+    if (timing.firstText === null && answer.content) {
+      timing.firstText = performance.now();
+      requestAnimationFrame(() => (timing.firstFrame = performance.now()));
+    }
     if (stick) box.scrollTop = box.scrollHeight;
   };
   try {
@@ -309,6 +314,7 @@ async function send(text) {
       body: JSON.stringify(body),
       signal: state.controller.signal,
     });
+    timing.headers = performance.now();
     if (response.status === 401) {
       needKey();
       throw new Error("this server needs an API key: enter it above and send again");
