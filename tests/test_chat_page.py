@@ -8,6 +8,7 @@ developer's machine; with $JAXLLM_REQUIRE_BROWSER set (.ci/run sets it) they fai
 """
 
 import asyncio
+import json
 import os
 import re
 import shutil
@@ -220,6 +221,69 @@ def test_model_output_renders_as_text(server, browser):
     assert link.get_attribute("rel") == "noopener noreferrer"
     assert "[js](javascript:window.pwned='link')" in answer.text
     assert browser.find_element("css selector", "#messages .msg.user .content").text == "<i>hi</i>"
+
+
+# a stream the server does not send yet: reasoning (`reasoning_content`, vLLM's older `reasoning`) before the answer,
+# and markup in the answer; one event is split across two reads, as the network may split it
+STUB_FETCH = """
+const [reads, status] = arguments;
+const real = window.fetch;
+window.fetch = (url, init) => {
+  if (!String(url).includes('/v1/chat/completions')) return real(url, init);
+  window.sentBody = JSON.parse(init.body);
+  const encoder = new TextEncoder();
+  const body = new ReadableStream({start(c) { for (const r of reads) c.enqueue(encoder.encode(r)); c.close(); }});
+  return Promise.resolve(new Response(body, {status, headers: {'Content-Type': 'text/event-stream'}}));
+};
+"""
+
+
+def sse(delta: dict | None = None, **fields) -> str:
+    chunk = {"choices": [{"index": 0, "delta": delta, "finish_reason": None}]} if delta is not None else {}
+    return f"data: {json.dumps({**chunk, **fields})}\n\n"
+
+
+def test_streamed_reasoning_is_folded_and_streamed_markup_is_text(server, browser):
+    """The page's request carries the settings; streamed reasoning goes in a folded <details> above the answer;
+    markup streamed in the answer is text; an error response is shown as one. (fetch is stubbed in the page.)"""
+    open_page(browser, server.url + "/")
+    tail = sse({"content": " **done**"})
+    reads = [
+        sse({"role": "assistant", "content": ""}),
+        sse({"reasoning_content": "Let me <b>think</b>"}),
+        sse({"reasoning": " more."}),
+        sse({"content": "<script>window.pwned = 'stream'</script>"}),
+        tail[:20],
+        tail[20:],
+        sse(choices=[], usage={"prompt_tokens": 9, "completion_tokens": 5, "total_tokens": 14}),
+        "data: [DONE]\n\n",
+    ]
+    browser.execute_script(STUB_FETCH, reads, 200)
+    browser.execute_script("document.getElementById('system').value = 'Be brief.'")
+    type_and_send(browser, "Think first.", max_tokens=7)
+    wait_for(lambda: not busy(browser) and last_meta(browser), what="the stubbed answer")
+    sent = browser.execute_script("return window.sentBody")
+    assert sent["stream"] is True and sent["stream_options"] == {"include_usage": True}
+    assert (sent["temperature"], sent["top_p"], sent["max_tokens"], sent["model"]) == (0, 1, 7, MODEL)
+    assert sent["messages"] == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Think first."}]
+    reasoning = browser.find_element("css selector", "#messages .msg.assistant details.reasoning")
+    assert reasoning.get_attribute("open") is None, "reasoning is shown folded"
+    assert browser.execute_script("return arguments[0].querySelector('.text').textContent", reasoning) == (
+        "Let me <b>think</b> more."
+    )
+    assert not reasoning.find_elements("css selector", "b")
+    answer = browser.find_element("css selector", "#messages .msg.assistant .content")
+    assert answer.text == "<script>window.pwned = 'stream'</script> done"
+    assert answer.find_element("css selector", "strong").text == "done"
+    assert browser.execute_script("return window.pwned === undefined")
+    assert last_meta(browser).startswith("5 tokens · ")  # usage, from the last chunk
+
+    error = json.dumps({"error": {"message": "max_tokens is too large", "type": "BadRequestError", "code": 400}})
+    browser.execute_script(STUB_FETCH, [error], 400)
+    type_and_send(browser, "Again.", max_tokens=7)
+    wait_for(lambda: not busy(browser) and last_meta(browser), what="the error")
+    assert last_meta(browser) == "error: max_tokens is too large"
+    assert browser.find_elements("css selector", "#messages .msg.assistant.error")
 
 
 def test_the_page_asks_for_the_api_key(server, browser):
