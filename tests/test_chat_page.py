@@ -105,6 +105,11 @@ def type_and_send(driver, text: str, max_tokens: int) -> None:
     driver.find_element("id", "send").click()
 
 
+def enter_key(driver, key: str) -> None:
+    driver.find_element("id", "api-key").send_keys(key)
+    driver.find_element("css selector", "#key-form button").click()
+
+
 def test_the_page_is_open_without_a_key_and_disable_ui_removes_it(server):
     """/ and /ui serve the page (and its assets) with the API key set; --disable-ui: a 404."""
     with TestClient(build_app(server.engine, served_model_names=[MODEL], api_key=API_KEY)) as http:
@@ -304,13 +309,32 @@ def test_the_page_asks_for_the_api_key(server, browser):
         browser.execute_script("localStorage.clear()")
         browser.refresh()
         wait_for(lambda: browser.find_element("id", "key-form").is_displayed(), what="the API key form")
-        browser.find_element("id", "api-key").send_keys(API_KEY)
-        browser.find_element("css selector", "#key-form button").click()
+        prompt = browser.find_element("id", "prompt")
+        type_and_send(browser, "Say hi.", max_tokens=4)  # before the key: the message waits in the box
+        wait_for(lambda: prompt.get_attribute("value") == "Say hi.", what="the message back in the box")
+        enter_key(browser, API_KEY)
         wait_for(lambda: browser.find_element("id", "model").text == MODEL, what="the model name with the key")
         assert not browser.find_element("id", "key-form").is_displayed()
         assert browser.execute_script("return localStorage.getItem('jaxllm.apiKey')") == API_KEY
-        type_and_send(browser, "Say hi.", max_tokens=4)
+        browser.find_element("id", "send").click()
         wait_for(lambda: last_answer(browser) and not busy(browser), what="an answer with the key")
+        assert not browser.find_elements("css selector", "#messages .msg.error")
+
+        # a key that stops working (rotated): the chat request's 401 asks again and keeps the message
+        browser.execute_script("localStorage.setItem('jaxllm.apiKey', 'sk-old')")
+        prompt.send_keys("Say bye.")
+        browser.find_element("id", "send").click()
+        wait_for(lambda: browser.find_element("id", "key-form").is_displayed(), what="the API key form again")
+        assert prompt.get_attribute("value") == "Say bye."
+        assert len(browser.find_elements("css selector", "#messages .msg")) == 2  # the first exchange only
+        enter_key(browser, API_KEY)
+        wait_for(lambda: browser.find_element("id", "model").text == MODEL, what="the model name with the key")
+        browser.find_element("id", "send").click()
+        wait_for(
+            lambda: len(browser.find_elements("css selector", "#messages .msg")) == 4 and not busy(browser),
+            what="the second answer",
+        )
+        assert not browser.find_elements("css selector", "#messages .msg.error")
     finally:
         keyed.should_exit = True
         serving.result(timeout=10)

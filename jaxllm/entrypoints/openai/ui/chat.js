@@ -210,6 +210,7 @@ function setBusy(busy) {
 // ---- the API ------------------------------------------------------------------------------------------------
 
 async function needKey() {
+  $("model").textContent = "(API key needed)";
   $("key-form").hidden = false;
   $("api-key").focus();
   $("status").textContent = "API key needed";
@@ -218,7 +219,10 @@ async function needKey() {
 async function loadModel() {
   try {
     const response = await fetch("/v1/models", { headers: apiHeaders() });
-    if (response.status === 401) return needKey();
+    if (response.status === 401) {
+      state.model = null;
+      return needKey();
+    }
     const body = await response.json();
     state.model = body.data?.[0]?.id ?? null;
     $("model").textContent = state.model || "(no model)";
@@ -276,9 +280,11 @@ async function readEvents(response, onEvent) {
 window.jaxllmTimings = [];
 
 async function send(text) {
-  if (state.controller || !text.trim()) return;
   if (!state.model) await loadModel();
-  if (!state.model) return;
+  if (!state.model) {
+    $("prompt").value = text; // kept for when the key is in
+    return;
+  }
   const conv = currentConversation();
   if (!conv.messages.length) conv.title = text.trim().slice(0, 48);
   conv.messages.push({ role: "user", content: text });
@@ -297,6 +303,7 @@ async function send(text) {
   state.controller = new AbortController();
   setBusy(true);
   let frame = 0;
+  let unauthorized = false;
   const paint = () => {
     frame = 0;
     const stick = box.scrollHeight - box.scrollTop - box.clientHeight < 40;
@@ -316,8 +323,13 @@ async function send(text) {
     });
     timing.headers = performance.now();
     if (response.status === 401) {
+      // the key is missing or wrong: take the message back into the box, to send again once the key is in
+      unauthorized = true;
+      conv.messages.splice(conv.messages.indexOf(answer) - 1, 2);
+      $("prompt").value = text;
+      state.model = null;
       needKey();
-      throw new Error("this server needs an API key: enter it above and send again");
+      return;
     }
     if (!response.ok) {
       const error = await response.json().catch(() => ({}));
@@ -354,9 +366,12 @@ async function send(text) {
   } finally {
     if (frame) cancelAnimationFrame(frame);
     state.controller = null;
-    updateMessageElement(el, answer);
     setBusy(false);
     save();
+    if (unauthorized) {
+      renderAll();
+      $("status").textContent = "API key needed";
+    } else updateMessageElement(el, answer);
   }
 }
 
@@ -370,6 +385,7 @@ function init() {
   $("composer").addEventListener("submit", (e) => {
     e.preventDefault();
     const text = $("prompt").value;
+    if (state.controller || !text.trim()) return;
     $("prompt").value = "";
     send(text);
   });
