@@ -504,6 +504,7 @@ def test_serve_enforces_the_api_key_and_exits_0_on_sigterm_mid_stream():
         str(port),
         "--served-model-name",
         MODEL,
+        "--disable-ui",
         *ENGINE_FLAGS,
     ]
     process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -520,6 +521,7 @@ def test_serve_enforces_the_api_key_and_exits_0_on_sigterm_mid_stream():
             assert time.monotonic() < deadline
             time.sleep(0.5)
         assert httpx.get(url + "/v1/models").status_code == 401
+        assert httpx.get(url + "/").status_code == httpx.get(url + "/ui").status_code == 404  # --disable-ui
         wrong = httpx.get(url + "/v1/models", headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
         keyed = openai.OpenAI(base_url=url + "/v1", api_key="sk-test", max_retries=0)

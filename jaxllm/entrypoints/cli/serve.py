@@ -90,6 +90,11 @@ def register(sub) -> None:
         "$JAXLLM_ALLOW_RUNTIME_LORA_UPDATING=true also serves /v1/load_lora_adapter and /v1/unload_lora_adapter",
     )
     serve.add_argument(
+        "--disable-ui",
+        action="store_true",
+        help="no chat page at / and /ui (the API only)",
+    )
+    serve.add_argument(
         "--headless",
         action="store_true",
         help="multi-host follower (--node-rank > 0): no HTTP, only run node 0's steps",
@@ -178,6 +183,7 @@ def run(args) -> None:
                 tool_call_parser=args.tool_call_parser,
                 max_request_body_bytes=args.max_request_body_bytes or None,
                 lora_modules=[LoRAModulePath(*m) for m in args.lora_modules or []],
+                disable_ui=args.disable_ui,
             )
         except BaseException:  # a bad --lora-modules (or other flag): stop the engine before saying why
             engine.shutdown()

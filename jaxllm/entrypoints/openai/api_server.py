@@ -44,6 +44,7 @@ from jaxllm.entrypoints.openai.serving_models import (
 from jaxllm.entrypoints.openai.serving_responses import OpenAIServingResponses
 from jaxllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from jaxllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
+from jaxllm.entrypoints.openai.ui import add_ui_routes
 from jaxllm.reasoning import REASONING_PARSERS
 from jaxllm.weights.default import DEFAULT_MODEL_NAME
 
@@ -89,9 +90,11 @@ def build_app(
     tool_call_parser: str | None = None,
     max_request_body_bytes: int | None = DEFAULT_MAX_REQUEST_BODY_BYTES,
     lora_modules: list[LoRAModulePath] | None = None,
+    disable_ui: bool = False,
 ) -> FastAPI:
     """The app. `lora_modules` (--lora-modules) are loaded into the engine now: ValueError naming a bad one. With
-    $JAXLLM_ALLOW_RUNTIME_LORA_UPDATING set, adapters can also be loaded and unloaded while serving."""
+    $JAXLLM_ALLOW_RUNTIME_LORA_UPDATING set, adapters can also be loaded and unloaded while serving. The chat
+    page is at / and /ui unless `disable_ui` (--disable-ui)."""
     names = served_model_names or [engine.model_name]
     options = serving_options(engine, chat_template, enable_auto_tool_choice, tool_call_parser)
     models = OpenAIServingModels(engine, names)
@@ -114,6 +117,8 @@ def build_app(
     add_info_routes(app, parse, engine, models, OpenAIServingTokenization(chat))
     if runtime_lora_updating():
         add_lora_routes(app, parse, models)
+    if not disable_ui:
+        add_ui_routes(app)
     return app
 
 
@@ -239,7 +244,8 @@ def add_lora_routes(app: FastAPI, parse: Parse, models: OpenAIServingModels) -> 
 
 
 class APIKeyMiddleware:
-    """`Authorization: Bearer KEY` on /v1/*, as vLLM's --api-key (/health, /metrics stay open).
+    """`Authorization: Bearer KEY` on /v1/*, as vLLM's --api-key (/health, /metrics and the chat page stay open:
+    the page asks for the key when its first API call gets this 401).
 
     A plain ASGI middleware: it must not wrap `receive`, which streams use to see disconnects.
     """
