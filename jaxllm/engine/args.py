@@ -52,8 +52,7 @@ HELP = {
     "max_loras": "LoRA adapters a step can mix (device slots; a request for a further one waits its turn)",
     "max_lora_rank": "the largest LoRA rank an adapter may have (an adapter of higher rank is refused at load)",
     "max_cpu_loras": "LoRA adapters kept read in host memory (default: max_loras)",
-    "runner": "generate (tokens) or pooling (embeddings and scores: /v1/embeddings, /score, /rerank; "
-    "docs/serving.md)",
+    "runner": "generate (tokens) or pooling (embeddings and scores: /v1/embeddings, /score, /rerank; docs/serving.md)",
     "pooler_config": 'the pooling runner\'s pooler, vLLM\'s JSON: \'{"pooling_type": "MEAN", "normalize": true}\' '
     "(default: the model's sentence-transformers files, else LAST with L2 normalisation)",
 }

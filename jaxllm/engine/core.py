@@ -396,7 +396,9 @@ class EngineCore:
             for s in out.scheduled:
                 if not s.request.is_finished:
                     pooled = result.pooled[s.logits_row]
-                    self.pooler.add(s.request.request_id, s.start, s.num_new_tokens, s.request.num_prompt_tokens, pooled)
+                    self.pooler.add(
+                        s.request.request_id, s.start, s.num_new_tokens, s.request.num_prompt_tokens, pooled
+                    )
         for request, row, count in self.scheduler.update(out, result.token_ids):
             progressed.add(request.output_key)
             try:

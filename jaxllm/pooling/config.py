@@ -12,7 +12,11 @@ from pathlib import Path
 from jaxllm.config import PoolerConfig
 
 # 1_Pooling/config.json's flags → jaxllm's pooling type (the first set one wins, in this order)
-_ST_MODES = (("pooling_mode_lasttoken", "LAST"), ("pooling_mode_mean_tokens", "MEAN"), ("pooling_mode_cls_token", "CLS"))
+_ST_MODES = (
+    ("pooling_mode_lasttoken", "LAST"),
+    ("pooling_mode_mean_tokens", "MEAN"),
+    ("pooling_mode_cls_token", "CLS"),
+)
 
 
 def sentence_transformers_pooler(model_dir: Path) -> PoolerConfig | None:
