@@ -60,6 +60,9 @@ class EngineInfo:
     max_model_len: int
     max_num_seqs: int
     vocab_size: int
+    runner: str = "generate"  # "pooling": embeddings and scores (jaxllm/pooling/)
+    hidden_size: int = 0  # the embedding size (the pooling runner)
+    pooler: Any = None  # the pooling runner's PoolerConfig, resolved against the model
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         from jaxllm.engine.startup import check_prompt
@@ -103,7 +106,8 @@ def failed_output(
 ) -> RequestOutput:
     """The finished output of a request the engine failed or (`refused`) would not take: every sample ends with
     "error"."""
-    samples = [CompletionOutput(index=i, text="", token_ids=[], finish_reason="error") for i in range(params.n)]
+    n = getattr(params, "n", 1)  # (PoolingParams: one)
+    samples = [CompletionOutput(index=i, text="", token_ids=[], finish_reason="error") for i in range(n)]
     return RequestOutput(request_id, prompt, prompt_token_ids, samples, finished=True, error=error, refused=refused)
 
 
@@ -152,6 +156,9 @@ class InProcessClient:
             sched.max_model_len,
             sched.max_num_seqs,
             self.core.loaded.arch.vocab_size,
+            self.core.config.runner,
+            self.core.loaded.arch.hidden_size,
+            self.core.config.pooler,
         )
         self._on_outputs = on_outputs
         self._on_dead = on_dead
