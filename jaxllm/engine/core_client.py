@@ -40,6 +40,7 @@ from typing import Any, Protocol
 from jaxllm.engine.args import EngineArgs
 from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import CompletionOutput, RequestOutput
+from jaxllm.pooling.params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxllm")
@@ -77,7 +78,7 @@ class EngineCoreClient(Protocol):
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         *,
         prompt: str | None = None,
         priority: int = 0,
@@ -98,7 +99,7 @@ class EngineCoreClient(Protocol):
 def failed_output(
     request_id: str,
     prompt_token_ids: list[int],
-    params: SamplingParams,
+    params: SamplingParams | PoolingParams,
     prompt: str | None,
     error: str,
     *,

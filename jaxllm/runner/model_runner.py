@@ -450,8 +450,9 @@ class ModelRunner:
             logits, self.cache, *loads = forward(params, self.cache, inputs, prev_sampled, src)
         else:
             logits, self.cache, *loads = forward(params, self.cache, inputs)
-        if self.pooling is not None:  # pooled rows [R, H]: the step's result as it is
-            return logits
+        if self.pooling is not None:  # pooled rows [R, H]: the step's result as it is (`to_host` knows)
+            return cast(SamplerOutput, logits)
+        assert sampler is not None
         if loads:  # a mixture of experts' routing (a pipeline's: one array per stage with sparse layers)
             self._step_loads.append(loads)  # added up when the step is collected
         return sampler(logits, sampling)
