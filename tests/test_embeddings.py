@@ -150,3 +150,21 @@ def test_tiny_decoder_last_and_cls(tmp_path):
         outputs = llm.embed([{"prompt_token_ids": p} for p in prompts], use_tqdm=False)
         for p, out in zip(prompts, outputs, strict=True):
             assert_close(out.outputs.embedding, hf_pooled(model, p, pooling, True))
+
+
+def test_accumulator_chunks_restart_dimensions():
+    """The host side alone: MEAN adds chunks and divides by the prompt length, a preempted request's restart from
+    position 0 starts the sum again, LAST keeps the final chunk's row, `dimensions` cuts before normalising."""
+    from jaxllm.config import PoolerConfig
+    from jaxllm.pooling.accumulate import PoolingAccumulator
+
+    mean = PoolingAccumulator(PoolerConfig("MEAN", normalize=False))
+    rows = [np.array([1.0, 2.0, 3.0]), np.array([3.0, 4.0, 5.0])]
+    mean.add("r", 0, 4, 6, rows[0] * 9)  # a first try, preempted
+    mean.add("r", 0, 4, 6, rows[0])
+    mean.add("r", 4, 2, 6, rows[1])
+    np.testing.assert_allclose(mean.finish("r", 6, PoolingParams()), (rows[0] + rows[1]) / 6)
+    last = PoolingAccumulator(PoolerConfig("LAST", normalize=True))
+    last.add("r", 0, 4, 6, rows[0])
+    last.add("r", 4, 2, 6, rows[1])
+    np.testing.assert_allclose(last.finish("r", 6, PoolingParams(dimensions=2)), np.array([3.0, 4.0]) / 5)

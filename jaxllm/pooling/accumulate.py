@@ -19,9 +19,9 @@ class PoolingAccumulator:
     def add(self, request_id: str, start: int, num_new: int, num_prompt: int, row: np.ndarray) -> None:
         """One step's pooled row of a request whose chunk covered prompt positions start..start+num_new-1."""
         kind = self.pooler.pooling_type
-        if kind == "MEAN":
+        if kind == "MEAN":  # (a chunk from position 0 starts the sum again: a preempted request is recomputed)
             total = self._sums.get(request_id)
-            self._sums[request_id] = row.astype(np.float64) if total is None else total + row
+            self._sums[request_id] = row.astype(np.float64) if total is None or start == 0 else total + row
         elif (kind == "CLS" and start == 0) or (kind == "LAST" and start + num_new >= num_prompt):
             self._sums[request_id] = row.astype(np.float64)
 
