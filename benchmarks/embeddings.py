@@ -2,9 +2,10 @@
 """Embeddings throughput (issue 50): inputs/s for `--input-len`-token inputs at batch 1 and batch 64, jaxllm's
 pooling runner beside sentence-transformers and plain transformers on the same model, in the same run.
 
-The model is the default one, SmolLM2-135M-Instruct: jaxllm runs its GGUF as it serves it (Q4_1 blocks, float32
-activations, `runner="pooling"`, LAST pooling, L2-normalised: vLLM's default for a decoder); transformers reads the
-same GGUF dequantized to float32 (`AutoModel`, `last_hidden_state[:, -1]`, normalised), and sentence-transformers
+The model is the default one, SmolLM2-135M-Instruct: jaxllm runs its GGUF dequantized to float32 weights
+(`--quantization none`, the very weights the peers run; `auto` keeps its Q4_1 blocks as `jaxllm serve` does) with
+`runner="pooling"`, LAST pooling, L2-normalised (vLLM's default for a decoder); transformers reads the same GGUF
+dequantized to float32 (`AutoModel`, `last_hidden_state[:, -1]`, normalised), and sentence-transformers
 wraps that model saved as an HF directory (Transformer → Pooling(lasttoken) → Normalize), encoding the inputs'
 text (its own tokenization, timed, as a user's call is). The three take turns round by round; reported: each
 one's median inputs/s per batch size and the median of per-round ratios jaxllm / peer; each round's figures;
@@ -58,6 +59,12 @@ def main() -> None:
     ap.add_argument("--batch-1-inputs", type=int, default=8, help="inputs embedded one call at a time, per round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="jaxllm's (default: its CPU default)")
+    ap.add_argument(
+        "--quantization",
+        default="none",
+        help="jaxllm's weights: none (the default: float32, the very weights the peers run), auto (the GGUF's Q4_1 "
+        "blocks, as `jaxllm serve` runs it)",
+    )
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     load_before = [round(x, 2) for x in os.getloadavg()]
@@ -77,6 +84,7 @@ def main() -> None:
         dtype="float32",
         max_model_len=args.input_len + 16,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        quantization=args.quantization,
         progress=False,
     )
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -158,7 +166,9 @@ def main() -> None:
             "jaxllm_engine": {
                 "max_num_seqs": llm.engine.config.scheduler.max_num_seqs,
                 "max_num_batched_tokens": llm.engine.config.scheduler.max_num_batched_tokens,
-                "weights": "GGUF Q4_1 blocks, float32 activations",
+                "weights": "float32 (the GGUF dequantized)"
+                if args.quantization == "none"
+                else f"quantization={args.quantization} (the GGUF's Q4_1 blocks), float32 activations",
             },
             "peers_weights": "the same GGUF dequantized to float32 (torch)",
         },

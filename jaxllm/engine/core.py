@@ -189,7 +189,8 @@ class EngineCore:
         if pooling is not None:
             if request_id in self.output_processor.groups:
                 raise ValueError(f"request id {request_id!r} is already in use")
-            check_dimensions(self.pooler.pooler, pooling.dimensions, self.loaded.arch.hidden_size)  # type: ignore[union-attr]
+            assert self.pooler is not None  # (`_check_runner` refuses PoolingParams on a generate engine)
+            check_dimensions(self.pooler.pooler, pooling.dimensions, self.loaded.arch.hidden_size)
             # the prompt only, no token: the scheduler finishes it after its last chunk and frees its blocks
             params = SamplingParams(max_tokens=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
         params = params if params is not None else SamplingParams()
