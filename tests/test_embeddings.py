@@ -168,3 +168,21 @@ def test_accumulator_chunks_restart_dimensions():
     last.add("r", 0, 4, 6, rows[0])
     last.add("r", 4, 2, 6, rows[1])
     np.testing.assert_allclose(last.finish("r", 6, PoolingParams(dimensions=2)), np.array([3.0, 4.0]) / 5)
+
+
+def test_pooling_settings_refused_early():
+    """Bad pooler settings and what cannot run with the pooling runner fail before anything loads."""
+    from jaxllm import EngineArgs
+    from jaxllm.config import PoolerConfig
+
+    with pytest.raises(ValueError, match="pooling_type must be one of LAST, MEAN, CLS"):
+        PoolerConfig.parse('{"pooling_type": "MAX"}')
+    with pytest.raises(ValueError, match="unknown keys"):
+        PoolerConfig.parse({"pooling": "MEAN"})
+    with pytest.raises(ValueError, match="runner must be one of generate, pooling"):
+        EngineArgs(runner="embed").check()
+    for refused in ({"async_scheduling": True}, {"enable_lora": True}):
+        with pytest.raises(ValueError, match="--runner pooling"):
+            EngineArgs(runner="pooling", **refused).check()
+    with pytest.raises(ValueError, match="dimensions must be a positive integer"):
+        PoolingParams(dimensions=0)
