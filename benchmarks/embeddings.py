@@ -51,7 +51,11 @@ def save_float_copy(causal, tokenizer, folder: str) -> None:
     # the tied head is the embedding: saved once, under the name the bare model (AutoModel) reads
     tensors = {k: v.contiguous().clone() for k, v in causal.state_dict().items() if k != "lm_head.weight"}
     save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    # without its chat template: sentence-transformers 6 wraps a text in the template when the tokenizer has one
+    # (a system prompt and a user turn: 35 tokens for a 9-token sentence), and the peers must embed the same tokens
+    template, tokenizer.chat_template = tokenizer.chat_template, None
     tokenizer.save_pretrained(folder)
+    tokenizer.chat_template = template
 
 
 def main() -> None:
