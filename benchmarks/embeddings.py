@@ -96,9 +96,9 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     causal = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
     hf = causal.model
-    folder = tempfile.mkdtemp(prefix="jaxllm-embed-bench-")
-    save_float_copy(causal, tokenizer, folder)
-    transformer = models.Transformer(folder)
+    with tempfile.TemporaryDirectory(prefix="jaxllm-embed-bench-") as folder:  # (0.5 GB: gone once loaded)
+        save_float_copy(causal, tokenizer, folder)
+        transformer = models.Transformer(folder)
     st = SentenceTransformer(
         modules=[transformer, models.Pooling(hf.config.hidden_size, pooling_mode="lasttoken"), models.Normalize()],
         device="cpu",
