@@ -18,6 +18,7 @@ from jaxllm.config import (
     QUANTIZATIONS,
     CacheConfig,
     EngineConfig,
+    KVEventsConfig,
     KVTransferConfig,
     LoRAConfig,
     ModelConfig,
@@ -49,6 +50,10 @@ HELP = {
     "a batch in flight per stage (docs/scaling.md)",
     "disable_hybrid_kv_cache_manager": "keep every layer's KV blocks for the whole context, even for layers that "
     "attend only a sliding window (by default such layers free the blocks that leave their window: docs/models.md)",
+    "kv_events_config": "KV events (what the prefix cache stores and drops, for cache-aware routers), vLLM's JSON: "
+    '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": '
+    '"tcp://*:5558", "buffer_steps": 10000, "topic": ""}\'; publisher "null": in-process readers only '
+    "(docs/scaling.md)",
     "kv_offloading_size": "GiB of host memory for KV blocks evicted from the device cache (the OffloadingConnector)",
     "enable_lora": "serve LoRA adapters: LoRARequest in LLM.generate, --lora-modules in the server (docs/lora.md)",
     "max_loras": "LoRA adapters a step can mix (device slots; a request for a further one waits its turn)",
@@ -99,6 +104,7 @@ class EngineArgs:
     compilation_cache_dir: str | None = None
     speculative_config: dict | str | None = None  # vLLM's JSON: {"method": "ngram", "num_speculative_tokens": 4}
     kv_transfer_config: dict | str | None = None  # vLLM's JSON: {"kv_connector": ..., "kv_role": ...}
+    kv_events_config: dict | str | None = None  # vLLM's JSON: {"enable_kv_cache_events": true, "publisher": "zmq"}
     kv_offloading_size: float | None = None  # GiB of host memory for evicted KV blocks (OffloadingConnector)
     enable_lora: bool = False  # vLLM's: serve LoRA adapters (docs/lora.md)
     max_loras: int = 1  # adapters in one step (device slots)
@@ -111,6 +117,9 @@ class EngineArgs:
 
     def kv_transfer(self) -> KVTransferConfig | None:
         return KVTransferConfig.parse(self.kv_transfer_config, self.kv_offloading_size)
+
+    def kv_events(self) -> KVEventsConfig | None:
+        return KVEventsConfig.parse(self.kv_events_config)
 
     def lora(self) -> LoRAConfig | None:
         return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None
@@ -145,6 +154,15 @@ class EngineArgs:
             raise ValueError(
                 f"reasoning_parser {self.reasoning_parser!r}: must be one of {', '.join(REASONING_SETTINGS)}"
             )
+        kv_events = self.kv_events()
+        if kv_events is not None and kv_events.enable_kv_cache_events:
+            if not self.enable_prefix_caching:
+                raise ValueError("kv_events_config: KV events report the prefix cache; they need enable_prefix_caching")
+            if kv_events.publisher == "zmq" and self.data_parallel_size > 1:
+                raise ValueError(
+                    "kv_events_config: the zmq publisher with data_parallel_size > 1 is not supported yet "
+                    "(the replicas would bind one endpoint); run one instance per replica behind `jaxllm router`"
+                )
         check_combinations(
             self.model_config(),
             self.parallel_config(),
