@@ -101,7 +101,8 @@ class EngineCore:
             windows=self.runner.kv_groups.windows,
         )
         # KV events: what the prefix cache stores and drops, one batch per step (kv_events/)
-        self.kv_events = make_kv_events(args.kv_events(), block_size=block_size, scope=self.kv_scope.root.hex())
+        self.kv_events_config = args.kv_events()
+        self.kv_events = make_kv_events(self.kv_events_config, block_size=block_size, scope=self.kv_scope.root.hex())
         self.kv.listener = self.kv_events
         self.kv_connector: KVConnector | None = None
         if kv_transfer is not None:

@@ -28,6 +28,7 @@ picks one.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -61,6 +62,9 @@ class EngineInfo:
     max_num_seqs: int
     vocab_size: int
     reasoning_parser: str | None = None  # the syntax the engine reads thinking in (None: the model does not reason)
+    block_size: int = 16
+    kv_scope_root: str = ""  # hex: the root every block hash chains from (kv_transfer/scope.py)
+    kv_events: dict | None = None  # the KV events config (kv_events_config), None when off
 
     @classmethod
     def of(cls, core) -> EngineInfo:
@@ -68,7 +72,18 @@ class EngineInfo:
         sched = core.config.scheduler
         reasoning = core.reasoning.name if core.reasoning is not None else None
         vocab = core.loaded.arch.vocab_size
-        return cls(core.loaded.name, core.tokenizer, sched.max_model_len, sched.max_num_seqs, vocab, reasoning)
+        events = core.kv_events_config
+        return cls(
+            core.loaded.name,
+            core.tokenizer,
+            sched.max_model_len,
+            sched.max_num_seqs,
+            vocab,
+            reasoning,
+            core.config.cache.block_size,
+            core.kv_scope.root.hex(),
+            dataclasses.asdict(events) if events is not None and events.enable_kv_cache_events else None,
+        )
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
         from jaxllm.engine.startup import check_prompt
