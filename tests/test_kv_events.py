@@ -123,12 +123,14 @@ def test_a_dropped_batch_is_detected_and_replayed_or_resynced():
     buffered = {s: EventBatch(s) for s in range(10)}
     rec = Recorder()
     seq = EventSequencer(rec, replay=lambda first: [buffered[s] for s in sorted(buffered) if s >= first])
-    for s in (0, 1, 4, 4, 5):  # 2 and 3 dropped, 4 repeated
+    for s in (0, 1, 4, 5):  # 2 and 3 dropped
         seq.receive(buffered[s])
     assert rec.applied == [0, 1, 2, 3, 4, 5] and seq.gaps == 1 and rec.resyncs == 0
     del buffered[6]  # the replay buffer no longer covers 6
     seq.receive(buffered[7])
     assert rec.resyncs == 1 and rec.applied[-1] == 7 and 6 not in rec.applied
+    seq.receive(EventBatch(0))  # the numbers went back: a restarted publisher, whose engine's cache is empty
+    assert rec.resyncs == 2 and seq.restarts == 1 and rec.applied[-1] == 0 and seq.last_seq == 0
 
     # in-process: no replay, so a reader that fell behind (its queue bounded) resyncs
     sink = InProcessSink(buffer_steps=2)
@@ -266,3 +268,14 @@ def test_tiny_engine_events_rebuild_its_prefix_cache(tmp_path):
     assert core.reset_prefix_cache()
     check()
     assert not index.blocks_of("e")
+
+    # a router hashes a prompt as the engine does, from what the engine tells it (the trap of issue 51)
+    from jaxllm.engine.core_client import EngineInfo
+    from jaxllm.entrypoints.router.balancer import block_hashes
+
+    info = EngineInfo.of(core)
+    assert info.kv_scope_root == scope and info.kv_events is not None and info.kv_events["publisher"] == "null"
+    llm.generate([{"prompt_token_ids": prompts[3]}], SamplingParams(max_tokens=1), use_tqdm=False)
+    reader.poll()
+    router_hashes = block_hashes(prompts[3], info.block_size, info.kv_scope_root)
+    assert index.match(router_hashes, scope=scope) == {"e": len(prompts[3]) // info.block_size}

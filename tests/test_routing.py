@@ -18,7 +18,8 @@ from jaxllm.entrypoints.router.balancer import block_hashes
 from jaxllm.kv_events.events import BlockStored, EventBatch
 from jaxllm.kv_events.index import PrefixIndex
 from jaxllm.kv_events.publisher import KVEventCollector, ZmqEventPublisher
-from jaxllm.routing.base import RoutingPolicy, load_policy
+from jaxllm.routing.base import RoutingPolicy
+from jaxllm.routing.registry import load_policy
 from jaxllm.routing.view import ClusterView, InstanceState, RouteRequest
 from tests.served_app import Served
 

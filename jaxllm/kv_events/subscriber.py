@@ -5,7 +5,8 @@ last one applied is applied; a repeat is dropped; after a jump the missing batch
 publisher's ROUTER socket) and, if the replay covers the whole gap, applied first. If it cannot (the publisher's
 buffer has moved on, or no replay socket answers), the handler is told to `resync`: it forgets everything it knew
 about that instance (its blocks count as not held until stored again), then the new batch is applied. A reader
-never keeps acting on a view it knows has holes. A reader that joins late asks for the replay from 0 the same way.
+never keeps acting on a view it knows has holes. A reader that joins late asks for the replay from 0 the same way;
+numbers that go back mean the publisher restarted (a new engine, an empty cache): resync, and start over.
 
 `ZmqEventSubscriber` reads a publisher's PUB socket (and asks its replay socket); `SubscriberThread` polls many
 of them on one thread, for a router in front of many instances.
@@ -40,11 +41,19 @@ class EventSequencer:
         self.last_seq: int | None = None
         self.gaps = 0  # jumps seen
         self.resyncs = 0  # jumps a replay could not fill
+        self.restarts = 0  # numbers that went back (a restarted publisher)
 
     def receive(self, batch: EventBatch) -> None:
+        """A batch from the live stream (replayed ones come through `replay`)."""
+        if self.last_seq is not None and batch.seq <= self.last_seq:
+            # numbers went back: the publisher restarted (its engine's cache is new), so nothing known holds
+            self.restarts += 1
+            logger.warning(
+                "KV events%s: the publisher restarted; starting over", f" from {self.name}" if self.name else ""
+            )
+            self.handler.resync()
+            self.last_seq = None
         expected = 0 if self.last_seq is None else self.last_seq + 1
-        if batch.seq < expected:
-            return  # already applied (a replay overlapping the live stream)
         if batch.seq > expected:
             self.gaps += 1
             missing = self._replayed(expected, batch.seq)

@@ -23,7 +23,7 @@ from jaxllm.entrypoints.router.balancer import DEFAULT_HEALTH_CHECK_INTERVAL_S, 
 from jaxllm.entrypoints.router.instances import InstancePool
 from jaxllm.entrypoints.router.metrics import RouterMetrics
 from jaxllm.entrypoints.router.proxy import HEALTH_TIMEOUT_S, Proxy, error_response
-from jaxllm.routing.base import load_policy
+from jaxllm.routing.registry import load_policy
 
 DEFAULT_TIMEOUT_S = 300.0  # --timeout
 CONNECT_TIMEOUT_S = 5.0  # an instance that takes longer to accept a connection counts as down
