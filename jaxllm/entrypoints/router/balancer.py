@@ -231,7 +231,9 @@ class Balancer:
                 return None  # a batch of prompts: no single prefix
             request = {"prompt": prompt, **({"model": body["model"]} if "model" in body else {})}
         try:
-            response = await self.client.post(instance.url + "/tokenize", json=request, headers=headers)
+            response = await self.client.post(
+                instance.url + "/tokenize", json=request, headers=headers, timeout=self.health_timeout
+            )
             tokens = response.json().get("tokens") if response.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             return None
