@@ -27,7 +27,7 @@ import httpx
 from fastapi.responses import Response
 from prometheus_client.parser import text_string_to_metric_families
 
-from jaxllm.engine.block_hash import hash_block
+from jaxllm.engine.block_hash import prefix_hashes
 from jaxllm.entrypoints.router.metrics import RouterMetrics
 from jaxllm.entrypoints.router.proxy import PassthroughResponse, describe, error_response, outcome_of
 from jaxllm.kv_events.index import InstanceView, PrefixIndex
@@ -75,12 +75,7 @@ def on_host(endpoint: str | None, url: str) -> str | None:
 
 def block_hashes(tokens: list[int], block_size: int, root_hex: str) -> list[bytes]:
     """The chained hashes of the full blocks of `tokens`, as the instance's KV manager names them."""
-    hashes: list[bytes] = []
-    parent = bytes.fromhex(root_hex)
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = hash_block(parent, tokens[start : start + block_size])
-        hashes.append(parent)
-    return hashes
+    return prefix_hashes(tokens, block_size, bytes.fromhex(root_hex))
 
 
 class Balancer:
