@@ -5,13 +5,14 @@ history, a saturated replica sheds load, a killed or hung instance leaves rotati
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
 import httpx
 import pytest
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 
 from jaxllm.entrypoints.router.app import build_balanced_app
 from jaxllm.entrypoints.router.balancer import block_hashes
@@ -117,6 +118,7 @@ class FakeInstance:
         self.running = 0
         self.served_prompts: list[str] = []
         self.hang = threading.Event()
+        self.hang_mid_stream = False
         self.publisher = ZmqEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", buffer_steps=100)
         self.collector = KVEventCollector(self.publisher, block_size=BLOCK, scope=ROOT)
         app = FastAPI()
@@ -145,7 +147,16 @@ class FakeInstance:
         if hashes:
             self.collector.pending.append(BlockStored(hashes, None, tokens[: len(hashes) * BLOCK], BLOCK, None, ROOT))
             self.collector.flush()
+        if body.get("stream"):
+            return StreamingResponse(self.stream(), media_type="text/event-stream")
         return {"id": "cmpl", "choices": [{"index": 0, "text": self.name}]}
+
+    async def stream(self):
+        yield f"data: {json.dumps({'choices': [{'index': 0, 'text': self.name}]})}\n\n"
+        if self.hang_mid_stream:
+            self.hang.set()  # it stops answering anything, its stream and /health alike
+            await self.wait_while_hung()
+        yield "data: [DONE]\n\n"
 
     async def tokenize(self, raw: Request):
         return {"tokens": self.tokens((await raw.json())["prompt"])}
@@ -284,6 +295,19 @@ def test_a_hung_instance_fails_its_requests_fast_and_leaves_rotation(cluster):
     assert complete(url, "next").json()["choices"][0]["text"] in ("I1", "I2")
     fakes[0].hang.clear()
     wait_until(lambda: balancer.instances[0].state.healthy)  # back in rotation once it answers
+
+
+def test_a_stream_from_an_instance_that_hangs_mid_answer_ends_with_an_error(cluster):
+    fakes, router = cluster
+    url = router("round_robin")
+    fakes[0].hang_mid_stream = True
+    started = time.monotonic()
+    body = {"prompt": "tell me", "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
+        events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert time.monotonic() - started < 3  # a health check's interval and timeout, not --timeout
+    assert json.loads(events[0][6:])["choices"][0]["text"] == "I0"
+    assert "stopped answering its health checks" in json.loads(events[-1][6:])["error"]["message"]
 
 
 def test_session_affinity_over_http(cluster):
