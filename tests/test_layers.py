@@ -10,7 +10,7 @@ from pathlib import Path
 
 import jaxllm
 
-LIBRARIES = ("sim", "tune")
+LIBRARIES = ("sim", "tune", "routing", "kv_events")  # (routing and KV events: the simulator will drive them)
 ROOT = Path(jaxllm.__file__).parent
 
 

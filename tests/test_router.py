@@ -465,9 +465,16 @@ def test_metrics(router, http, P0, D0):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--prefill", "http://127.0.0.1:1"], "the following arguments are required: --decode"),
+        (["--prefill", "http://127.0.0.1:1"], "both --prefill URL... and --decode URL..."),
         (["--prefill", "http://127.0.0.1:1", "--decode"], "argument --decode: expected at least one argument"),
-        (["--decode", "http://127.0.0.1:1"], "the following arguments are required: --prefill"),
+        (["--decode", "http://127.0.0.1:1"], "both --prefill URL... and --decode URL..."),
+        (["--instances", "http://a:1", "--decode", "http://b:2"], "does not go with --prefill/--decode"),
+        (["--instances", "http://a:1", "--policy", "fastest"], "--policy 'fastest' is not one of round_robin"),
+        (["--instances", "http://a:1", "--policy", "no.such:Policy"], "--policy 'no.such:Policy' cannot be loaded"),
+        (["--instances", "http://a:1", "http://a:1"], "--instances names http://a:1 twice"),
+        (["--instances", "http://a:1", "--kv-events", "tcp://a:1", "tcp://a:2"], "2 endpoints for 1 --instances"),
+        (["--instances", "http://a:1", "--health-check-interval", "0"], "--health-check-interval must be more"),
+        (["--prefill", "http://a:1", "--decode", "http://b:2", "--policy", "session"], "go with --instances"),
         (["--prefill", "http://127.0.0.1:1", "--decode", "127.0.0.1:2"], "--decode '127.0.0.1:2': not an http"),
         (["--prefill", "http://a:1", "--decode", "http://b:2", "--timeout", "0"], "--timeout must be more than 0"),
     ],

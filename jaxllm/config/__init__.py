@@ -6,6 +6,7 @@ other way: importing a config loads no model, kernel or connector code.
 
 from jaxllm.config.cache import CacheConfig
 from jaxllm.config.engine import EngineConfig, check_combinations
+from jaxllm.config.kv_events import KVEventsConfig
 from jaxllm.config.kv_transfer import KVTransferConfig
 from jaxllm.config.lora import LoRAConfig
 from jaxllm.config.model import DTYPES, LOAD_FORMATS, QUANTIZATIONS, ModelConfig, check_quantization, resolve_dtype
@@ -23,6 +24,7 @@ __all__ = [
     "RUNNERS",
     "CacheConfig",
     "EngineConfig",
+    "KVEventsConfig",
     "KVTransferConfig",
     "LoRAConfig",
     "ModelConfig",

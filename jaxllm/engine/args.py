@@ -19,6 +19,7 @@ from jaxllm.config import (
     RUNNERS,
     CacheConfig,
     EngineConfig,
+    KVEventsConfig,
     KVTransferConfig,
     LoRAConfig,
     ModelConfig,
@@ -51,6 +52,13 @@ HELP = {
     "a batch in flight per stage (docs/scaling.md)",
     "disable_hybrid_kv_cache_manager": "keep every layer's KV blocks for the whole context, even for layers that "
     "attend only a sliding window (by default such layers free the blocks that leave their window: docs/models.md)",
+    "kv_events_config": "KV events (what the prefix cache stores and drops, for cache-aware routers), vLLM's JSON: "
+    '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": '
+    '"tcp://*:5558", "buffer_steps": 10000, "topic": ""}\'; publisher "null": in-process readers only '
+    "(docs/scaling.md)",
+    "data_parallel_policy": "how the front picks a data-parallel replica for each request: unset, vLLM's rule "
+    "(fewest 4 x waiting + running); or a router policy: round_robin, least_loaded, session, prefix_aware (the "
+    "replicas' KV events, in-process), or a dotted path to a jaxllm.routing.base.RoutingPolicy (docs/scaling.md)",
     "kv_offloading_size": "GiB of host memory for KV blocks evicted from the device cache (the OffloadingConnector)",
     "enable_lora": "serve LoRA adapters: LoRARequest in LLM.generate, --lora-modules in the server (docs/lora.md)",
     "max_loras": "LoRA adapters a step can mix (device slots; a request for a further one waits its turn)",
@@ -91,6 +99,7 @@ class EngineArgs:
     enable_expert_parallel: bool = False  # vLLM's: a mixture of experts' experts split whole over the TP devices
     pipeline_parallel_size: int = 1  # stages (docs/scaling.md): layers split over PP groups of TP devices
     data_parallel_size: int = 1
+    data_parallel_policy: str | None = None  # a router policy picks each request's replica (None: vLLM's rule)
     nnodes: int = 1  # multi-host: every node runs the same command with its own node_rank
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -105,6 +114,7 @@ class EngineArgs:
     compilation_cache_dir: str | None = None
     speculative_config: dict | str | None = None  # vLLM's JSON: {"method": "ngram", "num_speculative_tokens": 4}
     kv_transfer_config: dict | str | None = None  # vLLM's JSON: {"kv_connector": ..., "kv_role": ...}
+    kv_events_config: dict | str | None = None  # vLLM's JSON: {"enable_kv_cache_events": true, "publisher": "zmq"}
     kv_offloading_size: float | None = None  # GiB of host memory for evicted KV blocks (OffloadingConnector)
     enable_lora: bool = False  # vLLM's: serve LoRA adapters (docs/lora.md)
     max_loras: int = 1  # adapters in one step (device slots)
@@ -127,6 +137,9 @@ class EngineArgs:
 
     def kv_transfer(self) -> KVTransferConfig | None:
         return KVTransferConfig.parse(self.kv_transfer_config, self.kv_offloading_size)
+
+    def kv_events(self) -> KVEventsConfig | None:
+        return KVEventsConfig.parse(self.kv_events_config)
 
     def lora(self) -> LoRAConfig | None:
         return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None
@@ -161,6 +174,19 @@ class EngineArgs:
             raise ValueError(
                 f"reasoning_parser {self.reasoning_parser!r}: must be one of {', '.join(REASONING_SETTINGS)}"
             )
+        if self.data_parallel_policy is not None:
+            from jaxllm.routing.registry import load_policy
+
+            load_policy(self.data_parallel_policy)  # a bad name or path fails here, in one line
+        kv_events = self.kv_events()
+        if kv_events is not None and kv_events.enable_kv_cache_events:
+            if not self.enable_prefix_caching:
+                raise ValueError("kv_events_config: KV events report the prefix cache; they need enable_prefix_caching")
+            if kv_events.publisher == "zmq" and self.data_parallel_size > 1:
+                raise ValueError(
+                    "kv_events_config: the zmq publisher with data_parallel_size > 1 is not supported yet "
+                    "(the replicas would bind one endpoint); run one instance per replica behind `jaxllm router`"
+                )
         check_combinations(
             self.model_config(),
             self.parallel_config(),

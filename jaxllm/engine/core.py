@@ -29,6 +29,7 @@ from jaxllm.engine.output_processor import OutputProcessor
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.startup import check_layout, check_prompt, enable_compilation_cache, log_ready
 from jaxllm.engine.step_loop import InFlightStep, StepLoop
+from jaxllm.kv_events.publisher import make_kv_events
 from jaxllm.kv_transfer.factory import KVConnector, check_kv_connector, make_kv_connector
 from jaxllm.kv_transfer.scope import KVScope
 from jaxllm.lora.manager import LoRAManager
@@ -110,6 +111,10 @@ class EngineCore:
             record_evictions=kv_transfer is not None and kv_transfer.records_evictions,
             windows=self.runner.kv_groups.windows,
         )
+        # KV events: what the prefix cache stores and drops, one batch per step (kv_events/)
+        self.kv_events_config = args.kv_events()
+        self.kv_events = make_kv_events(self.kv_events_config, block_size=block_size, scope=self.kv_scope.root.hex())
+        self.kv.listener = self.kv_events
         self.kv_connector: KVConnector | None = None
         if kv_transfer is not None:
             mover = KVBlockMover(self.runner, self.runner.max_blocks_per_request)
@@ -327,6 +332,7 @@ class EngineCore:
             return None
         for request in samples:
             self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
+        self._flush_kv_events()
         output = self.output_processor.output(request_id)
         return self._embeddings([output])[0] if output is not None else None
 
@@ -344,7 +350,17 @@ class EngineCore:
         if self.has_unfinished_requests():
             return False
         self.kv.reset_prefix_cache()
+        self._flush_kv_events()
         return True
+
+    def _flush_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.flush()
+
+    def close_kv_events(self) -> None:
+        """Stop the KV events publisher (its sockets and thread)."""
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     # ---- one step --------------------------------------------------------------------
 
@@ -354,6 +370,7 @@ class EngineCore:
         outputs = self._admit_compiled()
         self._finish_transfers()  # loads that ended resume (or fail) their requests before scheduling
         out, applied = self.loop.step()
+        self._flush_kv_events()  # one batch per step: what it cached and evicted
         outputs += self._embeddings(self.output_processor.outputs_of(self.scheduler.take_failed())) + applied
         if out.is_empty and not outputs and not len(self.loop):
             self.structured.wait(timeout=0.05)  # idle but for compiling grammars (or KV loads): wait, never spin

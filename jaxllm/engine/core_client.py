@@ -28,6 +28,7 @@ picks one.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -65,11 +66,15 @@ class EngineInfo:
     runner: str = "generate"  # "pooling": embeddings and scores (jaxllm/pooling/)
     hidden_size: int = 0  # the embedding size (the pooling runner)
     pooler: Any = None  # the pooling runner's PoolerConfig, resolved against the model
+    block_size: int = 16
+    kv_scope_root: str = ""  # hex: the root every block hash chains from (kv_transfer/scope.py)
+    kv_events: dict | None = None  # the KV events config (kv_events_config), None when off
 
     @classmethod
     def of(cls, core) -> EngineInfo:
         """What an EngineCore's front needs to know about it."""
         sched, arch = core.config.scheduler, core.loaded.arch
+        events = core.kv_events_config
         return cls(
             core.loaded.name,
             core.tokenizer,
@@ -80,6 +85,9 @@ class EngineInfo:
             core.config.runner,
             arch.hidden_size,
             core.config.pooler,
+            block_size=core.config.cache.block_size,
+            kv_scope_root=core.kv_scope.root.hex(),
+            kv_events=dataclasses.asdict(events) if events is not None and events.enable_kv_cache_events else None,
         )
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
@@ -230,6 +238,8 @@ class InProcessClient:
         self._commands.put(("stop", None))
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=30)
+            if not self._thread.is_alive():
+                self.core.close_kv_events()  # its sockets freed (a new engine may bind them)
 
     # ---- the engine thread -----------------------------------------------------------------
 

@@ -6,6 +6,8 @@ of a block that a cache hit revives). With prefix caching, every full block is n
 chained content hash (engine/block_hash.py: sha256 over the parent block's hash and its token ids, the
 same in every process); a freed block keeps its hash and can be hit again until it is evicted, least
 recently freed first. Evictions are recorded (`take_evicted`) for a KV connector that offloads them.
+An optional `listener` hears each block the prefix cache gains or drops and a reset (KV events: kv_events/); the
+manager knows nothing of how they travel.
 
 A request has one block table per KV cache group (kv_cache_groups.py), all drawn from the one pool. A sliding-window
 group's blocks that leave the window go back to the pool as the request advances (during decode and long chunked
@@ -19,7 +21,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from jaxllm.engine.block_hash import NO_SCOPE, BlockHash, BlockKey, hash_block, scoped_root
 from jaxllm.kv_cache_groups import SCRATCH_BLOCK
@@ -35,6 +37,21 @@ class PrefixHit(NamedTuple):
 
 
 NO_HIT = PrefixHit(0, [])
+
+
+class KVCacheListener(Protocol):
+    """Hears the prefix cache change (kv_events/publisher.py publishes what it hears)."""
+
+    def stored(
+        self, group: int, hashes: list[BlockHash], parent: BlockHash | None, token_ids: list[int], request: Request
+    ) -> None:
+        """`hashes`: consecutive blocks of `group` just cached; `parent` the hash before the first (None: the root)."""
+
+    def removed(self, group: int, block_hash: BlockHash) -> None:
+        """A cached block's hash was dropped (evicted for reuse, or its K/V declared invalid)."""
+
+    def cleared(self) -> None:
+        """Every cached hash was dropped (`reset_prefix_cache`)."""
 
 
 class KVBlock:
@@ -74,6 +91,7 @@ class KVCacheManager:
         self.prefix_cache_queries = 0  # tokens looked up
         self.prefix_cache_hits = 0  # tokens found
         self._evicted: list[tuple[int, BlockKey]] | None = [] if record_evictions else None
+        self.listener: KVCacheListener | None = None  # KV events (kv_events/publisher.py)
 
     # ---- pool state --------------------------------------------------------------------
 
@@ -186,12 +204,30 @@ class KVCacheManager:
             return
         hashes = self.block_hashes(request, num_full)
         for group, table in enumerate(self._req_blocks[rid]):
+            stored: list[int] = []  # block indices this call caches, for the listener
             for i in range(start, num_full):
                 block, key = self.blocks[table[i]], (group, hashes[i])
                 if block.block_id != SCRATCH_BLOCK and block.block_hash is None and key not in self._cached:
                     block.block_hash, block.group = hashes[i], group
                     self._cached[key] = block.block_id
+                    stored.append(i)
+            if self.listener is not None and stored:
+                self._tell_stored(request, group, hashes, stored)
         self._req_num_registered[rid] = num_full
+
+    def _tell_stored(self, request: Request, group: int, hashes: list[BlockHash], stored: list[int]) -> None:
+        """One `stored` call per run of consecutive block indices (each run's parent is the block before it)."""
+        assert self.listener is not None
+        bs, tokens = self.block_size, request.prompt_token_ids + request.output_token_ids
+        run_start = 0
+        for j in range(1, len(stored) + 1):
+            if j == len(stored) or stored[j] != stored[j - 1] + 1:
+                first, last = stored[run_start], stored[j - 1]
+                parent = hashes[first - 1] if first > 0 else None
+                self.listener.stored(
+                    group, hashes[first : last + 1], parent, list(tokens[first * bs : (last + 1) * bs]), request
+                )
+                run_start = j
 
     def _uncache(self, block: KVBlock, evicting: bool = False) -> None:
         if block.block_hash is not None:
@@ -199,6 +235,8 @@ class KVCacheManager:
                 self._evicted.append((block.block_id, (block.group, block.block_hash)))
             if self._cached.get((block.group, block.block_hash)) == block.block_id:
                 del self._cached[block.group, block.block_hash]
+                if self.listener is not None:
+                    self.listener.removed(block.group, block.block_hash)
             block.block_hash = None
 
     # ---- allocation --------------------------------------------------------------------
@@ -306,5 +344,11 @@ class KVCacheManager:
         self._req_num_registered[rid] = min(self._req_num_registered.get(rid, 0), first_block)
 
     def reset_prefix_cache(self) -> None:
-        for block in self.blocks:
-            self._uncache(block)
+        listener, self.listener = self.listener, None  # one AllBlocksCleared, not a BlockRemoved per block
+        try:
+            for block in self.blocks:
+                self._uncache(block)
+        finally:
+            self.listener = listener
+        if listener is not None:
+            listener.cleared()

@@ -266,6 +266,12 @@ def add_info_routes(
             return JSONResponse({"status": "degraded", "dead_engines": dead}, status_code=200)
         return Response(status_code=200)
 
+    @app.get("/v1/kv_cache_info")
+    async def kv_cache_info():
+        """What a cache-aware router needs to hash prompts as this engine does, and where its KV events are."""
+        info = engine.info
+        return {"block_size": info.block_size, "kv_scope_root": info.kv_scope_root, "kv_events": info.kv_events}
+
     @app.get("/version")
     async def version():
         return {"version": jaxllm.__version__}
