@@ -71,6 +71,7 @@ class ClusterResult:
     assigned: list[int]  # the instance each trace request was routed to
     duration: float  # makespan: first arrival to the last token of any instance
     extra: dict = field(default_factory=dict)
+    engines: list[SimEngine] = field(default_factory=list, repr=False)  # the instances at the end (their KV, ...)
 
     @property
     def prefix_cache_queries(self) -> int:
@@ -206,7 +207,8 @@ def simulate_cluster(
         runs.append(run)
     start = trace[0].arrival_time if trace else 0.0
     duration = max((e.clock for e in engines), default=start) - start
-    return ClusterResult(getattr(policy, "name", type(policy).__name__), names, runs, records, assigned, duration)
+    name = getattr(policy, "name", type(policy).__name__)
+    return ClusterResult(name, names, runs, records, assigned, duration, engines=engines)
 
 
 def _index_of(state: InstanceState, states: list[InstanceState]) -> int:
