@@ -183,7 +183,9 @@ def simulate_cluster(
             state.dispatched += 1
             state.in_flight += 1
             if not queued[k]:  # a busy instance's next start does not move; an idle one's is this arrival's
-                heapq.heappush(heap, (engines[k].next_step_time(), k))  # type: ignore[arg-type]
+                start = engines[k].next_step_time()
+                assert start is not None
+                heapq.heappush(heap, (start, k))
                 queued[k] = True
             continue
         _, k = heapq.heappop(heap)
