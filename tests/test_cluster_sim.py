@@ -18,7 +18,7 @@ from jaxllm.routing.session import SessionAffinity
 from jaxllm.sim.cluster import block_hashes, simulate_cluster
 from jaxllm.sim.costmodel import CostModel
 from jaxllm.sim.settings import SimSettings, sim_config, simulate_priced
-from jaxllm.sim.simulator import cost_model_step_time
+from jaxllm.sim.simulator import cost_model_step_time, simulate
 from jaxllm.sim.synth import LengthDist, conversations, synthesize
 from jaxllm.sim.trace import TraceRequest, load_trace, prompt_token_ids
 
@@ -211,3 +211,19 @@ def test_multi_turn_traces_from_the_cli(tmp_path):
     for r in trace:
         lengths.setdefault(r.session, []).append(r.prompt_len)
     assert all(v == sorted(v) and len(set(v)) == len(v) for v in lengths.values())
+
+
+def test_a_refused_request_does_not_end_the_run(config, cost):
+    """A request refused at the door (longer than max_model_len) while later ones are still on their way."""
+    too_long = config.scheduler.max_model_len + 1
+    trace = [
+        TraceRequest(arrival_time=0.0, output_len=4, prompt_len=too_long),
+        TraceRequest(arrival_time=0.001, output_len=4, prompt_len=32),
+    ]
+    for result in (
+        simulate(trace, config, cost_model_step_time(cost, config), request_latency_s=0.01),
+        simulate_cluster(
+            trace, config, cost_model_step_time(cost, config), 2, load_policy("round_robin"), request_latency_s=0.01
+        ),
+    ):
+        assert result.records[0].error and result.records[1].success

@@ -272,7 +272,7 @@ class SimEngine:
     def run(self) -> SimResult:
         """The whole trace through this one engine."""
         trace, next_arrival = self.trace, 0
-        while next_arrival < len(trace) or self.busy:
+        while next_arrival < len(trace) or self.busy or self.pending:
             start = self.next_step_time()
             while next_arrival < len(trace) and (start is None or trace[next_arrival].arrival_time <= start):
                 self.send(next_arrival)
