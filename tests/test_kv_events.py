@@ -129,7 +129,9 @@ def test_a_dropped_batch_is_detected_and_replayed_or_resynced():
     del buffered[6]  # the replay buffer no longer covers 6
     seq.receive(buffered[7])
     assert rec.resyncs == 1 and rec.applied[-1] == 7 and 6 not in rec.applied
-    seq.receive(EventBatch(0))  # the numbers went back: a restarted publisher, whose engine's cache is empty
+    seq.receive(buffered[7])  # a repeat: dropped
+    assert rec.applied.count(7) == 1
+    seq.receive(EventBatch(0, epoch="restarted"))  # a new epoch: a restarted publisher, its engine's cache empty
     assert rec.resyncs == 2 and seq.restarts == 1 and rec.applied[-1] == 0 and seq.last_seq == 0
 
     # in-process: no replay, so a reader that fell behind (its queue bounded) resyncs
@@ -279,3 +281,45 @@ def test_tiny_engine_events_rebuild_its_prefix_cache(tmp_path):
     reader.poll()
     router_hashes = block_hashes(prompts[3], info.block_size, info.kv_scope_root)
     assert index.match(router_hashes, scope=scope) == {"e": len(prompts[3]) // info.block_size}
+
+
+def test_engine_publishes_over_zmq(tmp_path):
+    """`publisher: zmq` on the tiny engine: a subscriber on another socket rebuilds the prefix cache exactly."""
+    import transformers
+
+    from jaxllm import LLM
+    from tests.tiny_models import CHUNKED_ENGINE, TINY_DECODER, random_model
+
+    config = transformers.LlamaConfig(**TINY_DECODER)
+    config.architectures = ["LlamaForCausalLM"]
+    random_model(transformers.LlamaForCausalLM, config).save_pretrained(tmp_path)
+    events = {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": "tcp://127.0.0.1:*",
+        "replay_endpoint": "tcp://127.0.0.1:*",
+    }
+    llm = LLM(str(tmp_path), **dict(CHUNKED_ENGINE, kv_cache_memory_bytes=14 * 8192), kv_events_config=events)
+    core = llm.engine
+    pub = core.kv_events.sink
+    index = PrefixIndex()
+    sub = ZmqEventSubscriber(pub.endpoint, InstanceView(index, "e"), replay_endpoint=pub.replay_endpoint)
+    sub.sequencer.catch_up()  # nothing published yet: nothing to apply
+    try:
+        rng = random.Random(2)
+        prompts = [[rng.randrange(1, 96) for _ in range(40 + 9 * i)] for i in range(5)]
+        params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+        llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)  # (the first batches are
+        # published before the subscriber's connection is up: the replay socket supplies them)
+        scope = core.kv_scope.root.hex()
+        want = {(scope, None, g, h) for g, h in core.kv._cached}
+        wait_for(lambda: sub.receive_ready() >= 0 and sub.sequencer.last_seq == core.kv_events.next_seq - 1)
+        assert index.blocks_of("e") == want and sub.sequencer.resyncs == 0
+        sub.close()  # a reader that joins late: everything comes from the replay socket
+        sub = ZmqEventSubscriber(pub.endpoint, InstanceView(index, "e"), replay_endpoint=pub.replay_endpoint)
+        index.forget("e")
+        sub.sequencer.catch_up()
+        assert sub.sequencer.last_seq == core.kv_events.next_seq - 1 and index.blocks_of("e") == want
+    finally:
+        sub.close()
+        core.close_kv_events()

@@ -5,18 +5,19 @@ history, a saturated replica sheds load, a killed or hung instance leaves rotati
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
 import httpx
 import pytest
 from fastapi import FastAPI, Request
-from fastapi.responses import Response
+from fastapi.responses import Response, StreamingResponse
 
 from jaxllm.entrypoints.router.app import build_balanced_app
 from jaxllm.entrypoints.router.balancer import block_hashes
 from jaxllm.kv_events.events import BlockStored, EventBatch
-from jaxllm.kv_events.index import PrefixIndex
+from jaxllm.kv_events.index import InstanceView, PrefixIndex
 from jaxllm.kv_events.publisher import KVEventCollector, ZmqEventPublisher
 from jaxllm.routing.base import RoutingPolicy
 from jaxllm.routing.registry import load_policy
@@ -117,6 +118,7 @@ class FakeInstance:
         self.running = 0
         self.served_prompts: list[str] = []
         self.hang = threading.Event()
+        self.hang_mid_stream = False
         self.publisher = ZmqEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", buffer_steps=100)
         self.collector = KVEventCollector(self.publisher, block_size=BLOCK, scope=ROOT)
         app = FastAPI()
@@ -145,7 +147,16 @@ class FakeInstance:
         if hashes:
             self.collector.pending.append(BlockStored(hashes, None, tokens[: len(hashes) * BLOCK], BLOCK, None, ROOT))
             self.collector.flush()
+        if body.get("stream"):
+            return StreamingResponse(self.stream(), media_type="text/event-stream")
         return {"id": "cmpl", "choices": [{"index": 0, "text": self.name}]}
+
+    async def stream(self):
+        yield f"data: {json.dumps({'choices': [{'index': 0, 'text': self.name}]})}\n\n"
+        if self.hang_mid_stream:
+            self.hang.set()  # it stops answering anything, its stream and /health alike
+            await self.wait_while_hung()
+        yield "data: [DONE]\n\n"
 
     async def tokenize(self, raw: Request):
         return {"tokens": self.tokens((await raw.json())["prompt"])}
@@ -286,6 +297,19 @@ def test_a_hung_instance_fails_its_requests_fast_and_leaves_rotation(cluster):
     wait_until(lambda: balancer.instances[0].state.healthy)  # back in rotation once it answers
 
 
+def test_a_stream_from_an_instance_that_hangs_mid_answer_ends_with_an_error(cluster):
+    fakes, router = cluster
+    url = router("round_robin")
+    fakes[0].hang_mid_stream = True
+    started = time.monotonic()
+    body = {"prompt": "tell me", "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as response:
+        events = [line for line in response.iter_lines() if line.startswith("data: ")]
+    assert time.monotonic() - started < 3  # a health check's interval and timeout, not --timeout
+    assert json.loads(events[0][6:])["choices"][0]["text"] == "I0"
+    assert "stopped answering its health checks" in json.loads(events[-1][6:])["error"]["message"]
+
+
 def test_session_affinity_over_http(cluster):
     fakes, router = cluster
     url = router("session")
@@ -296,3 +320,52 @@ def test_session_affinity_over_http(cluster):
         for _ in range(3)
     }
     assert len(by_user) == 1
+
+
+# ---- the same policies in front of data-parallel replicas ------------------------------------------------------
+
+
+def test_data_parallel_replicas_are_chosen_by_a_router_policy():
+    """`data_parallel_policy="prefix_aware"`: the DP front (its replicas here two pipes a test writes to, as replica
+    processes do) feeds its prefix index from the replicas' KV events and its loads from their stats, and sends a
+    prompt to the replica holding its prefix."""
+    import multiprocessing
+
+    from jaxllm.engine.core_client import EngineInfo
+    from jaxllm.engine.dp_client import DataParallelClient, _Replica
+    from jaxllm.kv_events.subscriber import EventSequencer
+    from jaxllm.sampling_params import SamplingParams
+
+    client = object.__new__(DataParallelClient)
+    client._lock = threading.Lock()
+    client._owner = {}
+    client._next_start = 0
+    client.policy = load_policy("prefix_aware")
+    client.index = PrefixIndex()
+    client.info = EngineInfo("m", None, 128, 4, 96, None, BLOCK, ROOT, None)
+    client._on_outputs = lambda *a: None
+    replica_ends = []
+    client.replicas = []
+    for i in range(2):
+        ours, theirs = multiprocessing.Pipe()
+        replica = _Replica(i, None, ours, {"num_running": 0, "num_waiting": 0})  # type: ignore[arg-type]
+        replica.events = EventSequencer(InstanceView(client.index, str(i)))
+        client.replicas.append(replica)
+        replica_ends.append(theirs)
+        threading.Thread(target=client._read, args=(replica,), daemon=True).start()
+    prompt = list(range(1, 18))  # 4 full blocks
+    hashes = block_hashes(prompt, BLOCK, ROOT)
+    stored = BlockStored(hashes, None, prompt[:16], BLOCK, None, ROOT)
+    replica_ends[1].send(("step", [], 0.0, {"num_running": 1, "num_waiting": 0}, [EventBatch(0, events=[stored])]))
+    wait_until(lambda: client.index.match(hashes, scope=ROOT) == {"1": 4})
+    sent = []
+    client._send = lambda replica, message: sent.append(replica.index)  # type: ignore[method-assign]
+    for n in range(3):
+        client.add_request(f"r{n}", prompt, SamplingParams())
+    assert sent == [1, 1, 1]  # its prefix is there, though replica 0 is idle
+    client.add_request("other", [90] * 17, SamplingParams())
+    assert sent[-1] == 0  # no prefix anywhere: the least loaded
+    for replica in client.replicas:
+        replica.alive = False  # (shut down on purpose: its reader ends quietly)
+    for end in replica_ends:
+        end.close()

@@ -54,6 +54,9 @@ HELP = {
     '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": '
     '"tcp://*:5558", "buffer_steps": 10000, "topic": ""}\'; publisher "null": in-process readers only '
     "(docs/scaling.md)",
+    "data_parallel_policy": "how the front picks a data-parallel replica for each request: unset, vLLM's rule "
+    "(fewest 4 x waiting + running); or a router policy: round_robin, least_loaded, session, prefix_aware (the "
+    "replicas' KV events, in-process), or a dotted path to a jaxllm.routing.base.RoutingPolicy (docs/scaling.md)",
     "kv_offloading_size": "GiB of host memory for KV blocks evicted from the device cache (the OffloadingConnector)",
     "enable_lora": "serve LoRA adapters: LoRARequest in LLM.generate, --lora-modules in the server (docs/lora.md)",
     "max_loras": "LoRA adapters a step can mix (device slots; a request for a further one waits its turn)",
@@ -90,6 +93,7 @@ class EngineArgs:
     enable_expert_parallel: bool = False  # vLLM's: a mixture of experts' experts split whole over the TP devices
     pipeline_parallel_size: int = 1  # stages (docs/scaling.md): layers split over PP groups of TP devices
     data_parallel_size: int = 1
+    data_parallel_policy: str | None = None  # a router policy picks each request's replica (None: vLLM's rule)
     nnodes: int = 1  # multi-host: every node runs the same command with its own node_rank
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
@@ -154,6 +158,10 @@ class EngineArgs:
             raise ValueError(
                 f"reasoning_parser {self.reasoning_parser!r}: must be one of {', '.join(REASONING_SETTINGS)}"
             )
+        if self.data_parallel_policy is not None:
+            from jaxllm.routing.registry import load_policy
+
+            load_policy(self.data_parallel_policy)  # a bad name or path fails here, in one line
         kv_events = self.kv_events()
         if kv_events is not None and kv_events.enable_kv_cache_events:
             if not self.enable_prefix_caching:

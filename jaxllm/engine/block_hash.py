@@ -28,6 +28,17 @@ def root_hash(scope: str) -> BlockHash:
     return hashlib.sha256(b"jaxllm:" + scope.encode()).digest()
 
 
+def prefix_hashes(token_ids: Sequence[int], block_size: int, root: BlockHash) -> list[BlockHash]:
+    """The chained hashes of the full blocks of `token_ids` from `root`, as the KV manager names them (a router
+    computes them to match a prompt against instances' KV events)."""
+    hashes: list[BlockHash] = []
+    parent = root
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash_block(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
 def scoped_root(root: BlockHash, scope: bytes) -> BlockHash:
     """`root` narrowed to KV computed under `scope` too (a LoRA adapter's identity: lora/manager.py)."""
     return hashlib.sha256(root + b"scope:" + scope).digest()

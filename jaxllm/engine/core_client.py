@@ -232,6 +232,8 @@ class InProcessClient:
         self._commands.put(("stop", None))
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout=30)
+            if not self._thread.is_alive():
+                self.core.close_kv_events()  # its sockets freed (a new engine may bind them)
 
     # ---- the engine thread -----------------------------------------------------------------
 

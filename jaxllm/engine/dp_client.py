@@ -29,7 +29,14 @@ from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
 from jaxllm.engine.args import EngineArgs
+from jaxllm.engine.block_hash import prefix_hashes
 from jaxllm.engine.core_client import DeadHandler, EngineInfo, OutputHandler, apply_command, failed_output
+from jaxllm.kv_events.index import InstanceView, PrefixIndex
+from jaxllm.kv_events.publisher import InProcessSink
+from jaxllm.kv_events.subscriber import EventSequencer
+from jaxllm.routing.base import RoutingPolicy
+from jaxllm.routing.registry import load_policy
+from jaxllm.routing.view import ClusterView, InstanceState, RouteRequest
 
 logger = logging.getLogger("jaxllm")
 
@@ -70,6 +77,9 @@ def _replica_main(index: int, args: EngineArgs, env: dict[str, str], conn, progr
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return
     conn.send(("ready", EngineInfo.of(core), core.stats()))
+    # KV events (in-process) go to the front with each step's outputs, for a policy that reads them
+    sink = core.kv_events.sink if core.kv_events is not None else None
+    events = sink.reader() if isinstance(sink, InProcessSink) else None
     last_push = 0.0
     while True:
         outputs = []
@@ -89,8 +99,9 @@ def _replica_main(index: int, args: EngineArgs, env: dict[str, str], conn, progr
         stats = None
         if now - last_push >= STATS_INTERVAL_S or not core.has_unfinished_requests():
             stats, last_push = core.stats(), now
-        if outputs or stats is not None:
-            conn.send(("step", outputs, now, stats))
+        batches = events.poll() if events is not None else []
+        if outputs or stats is not None or batches:
+            conn.send(("step", outputs, now, stats, batches))
 
 
 @dataclasses.dataclass
@@ -103,6 +114,7 @@ class _Replica:
     routed_since_push: int = 0  # requests sent after the last pushed counts
     alive: bool = True
     send_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    events: EventSequencer | None = None  # its KV events into the front's prefix index
 
 
 class DataParallelClient:
@@ -117,7 +129,15 @@ class DataParallelClient:
         self._lock = threading.Lock()
         self._owner: dict[str, int] = {}  # request id → replica
         self._next_start = 0
-        replica_args = dataclasses.replace(args, data_parallel_size=1)
+        # a router policy (jaxllm/routing/) over the replicas, fed their loads and KV events; None: vLLM's rule
+        self.policy: RoutingPolicy | None = None
+        self.index = PrefixIndex()
+        replica_args = dataclasses.replace(args, data_parallel_size=1, data_parallel_policy=None)
+        if args.data_parallel_policy is not None:
+            self.policy = load_policy(args.data_parallel_policy)
+            if self.policy.needs_block_hashes and args.kv_events_config is None:
+                events = {"enable_kv_cache_events": True, "publisher": "null"}
+                replica_args = dataclasses.replace(replica_args, kv_events_config=events)
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: JAX must not be forked
         self.replicas: list[_Replica] = []
         for i in range(n):
@@ -138,6 +158,9 @@ class DataParallelClient:
             self.shutdown()
             raise
         for replica in self.replicas:
+            replica.events = EventSequencer(
+                InstanceView(self.index, str(replica.index)), name=f"replica {replica.index}"
+            )
             threading.Thread(
                 target=self._read, args=(replica,), name=f"jaxllm-dp-reader-{replica.index}", daemon=True
             ).start()
@@ -168,7 +191,7 @@ class DataParallelClient:
     ):
         arrival_time = arrival_time if arrival_time is not None else time.monotonic()
         with self._lock:
-            replica = self._least_loaded()
+            replica = self._least_loaded() if self.policy is None else self._by_policy(prompt_token_ids, user)
             if replica is None:
                 self._on_outputs(
                     [failed_output(request_id, prompt_token_ids, params, prompt, "every engine replica has died")],
@@ -236,6 +259,28 @@ class DataParallelClient:
 
         return min(alive, key=load)  # min keeps the first of equals: the rotating start
 
+    def _by_policy(self, prompt_token_ids: list[int], user: str | None) -> _Replica | None:
+        """The router policy's choice among the live replicas (their loads as last pushed, plus those sent since)."""
+        assert self.policy is not None
+        alive = [r for r in self.replicas if r.alive]
+        if not alive:
+            return None
+        states = [
+            InstanceState(
+                str(r.index),
+                running=r.stats.get("num_running", 0),
+                waiting=r.stats.get("num_waiting", 0),
+                dispatched=r.routed_since_push,
+            )
+            for r in alive
+        ]
+        hashes: list[bytes] = []
+        if self.policy.needs_block_hashes:
+            hashes = prefix_hashes(prompt_token_ids, self.info.block_size, bytes.fromhex(self.info.kv_scope_root))
+        request = RouteRequest(hashes, self.info.kv_scope_root, session=user)
+        chosen = self.policy.choose(request, ClusterView(states, self.index))
+        return alive[states.index(chosen)]
+
     # ---- replies -------------------------------------------------------------------------
 
     def _send(self, replica: _Replica, message) -> None:
@@ -248,9 +293,12 @@ class DataParallelClient:
     def _read(self, replica: _Replica) -> None:
         while True:
             try:
-                _, outputs, timestamp, stats = replica.conn.recv()
+                _, outputs, timestamp, stats, batches = replica.conn.recv()
             except (EOFError, OSError):
                 return self._lost(replica)
+            for batch in batches:
+                assert replica.events is not None
+                replica.events.receive(batch)
             with self._lock:
                 if stats is not None:
                     replica.stats, replica.routed_since_push = stats, 0
@@ -266,6 +314,7 @@ class DataParallelClient:
             return
         replica.process.join(timeout=5)
         message = f"engine replica {replica.index} died (exit status {replica.process.exitcode})"
+        self.index.forget(str(replica.index))
         with self._lock:
             replica.alive = False
             lost = dict(replica.in_flight)

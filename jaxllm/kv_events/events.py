@@ -50,14 +50,15 @@ class EventBatch:
     seq: int  # 0, 1, 2, ... per publisher: a jump is a batch missed
     ts: float = field(default_factory=time.time)
     events: list[KVEvent] = field(default_factory=list)
+    epoch: str = ""  # the publisher's start (random): new numbers from a restarted engine are told from repeats
 
     def encode(self) -> bytes:
-        return msgpack.packb([self.ts, [_encode(e) for e in self.events]], use_bin_type=True)
+        return msgpack.packb([self.ts, [_encode(e) for e in self.events], self.epoch], use_bin_type=True)
 
     @classmethod
     def decode(cls, seq: int, payload: bytes) -> EventBatch:
-        ts, events = msgpack.unpackb(payload, raw=False)
-        return cls(seq, ts, [_decode(e) for e in events])
+        ts, events, *rest = msgpack.unpackb(payload, raw=False)
+        return cls(seq, ts, [_decode(e) for e in events], rest[0] if rest else "")
 
 
 def _encode(event: KVEvent) -> list:

@@ -15,6 +15,7 @@ publisher's own, fed through a queue, so the engine's step thread never blocks o
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 from collections import deque
@@ -49,6 +50,7 @@ class KVEventCollector:
         self.scope = scope
         self.pending: list[KVEvent] = []
         self.next_seq = 0
+        self.epoch = os.urandom(8).hex()
 
     def stored(
         self, group: int, hashes: list[BlockHash], parent: BlockHash | None, token_ids: list[int], request: Request
@@ -71,7 +73,7 @@ class KVEventCollector:
         """Publish what the step changed as the next batch (nothing: no batch)."""
         if not self.pending:
             return None
-        batch = EventBatch(self.next_seq, events=self.pending)
+        batch = EventBatch(self.next_seq, events=self.pending, epoch=self.epoch)
         self.pending = []
         self.next_seq += 1
         self.sink.publish(batch)

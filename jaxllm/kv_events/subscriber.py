@@ -5,11 +5,9 @@ last one applied is applied; a repeat is dropped; after a jump the missing batch
 publisher's ROUTER socket) and, if the replay covers the whole gap, applied first. If it cannot (the publisher's
 buffer has moved on, or no replay socket answers), the handler is told to `resync`: it forgets everything it knew
 about that instance (its blocks count as not held until stored again), then the new batch is applied. A reader
-never keeps acting on a view it knows has holes. A reader that joins late asks for the replay from 0 the same way;
-numbers that go back mean the publisher restarted (a new engine, an empty cache): resync, and start over.
-
-`ZmqEventSubscriber` reads a publisher's PUB socket (and asks its replay socket); `SubscriberThread` polls many
-of them on one thread, for a router in front of many instances.
+never keeps acting on a view it knows has holes. A reader that joins late asks for the replay from 0 the same way
+(`catch_up`: a `SubscriberThread` does it for each subscriber as it starts); a batch of another epoch (each publisher
+start draws one) means the engine restarted (an empty cache): resync, and start over.
 """
 
 from __future__ import annotations
@@ -41,19 +39,35 @@ class EventSequencer:
         self.last_seq: int | None = None
         self.gaps = 0  # jumps seen
         self.resyncs = 0  # jumps a replay could not fill
-        self.restarts = 0  # numbers that went back (a restarted publisher)
+        self.restarts = 0  # epochs that changed (a restarted publisher)
+        self.epoch: str | None = None
+
+    def catch_up(self) -> None:
+        """Apply what the replay holds from the next batch on (a reader joining late need not wait for a live one)."""
+        if self.replay is None:
+            return
+        try:
+            batches = sorted(self.replay(0 if self.last_seq is None else self.last_seq + 1), key=lambda b: b.seq)
+        except Exception as e:
+            logger.warning("KV events catch-up from %s failed: %s", self.name or "the publisher", e)
+            return
+        for batch in batches:
+            self.receive(batch)
 
     def receive(self, batch: EventBatch) -> None:
         """A batch from the live stream (replayed ones come through `replay`)."""
-        if self.last_seq is not None and batch.seq <= self.last_seq:
-            # numbers went back: the publisher restarted (its engine's cache is new), so nothing known holds
+        if self.epoch is not None and batch.epoch != self.epoch:
+            # another epoch: the publisher restarted (its engine's cache is new), so nothing known holds
             self.restarts += 1
             logger.warning(
                 "KV events%s: the publisher restarted; starting over", f" from {self.name}" if self.name else ""
             )
             self.handler.resync()
             self.last_seq = None
+        self.epoch = batch.epoch
         expected = 0 if self.last_seq is None else self.last_seq + 1
+        if batch.seq < expected:
+            return  # a repeat (a catch-up replay overlapping the live stream)
         if batch.seq > expected:
             self.gaps += 1
             missing = self._replayed(expected, batch.seq)
@@ -169,6 +183,8 @@ class SubscriberThread:
         return self
 
     def _run(self) -> None:
+        for sub in self.subscribers:  # what was published before we connected (blocks up to the replay timeout)
+            sub.sequencer.catch_up()
         while not self._stop.is_set():
             for socket, _ in self.poller.poll(self._poll_ms):
                 try:

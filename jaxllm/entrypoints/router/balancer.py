@@ -18,6 +18,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -27,9 +28,9 @@ import httpx
 from fastapi.responses import Response
 from prometheus_client.parser import text_string_to_metric_families
 
-from jaxllm.engine.block_hash import hash_block
+from jaxllm.engine.block_hash import prefix_hashes
 from jaxllm.entrypoints.router.metrics import RouterMetrics
-from jaxllm.entrypoints.router.proxy import PassthroughResponse, describe, error_response, outcome_of
+from jaxllm.entrypoints.router.proxy import PassthroughResponse, describe, error_body, error_response, outcome_of
 from jaxllm.kv_events.index import InstanceView, PrefixIndex
 from jaxllm.kv_events.subscriber import SubscriberThread, ZmqEventSubscriber
 from jaxllm.routing.base import RoutingPolicy
@@ -75,12 +76,7 @@ def on_host(endpoint: str | None, url: str) -> str | None:
 
 def block_hashes(tokens: list[int], block_size: int, root_hex: str) -> list[bytes]:
     """The chained hashes of the full blocks of `tokens`, as the instance's KV manager names them."""
-    hashes: list[bytes] = []
-    parent = bytes.fromhex(root_hex)
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = hash_block(parent, tokens[start : start + block_size])
-        hashes.append(parent)
-    return hashes
+    return prefix_hashes(tokens, block_size, bytes.fromhex(root_hex))
 
 
 class Balancer:
@@ -231,7 +227,9 @@ class Balancer:
                 return None  # a batch of prompts: no single prefix
             request = {"prompt": prompt, **({"model": body["model"]} if "model" in body else {})}
         try:
-            response = await self.client.post(instance.url + "/tokenize", json=request, headers=headers)
+            response = await self.client.post(
+                instance.url + "/tokenize", json=request, headers=headers, timeout=self.health_timeout
+            )
             tokens = response.json().get("tokens") if response.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
             return None
@@ -271,7 +269,7 @@ class Balancer:
         state = instance.state
         state.dispatched += 1
         state.in_flight += 1
-        if instance.down is None:
+        if instance.down is None or instance.down.is_set():
             instance.down = asyncio.Event()
         request = self.client.build_request("POST", instance.url + route, content=raw_body, headers=headers)
         sending = asyncio.ensure_future(self.client.send(request, stream=True))
@@ -304,7 +302,7 @@ class Balancer:
             state.in_flight -= 1
             self.record(route, start, outcome)
 
-        return PassthroughResponse(upstream, on_close=close)
+        return WatchedResponse(upstream, on_close=close, down=instance.down, instance=instance)
 
     # ---- bookkeeping -----------------------------------------------------------------------------
 
@@ -329,6 +327,50 @@ class Balancer:
 
     def health(self) -> dict[str, str]:
         return {i.url: "ok" if i.state.healthy else (i.last_error or "down") for i in self.instances}
+
+
+class WatchedResponse(PassthroughResponse):
+    """An instance's answer streamed back, cut short when the instance leaves rotation (it stopped answering its
+    health checks): the client gets an error at once (in the stream, for server-sent events) instead of waiting
+    on a hung instance until --timeout."""
+
+    def __init__(self, upstream: httpx.Response, *, on_close, down: asyncio.Event, instance: Instance):
+        self.down = down
+        self.instance = instance
+        super().__init__(upstream, on_close=on_close)
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        chunks = self.upstream.aiter_bytes().__aiter__()
+        while True:
+            following = asyncio.ensure_future(chunks.__anext__())
+            down = asyncio.ensure_future(self.down.wait())
+            await asyncio.wait({following, down}, return_when=asyncio.FIRST_COMPLETED)
+            down.cancel()
+            if not following.done():  # it left rotation mid-answer
+                following.cancel()
+                await asyncio.gather(following, return_exceptions=True)
+                yield from_broken(self, f"it stopped answering its health checks: {self.instance.last_error}")
+                return
+            error = following.exception()
+            if isinstance(error, StopAsyncIteration):
+                break
+            if isinstance(error, httpx.HTTPError):
+                yield from_broken(self, describe(error))
+                return
+            if error is not None:
+                raise error
+            yield following.result()
+        self.outcome = outcome_of(self.upstream.status_code)
+
+
+def from_broken(response: WatchedResponse, reason: str) -> bytes:
+    """The answer broke off: count it, log it, and (server-sent events: the status is already sent) say so."""
+    response.outcome = "upstream_error"
+    logger.warning("the instance at %s broke off its answer: %s", response.instance.url, reason)
+    if not response.is_sse:
+        return b""
+    error = error_body(502, f"the instance {response.instance.url} broke off: {reason}")
+    return f"data: {json.dumps(error)}\n\n".encode()
 
 
 def _in_flight(state: InstanceState) -> float:
