@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from jaxllm.engine.block_hash import NO_SCOPE
+from jaxllm.engine.block_hash import NO_SCOPE, prefix_hashes
 from jaxllm.entrypoints.router.balancer import block_hashes as router_block_hashes
 from jaxllm.routing.least_loaded import LeastLoaded
 from jaxllm.routing.prefix_aware import PrefixAware
 from jaxllm.routing.registry import load_policy
 from jaxllm.routing.round_robin import RoundRobin
 from jaxllm.routing.session import SessionAffinity
-from jaxllm.sim.cluster import block_hashes, simulate_cluster
+from jaxllm.sim.cluster import simulate_cluster
 from jaxllm.sim.costmodel import CostModel
 from jaxllm.sim.settings import SimSettings, sim_config, simulate_priced
 from jaxllm.sim.simulator import cost_model_step_time, simulate
@@ -81,9 +81,9 @@ def test_a_later_turn_extends_the_earlier_one_and_hashes_as_the_router_does(conf
     first, second = by_session["c0"][:2]
     a, b = prompt_token_ids(trace[first], first, 0), prompt_token_ids(trace[second], second, 0)
     assert len(b) > len(a) and b[: len(a)] == a
-    hashes = block_hashes(b, config.block_size, NO_SCOPE)
+    hashes = prefix_hashes(b, config.block_size, NO_SCOPE)
     assert hashes == router_block_hashes(b, config.block_size, NO_SCOPE.hex())
-    assert hashes[: len(a) // config.block_size] == block_hashes(a, config.block_size, NO_SCOPE)
+    assert hashes[: len(a) // config.block_size] == prefix_hashes(a, config.block_size, NO_SCOPE)
     # another conversation of the same group shares only the system prompt
     other = next(
         i for s, idx in by_session.items() if s != "c0" for i in idx if trace[i].prefix_group == trace[0].prefix_group

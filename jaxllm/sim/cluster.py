@@ -9,8 +9,9 @@ sees is what a router sees: a `ClusterView` of `InstanceState`s whose running/wa
 after its latest step (a router polling as often as the instances step), `dispatched` the requests sent to it
 that have not reached its scheduler yet, `in_flight` those not finished; and, for a policy that reads block
 hashes, a `PrefixIndex` fed by the KV events each instance's KV manager publishes (the engine's own listener,
-`kv_events.publisher.KVEventCollector`, one batch per step) — never the KV managers themselves. A request's block
-hashes are the engine's (engine/block_hash.py, from the KV manager's root) over the trace's made-up prompt tokens
+`kv_events.publisher.KVEventCollector`, one batch per step)
+— never the KV managers themselves. A request's block hashes are the engine's and the router's
+(engine/block_hash.py `prefix_hashes`, from the KV manager's root) over the trace's made-up prompt tokens
 (sim/trace.py: a session's turns extend one another); its session key is the trace's `session`, else its `user`.
 
 Per step the work is the stepping instance's (O(scheduled)); per request, the policy's (the registry's policies
@@ -22,11 +23,10 @@ one trace run under several policies is a paired comparison. With one instance t
 from __future__ import annotations
 
 import heapq
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from jaxllm.bench.results import RequestRecord, summarize
-from jaxllm.engine.block_hash import BlockHash, hash_block
+from jaxllm.engine.block_hash import prefix_hashes
 from jaxllm.kv_events.events import EventBatch
 from jaxllm.kv_events.index import PrefixIndex
 from jaxllm.kv_events.publisher import KVEventCollector
@@ -36,17 +36,6 @@ from jaxllm.sim.costmodel import DEFAULT_PP_TRANSFER_LATENCY_S, DEFAULT_PP_TRANS
 from jaxllm.sim.simulator import SimConfig, SimEngine, SimResult
 from jaxllm.sim.trace import TraceRequest, prompt_token_ids
 from jaxllm.sim.virtual_device import StepTime, VirtualDevice
-
-
-def block_hashes(tokens: Sequence[int], block_size: int, root: BlockHash) -> list[BlockHash]:
-    """The chained hashes of the full blocks of `tokens`, as a KV manager rooted at `root` names them (and as the
-    router computes them: entrypoints/router/balancer.py)."""
-    hashes: list[BlockHash] = []
-    parent = root
-    for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = hash_block(parent, tokens[start : start + block_size])
-        hashes.append(parent)
-    return hashes
 
 
 class _IndexSink:
@@ -173,7 +162,7 @@ def simulate_cluster(
             request = RouteRequest(session=r.session if r.session is not None else r.user)
             if hashed and r.prompt is None:
                 tokens = prompt_token_ids(r, i, seed)
-                hashes = block_hashes(tokens, config.block_size, root)
+                hashes = prefix_hashes(tokens, config.block_size, root)
                 request = RouteRequest(hashes, scope, session=request.session)
             state = policy.choose(request, view)
             k = _index_of(state, states)
