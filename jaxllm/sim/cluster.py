@@ -6,8 +6,9 @@ priced by the cost model). The instances advance in virtual-time order — a hea
 start — and a request is routed at its arrival time, before any instance steps past it, by a policy from
 `jaxllm.routing` (the classes `jaxllm router` uses, loaded by `routing.registry.load_policy`). What the policy
 sees is what a router sees: a `ClusterView` of `InstanceState`s whose running/waiting come from each scheduler
-after its latest step (a router polling as often as the instances step), `dispatched` the requests sent to it
-that have not reached its scheduler yet, `in_flight` those not finished; and, for a policy that reads block
+after its latest step (a router polling as often as the instances step; a step in progress at the arrival has
+been applied already, so the numbers can be one step ahead of a poll's), `dispatched` the requests sent to it that
+have not reached its scheduler yet, `in_flight` those not finished; and, for a policy that reads block
 hashes, a `PrefixIndex` fed by the KV events each instance's KV manager publishes (the engine's own listener,
 `kv_events.publisher.KVEventCollector`, one batch per step)
 — never the KV managers themselves. A request's block hashes are the engine's and the router's
