@@ -16,6 +16,11 @@ _EXPORTS = {
     "EngineArgs": "jaxllm.engine.args",
     "AsyncLLM": "jaxllm.engine.async_llm",
     "RequestOutputKind": "jaxllm.sampling_params",
+    "PoolingParams": "jaxllm.pooling.params",
+    "EmbeddingRequestOutput": "jaxllm.outputs",
+    "EmbeddingOutput": "jaxllm.outputs",
+    "ScoringRequestOutput": "jaxllm.outputs",
+    "ScoringOutput": "jaxllm.outputs",
 }
 
 __all__ = list(_EXPORTS)

@@ -10,7 +10,15 @@ from jaxllm.engine.args import EngineArgs
 from jaxllm.engine.core import EngineCore
 from jaxllm.lora.request import LoRARequest
 from jaxllm.metrics.offline import OfflineMetrics, engine_stats
-from jaxllm.outputs import RequestOutput
+from jaxllm.outputs import (
+    EmbeddingOutput,
+    EmbeddingRequestOutput,
+    RequestOutput,
+    ScoringOutput,
+    ScoringRequestOutput,
+)
+from jaxllm.pooling.params import PoolingParams
+from jaxllm.pooling.score import cosine, pair_up
 from jaxllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -55,6 +63,7 @@ class LLM:
             self.engine = EngineCore(args, progress=progress)
             model_name = self.engine.loaded.name
         self._ids = itertools.count()
+        self.runner = args.runner  # "generate" or "pooling" (embed, score)
         self._metrics = OfflineMetrics(model_name, len(engine_stats(self.engine)))  # what get_metrics() reads
 
     def get_tokenizer(self):
@@ -88,6 +97,7 @@ class LLM:
         one for all prompts, or one or None per prompt) is checked before any runs: a bad one raises `ValueError`
         and nothing is queued.
         """
+        self._require_runner("generate", "generate")
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -126,7 +136,63 @@ class LLM:
             )
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
+    # ---- embed and score (runner="pooling") ------------------------------------------------
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """An embedding per prompt (`outputs.embedding`), in input order, batched through the same scheduler:
+        each prompt is prefilled (in chunks when long), pooled, and its KV blocks freed. Needs runner="pooling"."""
+        self._require_runner("pooling", "embed")
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = self._per_prompt(pooling_params or PoolingParams(), len(prompts), "pooling_params")
+        encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
+        for i, (_, ids) in enumerate(encoded):
+            try:
+                self.engine.validate_prompt(ids)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        outputs = self._run(encoded, params, [0] * len(prompts), [None] * len(prompts), use_tqdm)
+        results = []
+        for out in outputs:
+            if out.embedding is None:
+                raise RuntimeError(f"request {out.request_id} failed: {out.error or 'no embedding'}")
+            results.append(EmbeddingRequestOutput(out.request_id, EmbeddingOutput(out.embedding), out.prompt_token_ids))
+        return results
+
+    def score(
+        self,
+        text_1: PromptType | Sequence[PromptType],
+        text_2: PromptType | Sequence[PromptType],
+        use_tqdm: bool = True,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's `score` for an embedding model: the cosine similarity of the embeddings of each pair, one
+        text_1 against every text_2 (1-to-1, 1-to-N) or text_1[i] against text_2[i] (N-to-N)."""
+        self._require_runner("pooling", "score")
+        first = [text_1] if isinstance(text_1, (str, dict)) else list(text_1)
+        second = [text_2] if isinstance(text_2, (str, dict)) else list(text_2)
+        pairs = pair_up(first, second)
+        embedded = self.embed(first + second, use_tqdm=use_tqdm)
+        a, b = embedded[: len(first)], embedded[len(first) :]
+        return [
+            ScoringRequestOutput(
+                str(n),
+                ScoringOutput(cosine(a[i].outputs.embedding, b[j].outputs.embedding)),
+                a[i].prompt_token_ids + b[j].prompt_token_ids,
+            )
+            for n, (i, j) in enumerate(pairs)
+        ]
+
     # ---- helpers ---------------------------------------------------------------------
+
+    def _require_runner(self, runner: str, method: str) -> None:
+        if self.runner != runner:
+            raise ValueError(f"LLM.{method} needs runner={runner!r}; this LLM was made with runner={self.runner!r}")
 
     def _require_tokenizer(self):
         if self.engine.tokenizer is None:

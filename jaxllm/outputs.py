@@ -50,3 +50,42 @@ class RequestOutput:
     # what the KV connector says about this request (P/D producer: where its KV waits for the consumer)
     kv_transfer_params: dict | None = None
     refused: bool = False  # the engine refused it as it arrived (bad input): `error` says why
+    # the pooling runner: the finished request's embedding (LLM.embed and AsyncLLM.encode hand it on as an
+    # EmbeddingRequestOutput; inside the engine it rides here, so metrics and clients see one output type)
+    embedding: list[float] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """A pooling request's result (vLLM's name): `outputs.embedding`, the prompt's token ids."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    error: str | None = None  # why the request failed (its embedding is then empty)
+    refused: bool = False  # the engine refused it as it arrived (bad input)
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """One pair's score (vLLM's name): `outputs.score`, the cosine of the two embeddings for an embedding model."""
+
+    request_id: str
+    outputs: ScoringOutput
+    prompt_token_ids: list[int]
+    finished: bool = True

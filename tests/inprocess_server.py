@@ -17,14 +17,14 @@ MODEL = "smol"
 class InProcessServer:
     """uvicorn on a thread of the test process, so tests can look inside the engine."""
 
-    def __init__(self, engine_args: EngineArgs | None = None):
-        """`engine_args`: another model or engine (default: the default model with TEST_ENGINE's shapes)."""
+    def __init__(self, num_blocks: int = TEST_KV_BLOCKS, **engine_args):
+        """`engine_args`: more EngineArgs (a pooling server: runner="pooling")."""
         import uvicorn
 
-        if engine_args is None:
-            args = {k: v for k, v in TEST_ENGINE.items() if k != "progress"}
-            engine_args = EngineArgs(**args, kv_cache_memory_bytes=kv_bytes(TEST_KV_BLOCKS))
-        self.engine = AsyncLLM(engine_args, served_model_name=MODEL, progress=False)
+        args = {k: v for k, v in TEST_ENGINE.items() if k != "progress"} | engine_args
+        self.engine = AsyncLLM(
+            EngineArgs(**args, kv_cache_memory_bytes=kv_bytes(num_blocks)), served_model_name=MODEL, progress=False
+        )
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         app = build_app(self.engine, served_model_names=[MODEL])

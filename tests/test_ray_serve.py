@@ -1,6 +1,6 @@
 """jaxllm as a Ray Serve deployment, for real: a local Ray cluster, two replicas of the default
 model behind Ray's HTTP proxy, the same OpenAI routes as `jaxllm serve`. Ray is an optional
-extra (`pip install jaxllm[ray]`), so CI, which does not install it, skips this module."""
+extra (`pip install jaxllm[ray]`): CI installs it (.ci/run), a checkout without it skips this module."""
 
 import asyncio
 import re

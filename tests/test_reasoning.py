@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from jaxllm import EngineArgs, SamplingParams
+from jaxllm import SamplingParams
 from jaxllm.reasoning import REASONING_PARSERS, Phase, ReasoningGate, ReasoningSplitter, resolve_reasoning_parser
 from jaxllm.sampling_params import StructuredOutputsParams
 from tests.inprocess_server import MODEL, InProcessServer
@@ -174,7 +174,7 @@ def model_path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_path):
-    s = InProcessServer(EngineArgs(model=model_path, **{k: v for k, v in ENGINE.items() if k != "progress"}))
+    s = InProcessServer(model=model_path, **{k: v for k, v in ENGINE.items() if k != "progress"})
     yield s
     s.stop()
 

@@ -342,7 +342,7 @@ def test_data_parallel_replicas_are_chosen_by_a_router_policy():
     client._next_start = 0
     client.policy = load_policy("prefix_aware")
     client.index = PrefixIndex()
-    client.info = EngineInfo("m", None, 128, 4, 96, None, BLOCK, ROOT, None)
+    client.info = EngineInfo("m", None, 128, 4, 96, block_size=BLOCK, kv_scope_root=ROOT)
     client._on_outputs = lambda *a: None
     replica_ends = []
     client.replicas = []

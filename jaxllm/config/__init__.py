@@ -11,6 +11,7 @@ from jaxllm.config.kv_transfer import KVTransferConfig
 from jaxllm.config.lora import LoRAConfig
 from jaxllm.config.model import DTYPES, LOAD_FORMATS, QUANTIZATIONS, ModelConfig, check_quantization, resolve_dtype
 from jaxllm.config.parallel import ParallelConfig
+from jaxllm.config.pooler import POOLING_TYPES, RUNNERS, PoolerConfig
 from jaxllm.config.scheduler import SchedulerConfig
 from jaxllm.config.speculative import MAX_SPECULATIVE_TOKENS, SpeculativeConfig
 
@@ -18,7 +19,9 @@ __all__ = [
     "DTYPES",
     "LOAD_FORMATS",
     "MAX_SPECULATIVE_TOKENS",
+    "POOLING_TYPES",
     "QUANTIZATIONS",
+    "RUNNERS",
     "CacheConfig",
     "EngineConfig",
     "KVEventsConfig",
@@ -26,6 +29,7 @@ __all__ = [
     "LoRAConfig",
     "ModelConfig",
     "ParallelConfig",
+    "PoolerConfig",
     "SchedulerConfig",
     "SpeculativeConfig",
     "check_combinations",

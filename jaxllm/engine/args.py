@@ -16,6 +16,7 @@ from jaxllm.config import (
     DTYPES,
     LOAD_FORMATS,
     QUANTIZATIONS,
+    RUNNERS,
     CacheConfig,
     EngineConfig,
     KVEventsConfig,
@@ -23,6 +24,7 @@ from jaxllm.config import (
     LoRAConfig,
     ModelConfig,
     ParallelConfig,
+    PoolerConfig,
     SchedulerConfig,
     SpeculativeConfig,
     check_combinations,
@@ -62,6 +64,9 @@ HELP = {
     "max_loras": "LoRA adapters a step can mix (device slots; a request for a further one waits its turn)",
     "max_lora_rank": "the largest LoRA rank an adapter may have (an adapter of higher rank is refused at load)",
     "max_cpu_loras": "LoRA adapters kept read in host memory (default: max_loras)",
+    "runner": "generate (tokens) or pooling (embeddings and scores: /v1/embeddings, /score, /rerank; docs/serving.md)",
+    "pooler_config": 'the pooling runner\'s pooler, vLLM\'s JSON: \'{"pooling_type": "MEAN", "normalize": true}\' '
+    "(default: the model's sentence-transformers files, else LAST with L2 normalisation)",
 }
 
 # flags whose values are a closed set: argparse lists them in --help and refuses others before anything loads
@@ -71,6 +76,7 @@ CHOICES = {
     "load_format": LOAD_FORMATS,
     "dtype": ("auto", *DTYPES),
     "kv_cache_dtype": ("auto", *DTYPES),
+    "runner": RUNNERS,
 }
 
 
@@ -115,6 +121,16 @@ class EngineArgs:
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters kept read in host memory (None: max_loras)
     reasoning_parser: str = "auto"  # vLLM's: how thinking is told from the answer (docs/serving.md, Reasoning)
+    runner: str = "generate"  # vLLM's: "pooling" serves embeddings and scores instead of tokens
+    pooler_config: dict | str | None = None  # vLLM's JSON: {"pooling_type": "MEAN", "normalize": true}
+
+    def pooler(self) -> PoolerConfig | None:
+        return PoolerConfig.parse(self.pooler_config)
+
+    def prefix_caching(self) -> bool:
+        """Prefix caching, off for the pooling runner: MEAN and CLS pool every prompt token, which a cache hit
+        would skip (vLLM keeps it only for LAST; jaxllm keeps one rule)."""
+        return self.enable_prefix_caching and self.runner != "pooling"
 
     def speculative(self) -> SpeculativeConfig | None:
         return SpeculativeConfig.parse(self.speculative_config)
@@ -178,7 +194,9 @@ class EngineArgs:
             self.speculative(),
             self.kv_transfer(),
             self.lora(),
+            self.runner,
         )
+        self.pooler()
 
     def create_engine_config(self, model_max_len: int, platform: str) -> EngineConfig:
         defaults = CPU_DEFAULTS if platform == "cpu" else ACCELERATOR_DEFAULTS
@@ -191,7 +209,7 @@ class EngineArgs:
             model=self.model_config(),
             cache=CacheConfig(
                 self.block_size,
-                self.enable_prefix_caching,
+                self.prefix_caching(),
                 self.kv_cache_memory_bytes,
                 self.gpu_memory_utilization,
                 cache_dtype=self.kv_cache_dtype,
@@ -211,6 +229,8 @@ class EngineArgs:
             kv_transfer=self.kv_transfer(),
             lora=self.lora(),
             reasoning_parser=self.reasoning_parser,
+            runner=self.runner,
+            pooler=self.pooler(),
         )
 
     @classmethod

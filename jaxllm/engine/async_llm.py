@@ -26,7 +26,9 @@ from jaxllm.lora.request import LoRARequest
 from jaxllm.metrics.loggers import LOG_INTERVAL_S, LoggingStatLogger
 from jaxllm.metrics.prometheus import PrometheusStatLogger
 from jaxllm.metrics.stats import OutputStatsTracker
-from jaxllm.outputs import RequestOutput
+from jaxllm.outputs import EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
+from jaxllm.pooling.config import check_dimensions
+from jaxllm.pooling.params import PoolingParams
 from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger("jaxllm")
@@ -146,6 +148,10 @@ class AsyncLLM:
         """Stream the outputs of one request. Bad input raises ValueError before anything is queued; an adapter
         (`lora_request`) the engine cannot read ends the request refused (its `error` says why)."""
         params = sampling_params if sampling_params is not None else SamplingParams()
+        if self.info.runner == "pooling":
+            raise ValueError(
+                "this engine runs --runner pooling (embeddings, scores): generating needs --runner generate"
+            )
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
         if self._dead is not None:
@@ -184,6 +190,46 @@ class AsyncLLM:
         finally:
             self._streams.pop(request_id, None)
             if not finished:  # the consumer left (disconnect, cancel, break): free the request's blocks
+                self.client.abort([request_id])
+
+    async def encode(
+        self,
+        prompt: PromptType,
+        pooling_params: PoolingParams | None = None,
+        request_id: str | None = None,
+        *,
+        user: str | None = None,
+    ) -> AsyncIterator[EmbeddingRequestOutput]:
+        """vLLM's `encode`: one pooling request (runner "pooling"), batched with the others by the same scheduler;
+        yields its one finished output. Bad input (a generate engine, too long, `dimensions` the model cannot
+        give) raises ValueError before anything is queued; a request the engine fails raises RuntimeError."""
+        params = pooling_params if pooling_params is not None else PoolingParams()
+        if self.info.runner != "pooling":
+            raise ValueError("this engine runs --runner generate: embeddings and scores need --runner pooling")
+        if self._dead is not None:
+            raise EngineDeadError(self._dead)
+        text, token_ids = self.encode_prompt(prompt)
+        self.info.validate_prompt(token_ids)
+        check_dimensions(self.info.pooler, params.dimensions, self.info.hidden_size)
+        request_id = request_id if request_id is not None else uuid.uuid4().hex
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._bind_loop()
+        stream = self._streams[request_id] = RequestStream(RequestOutputKind.FINAL_ONLY)
+        self.client.add_request(request_id, token_ids, params, prompt=text, user=user, arrival_time=time.monotonic())
+        finished = False
+        try:
+            while not finished:
+                out = await stream.get()
+                finished = out.finished
+            if out.embedding is None:
+                if out.refused and out.error:
+                    raise ValueError(out.error)
+                raise RuntimeError(f"request {request_id} failed: {out.error or 'no embedding'}")
+            yield EmbeddingRequestOutput(request_id, EmbeddingOutput(out.embedding), out.prompt_token_ids)
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:  # the consumer left: free the request's blocks
                 self.client.abort([request_id])
 
     async def abort(self, request_id: str | list[str]) -> None:

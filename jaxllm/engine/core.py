@@ -14,6 +14,7 @@ the last launched step is applied.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -35,13 +36,16 @@ from jaxllm.lora.manager import LoRAManager
 from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import RequestOutput
 from jaxllm.parallel.mesh import make_mesh
+from jaxllm.pooling.accumulate import PoolingAccumulator
+from jaxllm.pooling.config import check_dimensions, resolve_pooler
+from jaxllm.pooling.params import PoolingParams
 from jaxllm.reasoning import resolve_reasoning_parser
 from jaxllm.request import Request, RequestStatus
 from jaxllm.runner.kv_blocks import KVBlockMover
 from jaxllm.runner.kv_cache import bytes_per_block, kv_cache_groups
 from jaxllm.runner.model_runner import ModelRunner
 from jaxllm.runner.worker import Worker
-from jaxllm.sampling_params import SamplingParams
+from jaxllm.sampling_params import RequestOutputKind, SamplingParams
 from jaxllm.scheduler_output import SchedulerOutput
 from jaxllm.spec_decode.drafter import make_drafter
 from jaxllm.structured.manager import StructuredOutputManager
@@ -73,6 +77,13 @@ class EngineCore:
         if args.enable_lora and arch.moe is not None:
             raise ValueError(f"enable_lora is not supported for mixture-of-experts models ({arch.architecture}) yet")
         self.config = args.create_engine_config(arch.max_position_embeddings, jax.default_backend())
+        if self.config.runner == "pooling":  # the pooler: given, the model's sentence-transformers files, or LAST
+            pooler = resolve_pooler(self.config.pooler, source.path, source.hf_config)
+            self.config = dataclasses.replace(self.config, pooler=pooler)
+            logger.info("pooling runner: %s pooling, normalize=%s", pooler.pooling_type, pooler.normalize)
+        # the pooling runner's host side: chunk sums → embeddings, and each pooling request's params
+        self.pooler = PoolingAccumulator(self.config.pooler) if self.config.pooler is not None else None
+        self._pooling_params: dict[str, PoolingParams] = {}
         if kv_transfer is not None:  # its sizes against memory, before anything loads
             kv_dtype = self.config.cache.kv_dtype(source.dtype)
             slots = kv_cache_groups(arch, self.config).slots  # (a block holds one group's layers)
@@ -171,7 +182,7 @@ class EngineCore:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         *,
         prompt: str | None = None,
         priority: int = 0,
@@ -179,6 +190,18 @@ class EngineCore:
         user: str | None = None,
         lora_request: LoRARequest | None = None,
     ) -> None:
+        """`params`: a SamplingParams (runner "generate") or a PoolingParams (runner "pooling", vLLM's rule: an
+        embedding request is a prefill-only request whose output carries `embedding`)."""
+        if self.pooler is not None and params is None:
+            params = PoolingParams()
+        pooling = self._check_runner(params)
+        if pooling is not None:
+            if request_id in self.output_processor.groups:
+                raise ValueError(f"request id {request_id!r} is already in use")
+            assert self.pooler is not None  # (`_check_runner` refuses PoolingParams on a generate engine)
+            check_dimensions(self.pooler.pooler, pooling.dimensions, self.loaded.arch.hidden_size)
+            # the prompt only, no token: the scheduler finishes it after its last chunk and frees its blocks
+            params = SamplingParams(max_tokens=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
         params = params if params is not None else SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
@@ -217,12 +240,45 @@ class EngineCore:
             )
             samples.append(request)
         self.output_processor.add(request_id, samples)
+        if pooling is not None:
+            self._pooling_params[request_id] = pooling
         if params.structured_outputs is not None:  # waits outside the scheduler until its grammar compiled
             for request in samples:
                 request.status = RequestStatus.WAITING_FOR_FSM
             self.structured.add(request_id, samples)
         else:
             self._schedule_group(samples)
+
+    def _check_runner(self, params) -> PoolingParams | None:
+        """The request's PoolingParams (None: a generate request); a request of the other runner's kind is a
+        ValueError naming `runner`."""
+        if isinstance(params, PoolingParams):
+            if self.pooler is None:
+                raise ValueError(
+                    "this engine runs runner='generate': embedding and scoring need runner='pooling' (--runner pooling)"
+                )
+            return params
+        if self.pooler is not None:
+            raise ValueError(
+                "this engine runs runner='pooling' (embeddings, scores): generating needs runner='generate' "
+                "(--runner generate)"
+            )
+        return None
+
+    def _embeddings(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Pooling requests that finished: their embedding from the accumulated rows (a failed or aborted one's
+        rows are dropped). Other outputs pass as they are."""
+        if self.pooler is None:
+            return outputs
+        for out in outputs:
+            if not out.finished or (params := self._pooling_params.pop(out.request_id, None)) is None:
+                continue
+            reason = out.outputs[0].finish_reason if out.outputs else None
+            if out.error is None and reason == "length":  # (the prompt ran to its end)
+                out.embedding = self.pooler.finish(out.request_id, len(out.prompt_token_ids), params)
+            else:
+                self.pooler.drop(out.request_id)
+        return outputs
 
     def _lora_scope(self, lora_request: LoRARequest | None) -> bytes:
         """The adapter's scope (read and checked on first use: ValueError), b"" without one."""
@@ -277,7 +333,8 @@ class EngineCore:
         for request in samples:
             self.scheduler.finish_request(request, RequestStatus.FINISHED_ABORTED)
         self._flush_kv_events()
-        return self.output_processor.output(request_id)
+        output = self.output_processor.output(request_id)
+        return self._embeddings([output])[0] if output is not None else None
 
     def has_unfinished_requests(self) -> bool:
         """Requests not finished, (async scheduling) a launched step not yet applied, or blocks held for a KV
@@ -314,7 +371,7 @@ class EngineCore:
         self._finish_transfers()  # loads that ended resume (or fail) their requests before scheduling
         out, applied = self.loop.step()
         self._flush_kv_events()  # one batch per step: what it cached and evicted
-        outputs += self.output_processor.outputs_of(self.scheduler.take_failed()) + applied
+        outputs += self._embeddings(self.output_processor.outputs_of(self.scheduler.take_failed())) + applied
         if out.is_empty and not outputs and not len(self.loop):
             self.structured.wait(timeout=0.05)  # idle but for compiling grammars (or KV loads): wait, never spin
         return outputs
@@ -334,7 +391,7 @@ class EngineCore:
         failed = [s.request for s in out.scheduled if not s.request.is_finished]  # (async: not aborted since)
         for request in failed:
             self.output_processor.fail(request, f"engine step failed: {error}", uncache=True)
-        return self.output_processor.outputs_of(failed)
+        return self._embeddings(self.output_processor.outputs_of(failed))
 
     def _apply(self, step: InFlightStep) -> list[RequestOutput]:
         """Bring a launched step's results to the host and apply them: tokens, stop rules, outputs, drafts, then
@@ -357,6 +414,13 @@ class EngineCore:
         for scheduled in out.scheduled:
             if scheduled.scores_prompt and not scheduled.request.is_finished:
                 self.output_processor.record_prompt_logprobs(scheduled, result)
+        if self.pooler is not None and result.pooled is not None:  # each row's pooled hidden states, chunk by chunk
+            for s in out.scheduled:
+                if not s.request.is_finished:
+                    pooled = result.pooled[s.logits_row]
+                    self.pooler.add(
+                        s.request.request_id, s.start, s.num_new_tokens, s.request.num_prompt_tokens, pooled
+                    )
         for request, row, count in self.scheduler.update(out, result.token_ids):
             progressed.add(request.output_key)
             try:
@@ -369,7 +433,7 @@ class EngineCore:
         if self.kv_connector is not None:  # what the step completed or finished: saved or offered before reuse
             self.kv_connector.worker.save_kv(self.kv_connector.scheduler.build_connector_meta([]))
             self._finish_transfers()  # offered: held blocks go back now
-        return self.output_processor.outputs(progressed)
+        return self._embeddings(self.output_processor.outputs(progressed))
 
     def _finish_transfers(self) -> None:
         if self.kv_connector is not None:

@@ -41,6 +41,7 @@ from typing import Any, Protocol
 from jaxllm.engine.args import EngineArgs
 from jaxllm.lora.request import LoRARequest
 from jaxllm.outputs import CompletionOutput, RequestOutput
+from jaxllm.pooling.params import PoolingParams
 from jaxllm.sampling_params import SamplingParams
 
 logger = logging.getLogger("jaxllm")
@@ -62,6 +63,9 @@ class EngineInfo:
     max_num_seqs: int
     vocab_size: int
     reasoning_parser: str | None = None  # the syntax the engine reads thinking in (None: the model does not reason)
+    runner: str = "generate"  # "pooling": embeddings and scores (jaxllm/pooling/)
+    hidden_size: int = 0  # the embedding size (the pooling runner)
+    pooler: Any = None  # the pooling runner's PoolerConfig, resolved against the model
     block_size: int = 16
     kv_scope_root: str = ""  # hex: the root every block hash chains from (kv_transfer/scope.py)
     kv_events: dict | None = None  # the KV events config (kv_events_config), None when off
@@ -69,20 +73,21 @@ class EngineInfo:
     @classmethod
     def of(cls, core) -> EngineInfo:
         """What an EngineCore's front needs to know about it."""
-        sched = core.config.scheduler
-        reasoning = core.reasoning.name if core.reasoning is not None else None
-        vocab = core.loaded.arch.vocab_size
+        sched, arch = core.config.scheduler, core.loaded.arch
         events = core.kv_events_config
         return cls(
             core.loaded.name,
             core.tokenizer,
             sched.max_model_len,
             sched.max_num_seqs,
-            vocab,
-            reasoning,
-            core.config.cache.block_size,
-            core.kv_scope.root.hex(),
-            dataclasses.asdict(events) if events is not None and events.enable_kv_cache_events else None,
+            arch.vocab_size,
+            core.reasoning.name if core.reasoning is not None else None,
+            core.config.runner,
+            arch.hidden_size,
+            core.config.pooler,
+            block_size=core.config.cache.block_size,
+            kv_scope_root=core.kv_scope.root.hex(),
+            kv_events=dataclasses.asdict(events) if events is not None and events.enable_kv_cache_events else None,
         )
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
@@ -98,7 +103,7 @@ class EngineCoreClient(Protocol):
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         *,
         prompt: str | None = None,
         priority: int = 0,
@@ -119,7 +124,7 @@ class EngineCoreClient(Protocol):
 def failed_output(
     request_id: str,
     prompt_token_ids: list[int],
-    params: SamplingParams,
+    params: SamplingParams | PoolingParams,
     prompt: str | None,
     error: str,
     *,
@@ -127,7 +132,8 @@ def failed_output(
 ) -> RequestOutput:
     """The finished output of a request the engine failed or (`refused`) would not take: every sample ends with
     "error"."""
-    samples = [CompletionOutput(index=i, text="", token_ids=[], finish_reason="error") for i in range(params.n)]
+    n = getattr(params, "n", 1)  # (PoolingParams: one)
+    samples = [CompletionOutput(index=i, text="", token_ids=[], finish_reason="error") for i in range(n)]
     return RequestOutput(request_id, prompt, prompt_token_ids, samples, finished=True, error=error, refused=refused)
 
 

@@ -155,7 +155,7 @@ def build_app(
     options = dict(
         num_replicas=num_replicas, autoscaling_config=autoscaling_config, request_router_config=request_router
     )
-    deployment = serve.deployment(JaxLLMDeployment, name=name).options(
+    deployment = serve.deployment(name=name)(JaxLLMDeployment).options(
         max_ongoing_requests=max_ongoing_requests,
         ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
         **{k: v for k, v in options.items() if v is not None},

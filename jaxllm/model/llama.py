@@ -217,6 +217,8 @@ class CausalLM(nn.Module):
     # the last applies the final norm and the LM head; the others take and return hidden states [T, H]
     first_stage: bool = True
     last_stage: bool = True
+    # the pooling runner: "LAST", "MEAN" or "CLS" returns pooled hidden states [R, H] (float32) instead of logits
+    pooling: str | None = None
 
     def packs_head(self) -> bool:
         """Whether "cpu_packed" reads the LM head (tied embedding or lm_head) packed too: whole panels, and an
@@ -332,6 +334,8 @@ class CausalLM(nn.Module):
         hidden, cache, _ = carry
         if not self.last_stage:
             return hidden, cache
+        if self.pooling is not None:
+            return pool_rows(self.pooling, norm(a, self.dtype, Stacking(), "norm")(hidden), batch), cache
         hidden = norm(a, self.dtype, Stacking(), "norm")(hidden[batch.logits_indices])
         if a.tie_word_embeddings:
             logits = embed.attend(hidden)
@@ -352,3 +356,17 @@ class CausalLM(nn.Module):
         if a.gemma and a.gemma.final_softcap:  # Gemma 2: logits → cap * tanh(logits / cap)
             logits = a.gemma.final_softcap * jnp.tanh(logits / a.gemma.final_softcap)
         return logits, cache
+
+
+def pool_rows(pooling: str, hidden: Array, batch: StepInputs[Array]) -> Float[Array, "R H"]:
+    """Per row (scheduled sequence) of the step, its tokens' hidden states (after the final norm) pooled in
+    float32: LAST the row's last token, CLS its first, MEAN their sum (the host adds chunks and divides).
+    Only these [R, H] floats leave the device."""
+    rows = batch.logits_indices.shape[0]
+    if pooling == "LAST":
+        return hidden[batch.logits_indices].astype(jnp.float32)
+    if pooling == "CLS":
+        return hidden[jnp.minimum(batch.cu_q_lens[:rows], hidden.shape[0] - 1)].astype(jnp.float32)
+    tokens = jnp.arange(hidden.shape[0], dtype=batch.cu_q_lens.dtype)
+    segment = jnp.searchsorted(batch.cu_q_lens, tokens, side="right") - 1  # padding tokens: row `rows`, dropped
+    return jax.ops.segment_sum(hidden.astype(jnp.float32), segment, num_segments=rows)

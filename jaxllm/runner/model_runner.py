@@ -66,6 +66,15 @@ class RunnerOutput:
     top_logprobs: np.ndarray
     target_logprobs: np.ndarray
     target_ranks: np.ndarray
+    pooled: np.ndarray | None = None  # the pooling runner: a pooled hidden state [rows, H] per row, no tokens
+
+    @classmethod
+    def of_pooled(cls, pooled: np.ndarray) -> RunnerOutput:
+        """A pooling step's results: its pooled rows, and no sampled token (zeros keep the scheduler's shapes)."""
+        n = pooled.shape[0]
+        empty = np.zeros((n, 0), np.float32)
+        zeros = np.zeros(n, np.int32)
+        return cls(zeros, zeros.astype(np.float32), zeros, empty, empty, empty, empty, pooled)
 
 
 @dataclass
@@ -136,6 +145,10 @@ class ModelRunner:
         self._turn = 0  # the batch the next step fills
         self.max_rows = largest.num_seqs
         self.model = step_model(arch, config, loaded.dtype, mesh, loaded.quant, self.kv_groups)
+        # the pooling runner: the forward returns each row's pooled hidden states, and no sampler runs
+        self.pooling = config.pooler.pooling_type if config.runner == "pooling" and config.pooler else None
+        if self.pooling is not None:
+            self.model = self.model.clone(pooling=self.pooling)
         # for reports (cached: no second check)
         self.cpu_kernels = cpu_kernel_choice(arch, config, loaded.dtype, mesh, loaded.quant)
         self.set_params(loaded.params, laid_out=loaded.laid_out)
@@ -232,6 +245,7 @@ class ModelRunner:
             kernels,
             self.mesh.shape,
             devices,
+            model.pooling,
         )
 
     def _named(self, fn, name: str):
@@ -273,7 +287,7 @@ class ModelRunner:
             if self.async_scheduling and bucket.num_seqs < self.max_rows and bucket.num_seqs not in self._wideners:
                 ids = jax.ShapeDtypeStruct((bucket.num_seqs,), jnp.int32, sharding=sharding)
                 jobs["widen", bucket.num_seqs] = (self._widen_fn, (ids,))
-            if bucket.num_seqs not in self._samplers:
+            if bucket.num_seqs not in self._samplers and self.pooling is None:
                 logits = jax.ShapeDtypeStruct(
                     (bucket.num_seqs, self.loaded.arch.vocab_size), jnp.float32, sharding=replicated(self.mesh)
                 )
@@ -429,18 +443,23 @@ class ModelRunner:
             if self._lora_params is None:
                 self._lora_params = self.lora.merged(self.params)
             params, forward = self._lora_params, self._compiled_lora.get(bucket)
-        if forward is None or sampler is None:
+        if forward is None or (sampler is None and self.pooling is None):
             raise RuntimeError(f"bucket {bucket} was not compiled at start-up (call warm_up first)")
         if self.async_scheduling:
             assert prev_sampled is not None and src is not None, "an async step takes prev_sampled and src"
             logits, self.cache, *loads = forward(params, self.cache, inputs, prev_sampled, src)
         else:
             logits, self.cache, *loads = forward(params, self.cache, inputs)
+        if self.pooling is not None:  # pooled rows [R, H]: the step's result as it is (`to_host` knows)
+            return cast(SamplerOutput, logits)
+        assert sampler is not None
         if loads:  # a mixture of experts' routing (a pipeline's: one array per stage with sparse layers)
             self._step_loads.append(loads)  # added up when the step is collected
         return sampler(logits, sampling)
 
     def to_host(self, result: SamplerOutput, n: int) -> RunnerOutput:
+        if self.pooling is not None:
+            return RunnerOutput.of_pooled(np.asarray(result)[:n])
         # leaf by leaf: `jax.device_get` first starts an asynchronous copy of each leaf, ~15 us apiece on CPU
         output = RunnerOutput(*(np.asarray(leaf)[:n] for leaf in result))
         if self._step_loads:  # this step's experts' loads (steps reach the host in launch order): done, no wait

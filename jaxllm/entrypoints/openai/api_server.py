@@ -22,7 +22,8 @@ from jaxllm.engine.async_llm import AsyncLLM
 from jaxllm.entrypoints.logger import RequestLogger
 from jaxllm.entrypoints.openai.async_tokenizer import AsyncTokenizer
 from jaxllm.entrypoints.openai.chat_templates import CHATML_TOOLS, load_chat_template
-from jaxllm.entrypoints.openai.errors import OpenAIError, parse_request, status_error
+from jaxllm.entrypoints.openai.errors import OpenAIError, bad_request, parse_request, status_error
+from jaxllm.entrypoints.openai.pooling_protocol import EmbeddingRequest, RerankRequest, ScoreRequest
 from jaxllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -33,6 +34,7 @@ from jaxllm.entrypoints.openai.protocol import (
 from jaxllm.entrypoints.openai.responses_protocol import ResponsesRequest
 from jaxllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from jaxllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from jaxllm.entrypoints.openai.serving_embedding import OpenAIServingEmbedding
 from jaxllm.entrypoints.openai.serving_engine import ServingOptions, convert_engine_errors
 from jaxllm.entrypoints.openai.serving_models import (
     LoadLoRAAdapterRequest,
@@ -42,6 +44,7 @@ from jaxllm.entrypoints.openai.serving_models import (
     runtime_lora_updating,
 )
 from jaxllm.entrypoints.openai.serving_responses import OpenAIServingResponses
+from jaxllm.entrypoints.openai.serving_score import OpenAIServingScores
 from jaxllm.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 from jaxllm.entrypoints.openai.tool_parsers import TOOL_PARSERS
 from jaxllm.entrypoints.openai.ui import add_ui_routes
@@ -113,7 +116,17 @@ def build_app(
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     parse = body_parser(max_request_body_bytes)
-    add_generation_routes(app, parse, completion, chat, OpenAIServingResponses(chat))
+    if engine.info.runner == "pooling":  # generation routes answer 400 naming --runner
+        add_refused_generation_routes(app)
+    else:
+        add_generation_routes(app, parse, completion, chat, OpenAIServingResponses(chat))
+    pooling = dict(options=options, tokenizer=tokenizer, models=models)
+    add_pooling_routes(
+        app,
+        parse,
+        OpenAIServingEmbedding(engine, names, request_logger, **pooling),  # type: ignore[arg-type]
+        OpenAIServingScores(engine, names, request_logger, **pooling),  # type: ignore[arg-type]
+    )
     add_info_routes(app, parse, engine, models, OpenAIServingTokenization(chat))
     if runtime_lora_updating():
         add_lora_routes(app, parse, models)
@@ -183,6 +196,41 @@ def add_generation_routes(
     async def create_response(raw: Request):
         body = await parse(ResponsesRequest, raw)
         return await respond(raw, responses.create_response(body, request_id(raw, body)))
+
+
+def add_refused_generation_routes(app: FastAPI) -> None:
+    """A pooling server (--runner pooling) serves no tokens: the generation routes are a 400 that says so."""
+
+    async def refuse(raw: Request):
+        raise bad_request(
+            "this server runs --runner pooling (embeddings, /score, /rerank): generation needs --runner generate"
+        )
+
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
+        app.add_api_route(path, refuse, methods=["POST"])
+
+
+def add_pooling_routes(app: FastAPI, parse: Parse, embedding: OpenAIServingEmbedding, scores: OpenAIServingScores):
+    """/v1/embeddings (OpenAI's), /score and /v1/score (vLLM's), /rerank, /v1/rerank, /v2/rerank (Jina's and
+    Cohere's); a generate server answers them with a 400 naming --runner pooling."""
+
+    @app.post("/v1/embeddings")
+    async def create_embedding(raw: Request):
+        body = await parse(EmbeddingRequest, raw)
+        return await respond(raw, embedding.create_embedding(body, request_id(raw, body)))
+
+    async def create_score(raw: Request):
+        body = await parse(ScoreRequest, raw)
+        return await respond(raw, scores.create_score(body, request_id(raw, body)))
+
+    async def do_rerank(raw: Request):
+        body = await parse(RerankRequest, raw)
+        return await respond(raw, scores.do_rerank(body, request_id(raw, body)))
+
+    for path in ("/score", "/v1/score"):
+        app.add_api_route(path, create_score, methods=["POST"])
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        app.add_api_route(path, do_rerank, methods=["POST"])
 
 
 def add_info_routes(
