@@ -24,6 +24,7 @@ batch in flight at most).
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field, replace
 
 from jaxllm.bench.results import RequestRecord, summarize
@@ -32,6 +33,7 @@ from jaxllm.engine.kv_cache_manager import KVCacheManager
 from jaxllm.engine.scheduler import Scheduler
 from jaxllm.engine.step_loop import InFlightStep, StepLoop
 from jaxllm.kv_cache_groups import blocks_needed
+from jaxllm.kv_events.publisher import KVEventCollector
 from jaxllm.request import Request
 from jaxllm.sampling_params import SamplingParams
 from jaxllm.scheduler_output import SchedulerOutput
@@ -213,14 +215,18 @@ def simulate(
     speculation = None
     if config.speculative is not None:
         speculation = SimulatedSpeculation(config.speculative, len(trace), acceptance_rate, seed)
-    run = _Simulation(trace, config, seed, oracle_output_len, request_latency_s, speculation, record_steps)
-    run.device = VirtualDevice(pipeline, step_time, config.scheduler.max_num_batched_tokens, idle_wake_s, run.clock)
-    return run.run()
+    engine = SimEngine(trace, config, seed, oracle_output_len, request_latency_s, speculation, record_steps)
+    limit = config.scheduler.max_num_batched_tokens
+    engine.device = VirtualDevice(pipeline, step_time, limit, idle_wake_s, engine.clock)
+    return engine.run()
 
 
-class _Simulation:
-    """One run: the trace's requests reach the real scheduler on the virtual clock; the engine's step loop
-    launches each step on the virtual device and applies its made-up tokens with the real `Scheduler.update`."""
+class SimEngine:
+    """One simulated engine: the trace's requests sent to it reach the real scheduler on the virtual clock; the
+    engine's step loop launches each step on the virtual device and applies its made-up tokens with the real
+    `Scheduler.update`. `run()` serves a whole trace; a cluster (sim/cluster.py) drives several with `send`,
+    `next_step_time` and `step` on one clock. `records` is shared by index with the trace (a cluster's engines
+    share one list, each filling the records of the requests it was sent)."""
 
     device: VirtualDevice
 
@@ -233,6 +239,7 @@ class _Simulation:
         request_latency_s: float,
         speculation: SimulatedSpeculation | None,
         record_steps: bool,
+        records: list[RequestRecord] | None = None,
     ):
         self.trace, self.config, self.seed = trace, config, seed
         self.oracle_output_len, self.request_latency_s = oracle_output_len, request_latency_s
@@ -249,7 +256,12 @@ class _Simulation:
         self.scheduler = Scheduler(config.scheduler, self.kv, config.speculative)
         depth = config.scheduler.max_concurrent_batches  # = the stages (SimConfig): a batch in flight per stage
         self.loop = StepLoop(self.scheduler, self._launch, self._apply, depth)
-        self.records = [RequestRecord(prompt_len=0, start=r.arrival_time) for r in trace]
+        if records is None:
+            records = [RequestRecord(prompt_len=0, start=r.arrival_time) for r in trace]
+        self.records = records
+        self.pending: deque[tuple[int, list[int] | None]] = deque()  # sent, not yet at the scheduler
+        self.kv_events: KVEventCollector | None = None  # KV events (kv_events/), flushed after each step
+        self.num_done = 0  # requests finished or refused
         self.index: dict[int, int] = {}  # id(Request) → trace index
         self.last_token = [0.0] * len(trace)
         self.plain_sampled = [DUMMY_TOKEN] * config.scheduler.max_num_seqs
@@ -258,37 +270,70 @@ class _Simulation:
         self.clock = self.start = trace[0].arrival_time if trace else 0.0
 
     def run(self) -> SimResult:
-        trace, scheduler, loop = self.trace, self.scheduler, self.loop
-        next_arrival = 0
-        while next_arrival < len(trace) or scheduler.num_unfinished or len(loop):
-            if not scheduler.num_unfinished and not len(loop):  # idle: jump to the next arrival
-                self.clock = max(self.clock, trace[next_arrival].arrival_time + self.request_latency_s)
-                self.device.idle = True
-            while next_arrival < len(trace) and trace[next_arrival].arrival_time + self.request_latency_s <= self.clock:
-                self._arrive(next_arrival)
+        """The whole trace through this one engine."""
+        trace, next_arrival = self.trace, 0
+        while next_arrival < len(trace) or self.busy or self.pending:
+            start = self.next_step_time()
+            while next_arrival < len(trace) and (start is None or trace[next_arrival].arrival_time <= start):
+                self.send(next_arrival)
                 next_arrival += 1
-            if self.speculation is not None:
-                self.speculation.propose(scheduler)
-            was_in_flight = len(loop)
-            out, _ = loop.step()
-            if out.is_empty and not was_in_flight and scheduler.num_unfinished and not scheduler.running:
-                raise RuntimeError(f"step {out.step}: requests wait but none can be scheduled")
-        return self._result()
+                start = self.next_step_time()
+            self.step()
+        return self.result()
 
-    def _arrive(self, i: int) -> None:
+    @property
+    def busy(self) -> bool:
+        """Requests in the scheduler or a batch in flight."""
+        return bool(self.scheduler.num_unfinished or len(self.loop))
+
+    def send(self, i: int, tokens: list[int] | None = None) -> None:
+        """Trace request i is sent to this engine (in arrival order); it reaches the scheduler `request_latency_s`
+        later. `tokens`: its prompt, when the sender made it already."""
+        self.pending.append((i, tokens))
+
+    def next_step_time(self) -> float | None:
+        """When this engine's next step starts (None: idle, nothing sent)."""
+        if self.busy:
+            return self.clock
+        if self.pending:
+            return max(self.clock, self.trace[self.pending[0][0]].arrival_time + self.request_latency_s)
+        return None
+
+    def step(self) -> None:
+        """One turn of the engine's loop at `next_step_time()`: what has reached the scheduler joins it, then
+        the step loop launches and/or applies a step (the clock moves to its end)."""
+        trace, scheduler, loop, pending = self.trace, self.scheduler, self.loop, self.pending
+        if not self.busy:  # idle: jump to the next arrival
+            self.clock = max(self.clock, trace[pending[0][0]].arrival_time + self.request_latency_s)
+            self.device.idle = True
+        while pending and trace[pending[0][0]].arrival_time + self.request_latency_s <= self.clock:
+            self._arrive(*pending.popleft())
+        if self.speculation is not None:
+            self.speculation.propose(scheduler)
+        was_in_flight = len(loop)
+        out, _ = loop.step()
+        if out.is_empty and not was_in_flight and scheduler.num_unfinished and not scheduler.running:
+            raise RuntimeError(f"step {out.step}: requests wait but none can be scheduled")
+        if self.kv_events is not None:  # as the engine does after each step: the step's KV events, one batch
+            self.kv_events.flush()
+
+    def _arrive(self, i: int, tokens: list[int] | None = None) -> None:
         """Trace request i reaches the scheduler, or is refused at the door as a server refuses it (a reason,
         then a colon: `coverage.failure_line` groups them)."""
         r, record = self.trace[i], self.records[i]
         if self.speculation is not None:
             self.speculation.arrive(i, r)
-        tokens = prompt_token_ids(r, i, self.seed)
+        if tokens is None:
+            tokens = prompt_token_ids(r, i, self.seed)
         record.prompt_len = len(tokens)
         limit = self.config.scheduler.max_model_len
         if len(tokens) > limit:
             record.error = f"prompt longer than max_model_len={limit}: {len(tokens)} tokens"
+            self.num_done += 1
             return
         if len(tokens) + r.output_len > limit:  # vLLM's rule for max_tokens: prompt + completion must fit
             record.error = f"prompt + output longer than max_model_len={limit}: {len(tokens)} + {r.output_len} tokens"
+            self.num_done += 1
             return
         params = SamplingParams(max_tokens=r.output_len, min_tokens=r.output_len, ignore_eos=True, detokenize=False)
         request = Request(
@@ -326,10 +371,11 @@ class _Simulation:
             if request.is_finished:
                 record.latency = self.clock - record.start
                 record.success = True
+                self.num_done += 1
         self.kv_usage.append((self.clock - self.start, self.kv.usage))
         return []
 
-    def _result(self) -> SimResult:
+    def result(self) -> SimResult:
         scheduler, kv, speculation = self.scheduler, self.kv, self.speculation
         extra = {}
         if speculation is not None and scheduler.spec_stats is not None:

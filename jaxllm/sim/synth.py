@@ -132,3 +132,54 @@ def synthesize(
 def merge(*traces: list[TraceRequest]) -> list[TraceRequest]:
     """Several traces as one, in arrival order (e.g. a long-prompt class mixed into short chat)."""
     return sorted((r for trace in traces for r in trace), key=lambda r: r.arrival_time)
+
+
+def conversations(
+    num_conversations: int,
+    turns: int,
+    *,
+    request_rate: float,
+    turn_len: LengthDist,
+    output_len: LengthDist,
+    think_time_s: float = 5.0,
+    num_prefix_groups: int = 0,
+    prefix_len: int = 0,
+    max_prompt_len: int | None = None,
+    seed: int = 0,
+) -> list[TraceRequest]:
+    """Multi-turn chat: `num_conversations` sessions starting at `request_rate` per second (Poisson), each of
+    `turns` requests `think_time_s` apart (exponential gaps with that mean). Turn k's prompt is the session's
+    first k messages (`turn_len` tokens each, after the group's system prompt of `prefix_len` tokens when there
+    are prefix groups), so it starts with turn k-1's whole prompt (`TraceRequest.session`); the replies are
+    not in the next prompt (the simulator's made-up output tokens would not match a real model's). A
+    conversation ends early when its prompt would pass `max_prompt_len`."""
+    if num_conversations < 1 or turns < 1:
+        raise ValueError(f"conversations and turns must be >= 1, got {num_conversations} and {turns}")
+    if num_prefix_groups and prefix_len < 1:
+        raise ValueError("prefix groups need prefix_len >= 1")
+    rng = np.random.default_rng(seed)
+    starts = arrival_times(rng, num_conversations, request_rate)
+    trace = []
+    for c in range(num_conversations):
+        gaps = rng.exponential(think_time_s, turns)
+        messages = turn_len.sample(rng, turns)
+        outputs = output_len.sample(rng, turns)
+        group = int(rng.integers(num_prefix_groups)) if num_prefix_groups else None
+        shared = prefix_len if group is not None else 0
+        t, length = float(starts[c]), shared
+        for k in range(turns):
+            length += int(messages[k])
+            if max_prompt_len is not None and length > max_prompt_len:
+                break
+            trace.append(
+                TraceRequest(
+                    arrival_time=round(t, 6),
+                    output_len=int(outputs[k]),
+                    prompt_len=length,
+                    prefix_group=f"g{group}" if group is not None else None,
+                    prefix_len=shared,
+                    session=f"c{c}",
+                )
+            )
+            t += float(gaps[k])
+    return sorted(trace, key=lambda r: r.arrival_time)

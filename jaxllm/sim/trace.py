@@ -11,7 +11,10 @@ and `jaxllm simulate`: JSON Lines, one request per line, in arrival order.
 - optional: `priority` (lower is served first), `user` (the tenant, for fair scheduling),
   `prefix_group` + `prefix_len` (requests of one group share their first `prefix_len` tokens),
   `acceptance_rate` (speculative decoding, simulator only: the chance that a draft token of this
-  request is accepted given the one before it was; absent: `jaxllm simulate --acceptance-rate`).
+  request is accepted given the one before it was; absent: `jaxllm simulate --acceptance-rate`),
+  `session` (a conversation: the router's affinity key; with `prompt_len`, the turns of one session
+  are one growing conversation — after the group's prefix, the session's own made-up tokens, so a
+  later, longer turn starts with the whole prompt of an earlier one and hits its cached blocks).
 
 Made-up tokens depend only on (seed, group or request index), so a simulator and a real server
 replaying the same trace see the same token ids — and the same prefix-cache hits.
@@ -43,6 +46,7 @@ class TraceRequest:
     prefix_group: str | None = None
     prefix_len: int = 0
     acceptance_rate: float | None = None
+    session: str | None = None
 
     def __post_init__(self):
         given = [k for k in ("prompt", "prompt_token_ids", "prompt_len") if getattr(self, k) is not None]
@@ -76,7 +80,7 @@ class TraceRequest:
 
 
 def prompt_token_ids(request: TraceRequest, index: int, seed: int = 0) -> list[int]:
-    """The request's prompt tokens: as given, or made up from (seed, prefix group, index)."""
+    """The request's prompt tokens: as given, or made up from (seed, prefix group, session or index)."""
     if request.prompt_token_ids is not None:
         return list(request.prompt_token_ids)
     if request.prompt_len is None:
@@ -84,11 +88,13 @@ def prompt_token_ids(request: TraceRequest, index: int, seed: int = 0) -> list[i
     prefix: list[int] = []
     if request.prefix_group is not None and request.prefix_len:
         prefix = _made_up_tokens(f"{seed}/group/{request.prefix_group}", request.prefix_len)
-    return prefix + _made_up_tokens(f"{seed}/request/{index}", request.prompt_len - len(prefix))
+    own = f"{seed}/session/{request.session}" if request.session is not None else f"{seed}/request/{index}"
+    return prefix + _made_up_tokens(own, request.prompt_len - len(prefix))
 
 
 def _made_up_tokens(key: str, n: int) -> list[int]:
-    """`n` token ids drawn from a generator seeded by `key` (a stable digest: the same in every process)."""
+    """`n` token ids drawn from a generator seeded by `key` (a stable digest: the same in every process); the
+    first m of them are the `m` drawn for a shorter length (a session's turns extend one another)."""
     seed = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little")
     return np.random.default_rng(seed).integers(*TOKEN_RANGE, size=n).tolist()
 

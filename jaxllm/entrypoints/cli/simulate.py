@@ -3,6 +3,8 @@
 `--pipeline-parallel-size P` simulates the pipeline-parallel engine from a one-stage cost model: the step time
 split over the stages by their layers, plus the hidden states' copy between stages (jaxllm/sim/simulator.py).
 Tensor parallelism is in the cost model itself: calibrate one with `jaxllm calibrate --tensor-parallel-size N`.
+`--instances N --router POLICY` simulates N such engines behind one of `jaxllm router`'s policies (sim/cluster.py);
+`--router a,b,c` runs each policy on the same trace and prints them side by side.
 """
 
 from __future__ import annotations
@@ -95,6 +97,15 @@ def register(sub) -> None:
         action="store_true",
         help="tell policies each request's true output length (sjf's expected_output_len)",
     )
+    cluster = parser.add_argument_group("a cluster (N equal engines behind `jaxllm router`'s policies)")
+    cluster.add_argument("--instances", type=int, default=None, metavar="N", help="simulated engines (default 1)")
+    cluster.add_argument(
+        "--router",
+        default=None,
+        metavar="POLICY[,POLICY...]",
+        help="the router's policy: round_robin, least_loaded, session, prefix_aware, or pkg.module:Class; several, "
+        "comma-separated: each on the same trace, side by side (default with --instances: round_robin)",
+    )
     report = parser.add_argument_group("report")
     report.add_argument("--output", default=None, metavar="FILE", help="write the result JSON here")
     report.add_argument("--plot", default=None, metavar="DIR", help="write latency, throughput and KV-usage PNGs here")
@@ -121,6 +132,7 @@ def run(args) -> dict:
     from jaxllm.sim.settings import sim_config, simulate_priced
     from jaxllm.sim.trace import load_trace
 
+    cluster = cluster_policies(args)  # bad flags fail here, before anything runs
     cost = CostModel.load(args.cost)
     config = sim_config(settings_of(args), cost)
     transfer = {
@@ -140,6 +152,8 @@ def run(args) -> dict:
         raise ValueError(f"{args.trace}: the trace is empty")
     source = "--max-model-len" if args.max_model_len is not None else FROM_COST_MODEL
     check_trace_fits(trace, config.scheduler.max_model_len, cost.engine, source=source, cost_path=args.cost)
+    if cluster is not None:
+        return run_cluster(args, trace, config, cost, cluster, transfer)
     started = time.perf_counter()
     sim = simulate_priced(
         trace,
@@ -156,10 +170,109 @@ def run(args) -> dict:
     return result
 
 
-def result_json(args, trace, config, cost, sim, wall: float) -> dict:
-    """bench serve's result keys for the simulated run, and the engine simulated."""
-    from jaxllm.bench.serve import parse_goodput, parse_percentiles
+def cluster_policies(args) -> list | None:
+    """The router's policy objects for --router (one per name; None: no cluster asked for), checked with the
+    other flags before anything runs."""
+    if args.instances is None and args.router is None:
+        return None
+    from jaxllm.routing.registry import load_policy
 
+    if args.instances is not None and args.instances < 1:
+        raise ValueError(f"--instances must be >= 1, got {args.instances}")
+    names = [name.strip() for name in (args.router or "round_robin").split(",")]
+    if not all(names) or len(set(names)) != len(names):
+        raise ValueError(f"--router {args.router!r}: policies, comma-separated, each once")
+    if args.speculative_config is not None:
+        raise ValueError("--instances/--router do not simulate speculative decoding yet")
+    if args.plot is not None:
+        raise ValueError("--plot is for one engine; a cluster's figures are in --output's JSON")
+    try:
+        return [load_policy(name) for name in names]
+    except ValueError as e:  # the registry speaks of the router's flag
+        raise ValueError(str(e).replace("--policy", "--router", 1)) from None
+
+
+def run_cluster(args, trace, config, cost, policies: list, transfer: dict) -> dict:
+    """Each policy on the same trace and seed (a paired comparison); one policy: its result JSON, several:
+    `{"runs": [...]}` and a table side by side."""
+    from jaxllm.bench.serve import parse_goodput, parse_percentiles
+    from jaxllm.sim.cluster import simulate_cluster
+    from jaxllm.sim.simulator import cost_model_step_time
+
+    instances = args.instances or 1
+    goodput, percentiles = parse_goodput(args.goodput) or None, parse_percentiles(args.metric_percentiles)
+    summary = {"goodput": goodput, "percentiles": percentiles}
+    runs, results = [], []
+    for policy in policies:
+        started = time.perf_counter()
+        sim = simulate_cluster(
+            trace,
+            config,
+            cost_model_step_time(cost, config),
+            instances,
+            policy,
+            seed=args.seed,
+            oracle_output_len=args.oracle_output_len,
+            **cost.event_costs(),
+            **transfer,
+        )
+        wall = time.perf_counter() - started
+        result = {**engine_json(args, trace, config, cost), "simulation_seconds": wall, **sim.to_json(**summary)}
+        runs.append(sim)
+        results.append(result)
+    for result, sim in zip(results, runs, strict=True):
+        print(cluster_summary(result, sim))
+    if len(results) > 1:
+        print(compare_table(results))
+    out = results[0] if len(results) == 1 else {"routers": [r["router"] for r in results], "runs": results}
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(out) + "\n")
+        print(f"result JSON: {args.output}")
+    return out
+
+
+def cluster_summary(result: dict, sim) -> str:
+    from jaxllm.sim.coverage import failure_line
+
+    lines = [
+        f"router {result['router']} over {result['instances']} simulated instances: {result['completed']} requests "
+        f"in {result['duration']:.2f} s, prefix-cache hit rate {result['prefix_cache_hit_rate']:.1%}, TTFT mean "
+        f"{result['mean_ttft_ms']:.1f} ms p99 {result.get('p99_ttft_ms', float('nan')):.1f} ms"
+        + (f", goodput {result['request_goodput']:.2f} req/s" if "request_goodput" in result else "")
+        + f"; {result['num_steps']} steps, {result['num_preemptions']} preemptions; simulated in "
+        f"{result['simulation_seconds']:.2f} s"
+    ]
+    served = [p["completed"] + p["failed"] for p in result["per_instance"]]
+    lines.append(f"  requests per instance: min {min(served)}, max {max(served)}")
+    failed = failure_line([r.error for r in sim.records])
+    if failed:
+        lines.append("  " + failed)
+    return "\n".join(lines)
+
+
+def compare_table(results: list[dict]) -> str:
+    """The policies side by side (one trace, one seed)."""
+    rows = [
+        ("prefix-cache hit rate", "prefix_cache_hit_rate", "{:.1%}"),
+        ("mean TTFT (ms)", "mean_ttft_ms", "{:.1f}"),
+        ("p99 TTFT (ms)", "p99_ttft_ms", "{:.1f}"),
+        ("mean TPOT (ms)", "mean_tpot_ms", "{:.1f}"),
+        ("goodput (req/s)", "request_goodput", "{:.2f}"),
+        ("throughput (req/s)", "request_throughput", "{:.2f}"),
+        ("duration (s)", "duration", "{:.2f}"),
+        ("preemptions", "num_preemptions", "{}"),
+    ]
+    width = max(12, *(len(r["router"]) for r in results))
+    lines = [f"{'':<24}" + "".join(f"{r['router']:>{width + 2}}" for r in results)]
+    for label, key, fmt in rows:
+        if all(key in r and r[key] is not None for r in results):
+            lines.append(f"{label:<24}" + "".join(f"{fmt.format(r[key]):>{width + 2}}" for r in results))
+    return "\n".join(lines)
+
+
+def engine_json(args, trace, config, cost) -> dict:
+    """The run's trace, engine and seed (the keys before a result's figures)."""
     sched = config.scheduler
     return {
         "backend": "jaxllm-simulator",
@@ -180,6 +293,15 @@ def result_json(args, trace, config, cost, sim, wall: float) -> dict:
         "pp_stage_layers": list(config.pp_stage_layers) if config.pp_stage_layers else None,
         "acceptance_rate": args.acceptance_rate,
         "seed": args.seed,
+    }
+
+
+def result_json(args, trace, config, cost, sim, wall: float) -> dict:
+    """bench serve's result keys for the simulated run, and the engine simulated."""
+    from jaxllm.bench.serve import parse_goodput, parse_percentiles
+
+    return {
+        **engine_json(args, trace, config, cost),
         "simulation_seconds": wall,
         **sim.to_json(
             goodput=parse_goodput(args.goodput) or None, percentiles=parse_percentiles(args.metric_percentiles)

@@ -49,6 +49,16 @@ def register(sub) -> None:
         help="speculative decoding (jaxllm simulate): each request's draft acceptance rate, or a range each "
         "request's is drawn from uniformly",
     )
+    chat = synth.add_argument_group("conversations (multi-turn: a session's turns extend one another)")
+    chat.add_argument(
+        "--turns",
+        type=int,
+        default=1,
+        metavar="N",
+        help="requests per conversation (>1: multi-turn; --request-rate is then conversations per second, "
+        "--input-len each turn's new message, --max-input-len where a conversation stops)",
+    )
+    chat.add_argument("--think-time", type=float, default=5.0, metavar="S", help="mean seconds between two turns")
     synth.set_defaults(func=run_synth)
 
 
@@ -66,7 +76,7 @@ def parse_acceptance_rate(value: str | None) -> float | tuple[float, float] | No
 
 
 def run_synth(args) -> None:
-    from jaxllm.sim.synth import LengthDist, synthesize
+    from jaxllm.sim.synth import LengthDist, conversations, synthesize
     from jaxllm.sim.trace import save_trace
 
     def dist(which: str) -> LengthDist:
@@ -78,6 +88,26 @@ def run_synth(args) -> None:
             maximum=getattr(args, f"max_{which}_len"),
         )
 
+    if args.turns > 1:
+        if args.num_users or args.num_priorities > 1 or args.acceptance_rate is not None:
+            raise ValueError("--turns > 1 takes no --num-users, --num-priorities or --acceptance-rate")
+        trace = conversations(
+            -(-args.num_requests // args.turns),
+            args.turns,
+            request_rate=args.request_rate,
+            turn_len=dist("input"),
+            output_len=dist("output"),
+            think_time_s=args.think_time,
+            num_prefix_groups=args.num_prefix_groups,
+            prefix_len=args.prefix_len,
+            max_prompt_len=args.max_input_len,
+            seed=args.seed,
+        )[: args.num_requests]
+        save_trace(trace, args.out)
+        print(f"wrote {len(trace)} requests over {trace[-1].arrival_time:.1f} s to {args.out}")
+        return
+    if args.turns < 1:
+        raise ValueError(f"--turns must be >= 1, got {args.turns}")
     trace = synthesize(
         args.num_requests,
         request_rate=args.request_rate,
