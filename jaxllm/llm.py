@@ -108,12 +108,7 @@ class LLM:
             if not isinstance(self.engine, EngineCore):
                 raise ValueError("LoRA adapters are not supported with data_parallel_size > 1 yet")
             self.engine.add_lora(lora)
-        encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
-        for i, (_, ids) in enumerate(encoded):
-            try:
-                self.engine.validate_prompt(ids)
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
+        encoded = self._encode_all(prompts)
         return self._run(encoded, params, priorities, loras, use_tqdm)
 
     def chat(
@@ -151,12 +146,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         params = self._per_prompt(pooling_params or PoolingParams(), len(prompts), "pooling_params")
-        encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
-        for i, (_, ids) in enumerate(encoded):
-            try:
-                self.engine.validate_prompt(ids)
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
+        encoded = self._encode_all(prompts)
         outputs = self._run(encoded, params, [0] * len(prompts), [None] * len(prompts), use_tqdm)
         results = []
         for out in outputs:
@@ -193,6 +183,16 @@ class LLM:
     def _require_runner(self, runner: str, method: str) -> None:
         if self.runner != runner:
             raise ValueError(f"LLM.{method} needs runner={runner!r}; this LLM was made with runner={self.runner!r}")
+
+    def _encode_all(self, prompts: list) -> list:
+        """Each prompt's (text, token ids), checked against max_model_len before any runs: ValueError naming it."""
+        encoded = [self._encode(p, i) for i, p in enumerate(prompts)]
+        for i, (_, ids) in enumerate(encoded):
+            try:
+                self.engine.validate_prompt(ids)
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+        return encoded
 
     def _require_tokenizer(self):
         if self.engine.tokenizer is None:

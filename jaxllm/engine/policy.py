@@ -17,13 +17,13 @@ The engine, the simulator and the benchmarks take a policy by name (`scheduling_
 from __future__ import annotations
 
 import heapq
-import importlib
 import itertools
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+from jaxllm.plugins import load_class
 from jaxllm.request import Request
 
 if TYPE_CHECKING:
@@ -261,21 +261,7 @@ class FairQueue(WaitingQueue):
 
 def resolve_policy(policy: str) -> type[WaitingQueue]:
     """A policy class from a registered name or a dotted path (`pkg.module:Class` or `pkg.module.Class`)."""
-    if policy in POLICIES:
-        return POLICIES[policy]
-    module_name, sep, class_name = policy.rpartition(":") if ":" in policy else policy.rpartition(".")
-    if not sep or not module_name:
-        raise ValueError(
-            f"scheduling policy {policy!r} is not one of {', '.join(POLICIES)} "
-            f"nor a dotted path to a class (pkg.module:Class)"
-        )
-    try:
-        cls = getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"scheduling policy {policy!r} cannot be loaded: {e}") from None
-    if not (isinstance(cls, type) and issubclass(cls, WaitingQueue)):
-        raise ValueError(f"scheduling policy {policy!r} is not a subclass of jaxllm.engine.policy.WaitingQueue")
-    return cls
+    return load_class(policy, POLICIES, WaitingQueue, "scheduling policy")
 
 
 def make_waiting_queue(policy: str) -> WaitingQueue:

@@ -58,14 +58,7 @@ def build_app(prefill_urls: list[str], decode_urls: list[str], *, timeout: float
     app = FastAPI(title="jaxllm router (disaggregated prefill/decode)", version=jaxllm.__version__, lifespan=lifespan)
     app.state.proxy = proxy
     app.state.metrics = metrics
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_, e: StarletteHTTPException):
-        return error_response(e.status_code, str(e.detail))
-
-    @app.exception_handler(Exception)
-    async def internal_error(_, e: Exception):
-        return error_response(500, f"the router failed: {type(e).__name__}: {e}")
+    add_error_handlers(app)
 
     @app.post("/v1/completions")
     async def completions(raw: Request):
@@ -134,14 +127,7 @@ def build_balanced_app(
     app = FastAPI(title=f"jaxllm router ({chosen.name})", version=jaxllm.__version__, lifespan=lifespan)
     app.state.balancer = balancer
     app.state.metrics = metrics
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(_, e: StarletteHTTPException):
-        return error_response(e.status_code, str(e.detail))
-
-    @app.exception_handler(Exception)
-    async def internal_error(_, e: Exception):
-        return error_response(500, f"the router failed: {type(e).__name__}: {e}")
+    add_error_handlers(app)
 
     @app.post("/v1/completions")
     async def completions(raw: Request):
@@ -171,6 +157,18 @@ def build_balanced_app(
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every failure as OpenAI's error JSON, as the instances answer."""
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_, e: StarletteHTTPException):
+        return error_response(e.status_code, str(e.detail))
+
+    @app.exception_handler(Exception)
+    async def internal_error(_, e: Exception):
+        return error_response(500, f"the router failed: {type(e).__name__}: {e}")
 
 
 def forwarded(raw: Request, *, request_id: bool = True, session: str | None = None) -> dict[str, str]:
