@@ -293,7 +293,7 @@ def test_offline_grammar_waits_for_a_template_opened_reasoning(model_path):
     grammar starts after its </think>."""
     from jaxllm import LLM
 
-    llm = LLM(model=model_path, reasoning_parser="deepseek_r1", **ENGINE)
+    llm = LLM(model=model_path, reasoning_parser="deepseek_r1", kv_cache_memory_bytes=1 << 22, **ENGINE)
     params = SamplingParams(temperature=0, max_tokens=16, structured_outputs=StructuredOutputsParams(json=SCHEMA))
     (out,) = llm.chat(QUESTION, params, use_tqdm=False, chat_template=R1_TEMPLATE)
     assert out.outputs[0].text == f"Let me think. 2+2 is 4.</think>{REASONING_ANSWER}"
