@@ -309,3 +309,59 @@ def test_layouts_pipeline_is_searched_tensor_restricted_to_the_calibrated_size_d
     assert "does not model data-parallel replicas" in capsys.readouterr().err
     assert main([*argv, "--search", "tensor_parallel_size=2"]) == 2
     assert "nothing left to search" in capsys.readouterr().err and not out.exists()
+
+
+def conversation_trace(path: Path) -> str:
+    """Multi-turn chat sharing two system prompts: what a router's policy decides about."""
+    from jaxllm.sim.synth import conversations
+
+    trace = conversations(
+        24,
+        4,
+        request_rate=2.0,
+        turn_len=LengthDist(24, "uniform", range_ratio=0.25),
+        output_len=LengthDist(8, "fixed"),
+        think_time_s=1.0,
+        num_prefix_groups=2,
+        prefix_len=96,
+        seed=1,
+    )
+    save_trace(trace, path)
+    return str(path)
+
+
+def test_instances_search_the_router_policy_in_the_cluster_simulator(tmp_path, capsys):
+    trace = conversation_trace(tmp_path / "chat.jsonl")
+    result = tune(trace, tmp_path / "r.json", "--instances", "2", "--search", "max_num_seqs=8", "--full-grid")
+    assert result["search"]["space"] == {
+        "max_num_seqs": [8],
+        "router": ["round_robin", "least_loaded", "session", "prefix_aware"],
+    }
+    rates = {c["setting"]["router"]: c["max_request_rate"] for c in result["candidates"]}
+    assert set(rates) == {"round_robin", "least_loaded", "session", "prefix_aware"} and min(rates.values()) > 0
+    # turns that find their history cached sustain more than turns sent round the instances
+    assert max(rates["session"], rates["prefix_aware"]) > rates["round_robin"]
+    best = result["best_setting"]["router"]
+    assert result["instances"] == 2 and rates[best] == max(rates.values())
+    assert result["router_command"].endswith(f"--policy {best}") and "--instances http://HOST1:8000" in (
+        result["router_command"]
+    )
+    assert "router" not in result["command"]  # each instance's own flags: no router there
+    out = capsys.readouterr().out
+    assert "2 instances behind a router" in out and "routed by: jaxllm router" in out
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--search", "router=round_robin"], "give --instances N"),
+        (["--instances", "2", "--search", "router=nope"], "'nope'"),
+        (["--instances", "0"], "--instances must be >= 1"),
+        (["--instances", "2", "--validate", "1"], "benchmarks/cluster_routing.py"),
+        (["--instances", "2", "--max-rate"], "leave out --instances"),
+    ],
+)
+def test_instances_bad_input_is_a_clear_error(trace, tmp_path, capsys, extra, message):
+    out = tmp_path / "r.json"
+    assert main(["tune", trace, "--cost", COST, *SLOS, "--output", str(out), "--disable-tqdm", *extra]) == 2
+    assert message in capsys.readouterr().err and not out.exists()

@@ -3,6 +3,7 @@
 Each request is a streaming `POST /v1/completions` (`stream_options.include_usage`), sent at its
 arrival time: Poisson arrivals at `--request-rate` (`inf`: all at once), or a trace's own times.
 Prompts go out as token ids when the dataset fixes them (exact lengths), as text otherwise;
+a trace's `session` goes in the `x-session-id` header (what `jaxllm router --policy session` keys on);
 `max_tokens = min_tokens = output_len` with EOS ignored and greedy sampling, so every run of a
 dataset asks for the same work. Failed requests (HTTP errors, dropped streams, `--timeout`) are
 counted and reported, never fatal.
@@ -36,6 +37,7 @@ from tqdm import tqdm
 
 from jaxllm.bench.datasets import add_dataset_args, get_requests, retime
 from jaxllm.bench.results import METRICS, RequestRecord, format_result, per_request, summarize
+from jaxllm.routing.view import SESSION_HEADER
 from jaxllm.sim.trace import TraceRequest, prompt_token_ids
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
@@ -181,7 +183,7 @@ async def run(
                         client,
                         url,
                         request_body(request, index, model=model, seed=seed),
-                        headers,
+                        {**headers, SESSION_HEADER: request.session} if request.session else headers,
                         prompt_len=request.num_prompt_tokens or 0,
                         clock0=clock0,
                         timeout=timeout,

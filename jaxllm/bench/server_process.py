@@ -49,6 +49,7 @@ class ServerProcess:
         startup_timeout: float = 600.0,
         log_path: str | Path | None = None,
         env: dict[str, str] | None = None,
+        cpus: set[int] | None = None,
     ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -56,6 +57,7 @@ class ServerProcess:
         self.startup_timeout = startup_timeout
         self.log_path = Path(log_path or tempfile.mkstemp(prefix="jaxllm-serve-", suffix=".log")[1])
         self.env = {**os.environ, **(env or {})}
+        self.cpus = cpus  # pin the server to these cores (two servers sharing a machine without contending)
         self.process: subprocess.Popen | None = None
 
     def __enter__(self) -> ServerProcess:
@@ -75,6 +77,7 @@ class ServerProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self.env,
+                preexec_fn=None if self.cpus is None else lambda: os.sched_setaffinity(0, self.cpus),
             )
         try:
             self._wait_healthy()

@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 
 from jaxllm.kv_events.index import PrefixIndex
 
+SESSION_HEADER = "x-session-id"  # the router's default affinity header (`jaxllm bench serve` sends a trace's session)
+
 
 @dataclass(eq=False)
 class InstanceState:

@@ -21,9 +21,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from jaxllm.engine.args import EngineArgs
+from jaxllm.routing.registry import load_policy
+from jaxllm.sim.cluster import ClusterResult, simulate_cluster
 from jaxllm.sim.costmodel import CostModel
 from jaxllm.sim.settings import SimSettings, sim_config, simulate_priced
-from jaxllm.sim.simulator import SimConfig
+from jaxllm.sim.simulator import SimConfig, SimResult, cost_model_step_time
 from jaxllm.sim.trace import TraceRequest
 from jaxllm.tune.space import kv_bytes_per_block
 
@@ -100,9 +102,12 @@ class Objective:
         *,
         rate: float | None = None,
         acceptance_rate: float | None = None,
+        instances: int = 1,
     ):
         """`rate`: the rate the trace stands for (default: its own, `trace_rate`; a Poisson trace's process rate);
-        `acceptance_rate`: speculation's, for requests whose trace record carries none (`simulate`'s)."""
+        `acceptance_rate`: speculation's, for requests whose trace record carries none (`simulate`'s);
+        `instances` > 1: the trace goes to that many equal instances behind a router (sim/cluster.py), its policy
+        each run's `router`."""
         if not slos:
             raise ValueError("--goodput needs at least one SLO, e.g. ttft:500 tpot:50")
         if not 0 < fraction <= 1:
@@ -110,18 +115,27 @@ class Objective:
         self.trace, self.cost, self.slos, self.fraction, self.seed = trace, cost, slos, fraction, seed
         self.rate = rate if rate is not None else trace_rate(trace)
         self.acceptance_rate = acceptance_rate
+        self.instances = instances
         self.simulations = 0
         self.best_k: int | None = None  # the best sustainable grid index found so far (for pruning)
 
     def rate_at(self, k: int) -> float:
         return self.rate * 2 ** (k / STEPS_PER_DOUBLING)
 
-    def run(self, args: EngineArgs, k: int = 0) -> Run:
+    def run(self, args: EngineArgs, k: int = 0, router: str | None = None) -> Run:
         from jaxllm.bench.results import summarize
 
         trace = self.trace if k == 0 else scaled(self.trace, 2 ** (k / STEPS_PER_DOUBLING))
         config = sim_config_of(args, self.cost)
-        sim = simulate_priced(trace, config, self.cost, seed=self.seed, acceptance_rate=self.acceptance_rate)
+        sim: SimResult | ClusterResult
+        if self.instances > 1:
+            policy = load_policy(router or "round_robin")
+            step_time = cost_model_step_time(self.cost, config)
+            sim = simulate_cluster(
+                trace, config, step_time, self.instances, policy, seed=self.seed, **self.cost.event_costs()
+            )
+        else:
+            sim = simulate_priced(trace, config, self.cost, seed=self.seed, acceptance_rate=self.acceptance_rate)
         self.simulations += 1
         summary = summarize(sim.records, sim.duration, goodput=self.slos)
         good = round(summary["request_goodput"] * summary["duration"])
@@ -136,7 +150,7 @@ class Objective:
             misses["failed"] = len(sim.records) - len(done)
         return Run(summary, good / len(self.trace), misses)
 
-    def capacity(self, args: EngineArgs) -> Capacity:
+    def capacity(self, args: EngineArgs, router: str | None = None) -> Capacity:
         """The highest sustainable rate on the grid. Once the setting is known to fall short of the best
         sustainable rate found so far (a rate at or below it fails), the search for it stops: its rate is then
         a lower bound and `below` an upper one (pruning; the result depends on the order settings are tried in,
@@ -147,7 +161,7 @@ class Objective:
 
         def ok(k: int) -> bool:
             if k not in runs:
-                runs[k] = self.run(args, k)
+                runs[k] = self.run(args, k, router)
             return runs[k].fraction >= self.fraction
 
         step, limit = STEPS_PER_DOUBLING, MAX_DOUBLINGS * STEPS_PER_DOUBLING

@@ -31,8 +31,15 @@ class TuneJob:
     validate: int = 0  # settings to serve for real
     seed: int = 0
     output: str | None = None  # the result JSON's path
+    instances: int = 1  # equal instances behind `jaxllm router` (> 1: the router's policy is searched too)
 
     def __post_init__(self):
+        if self.instances < 1:
+            raise ValueError(f"--instances must be >= 1, got {self.instances}")
+        if self.instances > 1 and self.validate:
+            raise ValueError(
+                "--validate serves one instance; a cluster's prediction is checked by benchmarks/cluster_routing.py"
+            )
         if self.validate < 0:
             raise ValueError(f"--validate must be >= 0, got {self.validate}")
         if self.acceptance_rate is not None and not 0 <= self.acceptance_rate <= 1:

@@ -24,6 +24,12 @@ def serve_command(args: EngineArgs) -> str:
     return shlex.join(["jaxllm", "serve", *args.to_cli_args()])
 
 
+def router_command(instances: int, policy: str) -> str:
+    """`jaxllm router` in front of the instances (their URLs are the user's to fill in)."""
+    urls = [f"http://HOST{k}:8000" for k in range(1, instances + 1)]
+    return shlex.join(["jaxllm", "router", "--instances", *urls, "--policy", policy])
+
+
 def candidate_json(c: Candidate) -> dict:
     at = c.capacity.at_trace
     return {

@@ -2,7 +2,9 @@
 restricted to the shapes the cost model was calibrated at (it records them in `CostModel.engine`).
 
 Besides EngineArgs fields, `num_speculative_tokens` (vLLM's name inside `--speculative-config`) searches n-gram
-speculation depth, 0 meaning none (`with_setting` turns it into `speculative_config`). Layouts: the simulator
+speculation depth, 0 meaning none (`with_setting` turns it into `speculative_config`), and `router` the policy of
+`jaxllm router` in front of `--instances N` equal instances (sim/cluster.py; not an engine argument: `with_setting`
+leaves it out). Layouts: the simulator
 splits a one-stage cost model over pipeline stages (`pipeline_parallel_size`); a tensor-parallel step is the cost
 model's own (calibrated at one size), and data-parallel replicas with the front's routing are not simulated."""
 
@@ -29,6 +31,7 @@ SEARCHABLE: dict[str, type] = {
     "num_speculative_tokens": int,  # n-gram speculation depth; 0: none
     "pipeline_parallel_size": int,
     "tensor_parallel_size": int,  # only the calibrated size: the cost model is one TP layout's
+    "router": str,  # with --instances N > 1: the router's policy (jaxllm.routing)
 }
 NUMERIC = (
     "max_num_seqs",
@@ -39,6 +42,7 @@ NUMERIC = (
     "tensor_parallel_size",
 )
 SPECULATION = "num_speculative_tokens"
+ROUTER = "router"
 NOT_SIMULATED = {
     "data_parallel_size": "the simulator does not model data-parallel replicas and the front's routing between "
     "them (jaxllm/engine/dp_client.py); compare DP sizes on the real server (benchmarks/data_parallel.py)",
@@ -75,6 +79,11 @@ def _parse_value(name: str, text: str):
         if lowered in ("false", "0", "no", "off"):
             return False
         raise ValueError(f"--search {name}: {text!r} is not true or false")
+    if name == ROUTER:
+        from jaxllm.routing.registry import load_policy
+
+        load_policy(text.strip())  # an unknown policy: one line now
+        return text.strip()
     if kind is int:
         try:
             value = int(text)
@@ -103,7 +112,7 @@ def parse_search(items: list[str] | None) -> dict[str, list]:
         name = raw_name.strip().lstrip("-").replace("-", "_")
         if not sep or not raw_values.strip():
             raise ValueError(f"--search takes NAME=V1,V2,... such as max_num_seqs=4,8; got {item!r}")
-        if name not in fields and name != SPECULATION:
+        if name not in fields and name not in (SPECULATION, ROUTER):
             raise ValueError(f"--search {raw_name!r}: not an engine argument (EngineArgs has no field {name!r})")
         if name in NOT_SIMULATED:
             raise ValueError(f"--search {name}: {NOT_SIMULATED[name]}")
@@ -187,11 +196,15 @@ def build_space(
     fixed: dict,
     *,
     acceptance_known: bool = False,
+    instances: int = 1,
 ) -> Space:
     """The space searched: the `--search` dimensions, else the default ones (max_num_seqs, max_num_batched_tokens,
     scheduling_policy, and n-gram speculation depth when an acceptance rate is known: `acceptance_known`), every
     shape within what the cost model was calibrated at. `fixed` holds the engine arguments set by flags (a default
-    dimension the user fixed with its own flag is not searched)."""
+    dimension the user fixed with its own flag is not searched). With `instances` > 1 the router's policy is a
+    dimension too (every registered policy by default)."""
+    if ROUTER in explicit and instances < 2:
+        raise ValueError("--search router: a router fronts several instances: give --instances N (N >= 2)")
     seqs_cap = cost.engine.get("max_num_seqs")
     tokens_cap = max(cost.bucket_tokens)
     if "max_num_batched_tokens" in cost.engine:
@@ -200,6 +213,10 @@ def build_space(
         values = {name: list(v) for name, v in explicit.items()}
     else:
         values = default_values(cost, trace, fixed, seqs_cap, tokens_cap, acceptance_known)
+    if instances > 1 and ROUTER not in values:
+        from jaxllm.routing.registry import POLICIES
+
+        values[ROUTER] = list(POLICIES)
     restricted = []
     # a verification of k drafts is k + 1 rows of logits and tokens: beyond the calibrated rows (max_num_seqs)
     # the per-row cost would be extrapolated
@@ -309,6 +326,7 @@ def with_setting(base: EngineArgs, setting: Setting) -> EngineArgs:
     """The base arguments with the setting's values; `num_speculative_tokens` k becomes n-gram speculation with k
     drafts (the base's other n-gram fields kept), 0 none."""
     updates = dict(setting)
+    updates.pop(ROUTER, None)
     if SPECULATION in updates:
         k = updates.pop(SPECULATION)
         spec = base.speculative()

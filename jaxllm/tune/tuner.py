@@ -11,7 +11,7 @@ from jaxllm.tune import report, validate
 from jaxllm.tune.capacity import MAX_DOUBLINGS, Objective
 from jaxllm.tune.job import NO_ACCEPTANCE, TuneJob, Workload, prepare
 from jaxllm.tune.search import Candidate, search
-from jaxllm.tune.space import SEARCHABLE, SPECULATION, Space, build_space, speculation_depth, with_setting
+from jaxllm.tune.space import ROUTER, SEARCHABLE, SPECULATION, Space, build_space, speculation_depth, with_setting
 
 
 def tune(
@@ -27,11 +27,18 @@ def tune(
     work = prepare(job)
     space = settings_space(job, work, explicit)
     objective = Objective(
-        work.trace, work.cost, job.slos, job.goodput_fraction, seed=job.seed, acceptance_rate=job.acceptance_rate
+        work.trace,
+        work.cost,
+        job.slos,
+        job.goodput_fraction,
+        seed=job.seed,
+        acceptance_rate=job.acceptance_rate,
+        instances=job.instances,
     )
     print(
         f"Tuning {len(work.trace)} requests at {objective.rate:.2f} req/s ({job.trace}), {job.slos_line()}; "
-        f"max_model_len {work.base.max_model_len}; space {space.size} settings: "
+        + (f"{job.instances} instances behind a router; " if job.instances > 1 else "")
+        + f"max_model_len {work.base.max_model_len}; space {space.size} settings: "
         + ", ".join(f"{k}={v}" for k, v in space.values.items()),
         flush=True,
     )
@@ -64,6 +71,8 @@ def tune(
     result = result_json(job, work, objective, search_json, candidates, best, rows)
     print(f"best ({result['chosen_by']}): {report.short(best.setting)}, {best.max_request_rate:.2f} req/s sustainable")
     print("serve it with:", result["command"])
+    if job.instances > 1:
+        print(f"on each of {job.instances} instances, routed by:", result["router_command"])
     if plot:
         print("plots:", ", ".join(str(p) for p in report.save_plots(candidates, job.slos, plot)))
     job.save(result)
@@ -75,7 +84,9 @@ def settings_space(job: TuneJob, work: Workload, explicit: dict[str, list]) -> S
     given = job.engine
     fixed = {name: getattr(given, name, None) for name in SEARCHABLE}
     fixed[SPECULATION] = speculation_depth(given) if given.speculative_config is not None else None
-    space = build_space(explicit, work.cost, work.trace, fixed, acceptance_known=work.acceptance_known)
+    space = build_space(
+        explicit, work.cost, work.trace, fixed, acceptance_known=work.acceptance_known, instances=job.instances
+    )
     speculating = any(space.values.get(SPECULATION, [])) or work.base.speculative_config is not None
     if speculating and not work.acceptance_known:
         raise ValueError(NO_ACCEPTANCE)
@@ -89,7 +100,7 @@ def evaluate(base: EngineArgs, objective: Objective, setting: dict) -> Candidate
     assert tokens is not None and seqs is not None  # base_engine_args fills them
     if tokens < seqs:  # the engine refuses it
         return None
-    return Candidate(setting, engine, objective.capacity(engine))
+    return Candidate(setting, engine, objective.capacity(engine, setting.get(ROUTER)))
 
 
 def result_json(
@@ -116,4 +127,9 @@ def result_json(
         },
         "validated": rows,
         "command": report.serve_command(best.args),
+        **(
+            {"instances": job.instances, "router_command": report.router_command(job.instances, best.setting[ROUTER])}
+            if job.instances > 1
+            else {}
+        ),
     }

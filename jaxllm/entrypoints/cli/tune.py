@@ -55,6 +55,14 @@ def register(sub) -> None:
         help="serve the top K settings for real and replay the trace; the winner by the measured figures "
         "(with --max-rate: 1 serves the setting at the rate found)",
     )
+    parser.add_argument(
+        "--instances",
+        type=int,
+        default=1,
+        metavar="N",
+        help="N equal instances behind `jaxllm router`, the trace being the cluster's: the router's policy is "
+        "searched too (router=round_robin,least_loaded,session,prefix_aware; narrow it with --search router=...)",
+    )
     parser.add_argument("--output", default=None, metavar="FILE", help="write the result JSON here")
     parser.add_argument("--plot", default=None, metavar="DIR", help="write the rate and latency trade-off PNGs here")
     parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
@@ -79,8 +87,11 @@ def run(args) -> dict:
         validate=args.validate,
         seed=args.seed,
         output=args.output,
+        instances=args.instances,
     )
     if args.max_rate:
+        if args.instances > 1:
+            raise ValueError("--max-rate finds one instance's rate: leave out --instances (or search with it)")
         for flag, given_flag in (("--search", args.search), ("--full-grid", args.full_grid), ("--plot", args.plot)):
             if given_flag:
                 raise ValueError(f"--max-rate takes one setting, given by engine flags: leave out {flag}")

@@ -34,12 +34,11 @@ from jaxllm.entrypoints.router.proxy import PassthroughResponse, describe, error
 from jaxllm.kv_events.index import InstanceView, PrefixIndex
 from jaxllm.kv_events.subscriber import SubscriberThread, ZmqEventSubscriber
 from jaxllm.routing.base import RoutingPolicy
-from jaxllm.routing.view import ClusterView, InstanceState, RouteRequest
+from jaxllm.routing.view import SESSION_HEADER, ClusterView, InstanceState, RouteRequest
 
 logger = logging.getLogger("jaxllm.router")
 
 DEFAULT_HEALTH_CHECK_INTERVAL_S = 2.0
-SESSION_HEADER = "x-session-id"
 
 
 @dataclass
