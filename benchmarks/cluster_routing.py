@@ -248,7 +248,9 @@ def main() -> None:
     save_trace(trace, trace_path := workdir / "trace.jsonl")
     rounds = []
     for round_ in range(args.rounds):
-        cost = CostModel.load(args.cost) if args.cost else calibrate(workdir / f"cost.{round_}.json", CALIBRATION_KV_BYTES)
+        cost = (
+            CostModel.load(args.cost) if args.cost else calibrate(workdir / f"cost.{round_}.json", CALIBRATION_KV_BYTES)
+        )
         kv_bytes = args.num_blocks * cost.engine["kv_bytes_per_block"]
         real, simulated = {}, {}
         for policy in policies:

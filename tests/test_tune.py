@@ -343,8 +343,9 @@ def test_instances_search_the_router_policy_in_the_cluster_simulator(tmp_path, c
     assert max(rates["session"], rates["prefix_aware"]) > rates["round_robin"]
     best = result["best_setting"]["router"]
     assert result["instances"] == 2 and rates[best] == max(rates.values())
-    assert result["router_command"].endswith(f"--policy {best}") and "--instances http://HOST1:8000" in (
-        result["router_command"]
+    assert (
+        result["router_command"].endswith(f"--policy {best}")
+        and "--instances http://HOST1:8000" in (result["router_command"])
     )
     assert "router" not in result["command"]  # each instance's own flags: no router there
     out = capsys.readouterr().out
