@@ -42,9 +42,9 @@ from jaxllm.sim.trace import save_trace
 
 CLI = [sys.executable, "-m", "jaxllm.entrypoints.cli"]
 # each instance: up to 8 sequences, 128-token steps, 512-token contexts (one core prefills ~250 tokens/s of the
-# default model: the trace's prompts are short); the KV pool (--num-blocks) is smaller than what every live
-# conversation needs on every instance, so where a conversation's turns go decides what is still cached
-ENGINE_FLAGS = ["--max-model-len", "512", "--max-num-seqs", "8", "--max-num-batched-tokens", "128"]
+# default model: the trace's prompts are short), a KV pool of --num-blocks
+MAX_MODEL_LEN = 512
+ENGINE_FLAGS = ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "8", "--max-num-batched-tokens", "128"]
 CALIBRATION_KV_BYTES = 400_000_000  # room for calibrate's longest steps (8 sequences of 512 tokens)
 METRICS = (
     ("prefix hit rate (%)", "prefix_cache_hit_rate", 100.0),
@@ -65,6 +65,7 @@ def make_trace(args: argparse.Namespace) -> list:
         think_time_s=args.think_time,
         num_prefix_groups=args.system_prompts,
         prefix_len=args.system_prompt_len,
+        max_prompt_len=MAX_MODEL_LEN - 2 * args.output_len,  # room for the longest output drawn
         seed=args.seed,
     )
 
@@ -225,15 +226,15 @@ def main() -> None:
     parser.add_argument("--policies", default=",".join(POLICIES), help="comma-separated (default: all four)")
     parser.add_argument("--rounds", type=int, default=1, help="rounds: calibrate, then every policy real + simulated")
     parser.add_argument("--cost", default=None, help="one cost model for every round (default: calibrate each round)")
-    parser.add_argument("--num-blocks", type=int, default=128, help="each instance's KV pool, in blocks of 16 tokens")
-    parser.add_argument("--conversations", type=int, default=40)
-    parser.add_argument("--turns", type=int, default=5)
-    parser.add_argument("--conversation-rate", type=float, default=0.25, help="conversations started per second")
+    parser.add_argument("--num-blocks", type=int, default=256, help="each instance's KV pool, in blocks of 16 tokens")
+    parser.add_argument("--conversations", type=int, default=30)
+    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--conversation-rate", type=float, default=0.55, help="conversations started per second")
     parser.add_argument("--think-time", type=float, default=5.0, help="mean seconds between a session's turns")
-    parser.add_argument("--turn-len", type=int, default=32, help="tokens each turn adds to the conversation")
+    parser.add_argument("--turn-len", type=int, default=48, help="tokens each turn adds to the conversation")
     parser.add_argument("--output-len", type=int, default=8)
     parser.add_argument("--system-prompts", type=int, default=4)
-    parser.add_argument("--system-prompt-len", type=int, default=128)
+    parser.add_argument("--system-prompt-len", type=int, default=64)
     parser.add_argument("--goodput", nargs="+", default=["ttft:1000", "tpot:100"], metavar="KEY:MS")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results/cluster_routing", help="writes OUT.md and OUT.json")

@@ -198,6 +198,29 @@ def test_zmq_publisher_subscriber_replay_and_resync():
         pub.close()
 
 
+def test_one_subscriber_thread_reads_instances_added_while_it_runs():
+    """A router's one thread: the first instance found starts it, a later one joins and is caught up from its
+    replay, and both instances' blocks land in the index."""
+    from jaxllm.kv_events.subscriber import SubscriberThread
+
+    pubs = [ZmqEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", buffer_steps=8) for _ in range(2)]
+    index, thread = PrefixIndex(), SubscriberThread(poll_ms=10)
+    try:
+        for k, pub in enumerate(pubs):
+            pub.publish(EventBatch(0, events=[BlockStored([bytes([k]) * 32], None, [k] * 4, 4, None, SCOPE, 0)]))
+            name = f"i{k}"
+            sub = ZmqEventSubscriber(pub.endpoint, InstanceView(index, name), replay_endpoint=pub.replay_endpoint)
+            thread.add(sub)  # the first add starts the thread; the batch before it comes from the replay
+            wait_for(lambda name=name: bool(index.blocks_of(name)))
+        assert thread.thread.is_alive() and len(thread.subscribers) == 2
+        assert index.match([bytes([1]) * 32], scope=SCOPE) == {"i1": 1}
+    finally:
+        thread.stop()
+        for pub in pubs:
+            pub.close()
+    assert not thread.thread.is_alive()
+
+
 def test_kv_events_config_is_validated():
     assert KVEventsConfig.parse(None) is None
     config = KVEventsConfig.parse('{"enable_kv_cache_events": true, "publisher": "zmq"}')

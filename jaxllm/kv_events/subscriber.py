@@ -164,16 +164,19 @@ class ZmqEventSubscriber:
 
 
 class SubscriberThread:
-    """Polls many subscribers' sockets on one daemon thread until `stop()`."""
+    """Polls many subscribers' sockets on one daemon thread until `stop()`: a router with a thousand instances
+    runs one thread, not a thousand. Subscribers join as their instances are found (`add`, from any thread); the
+    thread registers each and catches it up (blocking the others' events up to the replay timeout) before polling
+    it."""
 
-    def __init__(self, subscribers: list[ZmqEventSubscriber], poll_ms: int = 100):
+    def __init__(self, subscribers: list[ZmqEventSubscriber] | None = None, poll_ms: int = 100):
         import zmq
 
-        self.subscribers = subscribers
+        self.subscribers: list[ZmqEventSubscriber] = []
         self.poller = zmq.Poller()
-        for sub in subscribers:
-            self.poller.register(sub.socket, zmq.POLLIN)
-        self._by_socket = {sub.socket: sub for sub in subscribers}
+        self._by_socket: dict = {}
+        self._joining: list[ZmqEventSubscriber] = list(subscribers or [])
+        self._lock = threading.Lock()  # guards _joining
         self._stop = threading.Event()
         self._poll_ms = poll_ms
         self.thread = threading.Thread(target=self._run, name="kv-events-subscriber", daemon=True)
@@ -182,10 +185,27 @@ class SubscriberThread:
         self.thread.start()
         return self
 
+    def add(self, sub: ZmqEventSubscriber) -> None:
+        """Read `sub` too, from the thread's next poll on (within `poll_ms`); the first starts the thread."""
+        with self._lock:
+            self._joining.append(sub)
+            if not self.thread.is_alive() and not self._stop.is_set():
+                self.thread.start()
+
+    def _join(self) -> None:
+        import zmq
+
+        with self._lock:
+            joining, self._joining = self._joining, []
+        for sub in joining:
+            self.subscribers.append(sub)
+            self._by_socket[sub.socket] = sub
+            self.poller.register(sub.socket, zmq.POLLIN)
+            sub.sequencer.catch_up()  # what was published before we connected
+
     def _run(self) -> None:
-        for sub in self.subscribers:  # what was published before we connected (blocks up to the replay timeout)
-            sub.sequencer.catch_up()
         while not self._stop.is_set():
+            self._join()
             for socket, _ in self.poller.poll(self._poll_ms):
                 try:
                     self._by_socket[socket].receive_ready()
@@ -194,6 +214,9 @@ class SubscriberThread:
 
     def stop(self) -> None:
         self._stop.set()
-        self.thread.join(5)
-        for sub in self.subscribers:
+        if self.thread.is_alive():
+            self.thread.join(5)
+        with self._lock:
+            joining, self._joining = self._joining, []
+        for sub in self.subscribers + joining:
             sub.close()

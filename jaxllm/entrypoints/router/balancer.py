@@ -48,7 +48,7 @@ class Instance:
     info: dict[str, Any] | None = None  # its /v1/kv_cache_info
     last_error: str | None = None
     down: asyncio.Event | None = None  # set when it leaves rotation: requests waiting on it stop waiting
-    subscriber: SubscriberThread | None = None
+    subscriber: ZmqEventSubscriber | None = None
 
     @property
     def url(self) -> str:
@@ -104,6 +104,7 @@ class Balancer:
         self.client = client
         self.metrics = metrics
         self.index = PrefixIndex()
+        self.subscribers = SubscriberThread()  # every instance's KV events, on one thread (from the first found)
         self.health_check_interval = health_check_interval
         self.health_timeout = min(health_timeout, health_check_interval * 2)
         self.session_header = session_header.lower()
@@ -175,7 +176,8 @@ class Balancer:
             replay_endpoint=replay,
             topic=str((instance.info.get("kv_events") or {}).get("topic", "")),
         )
-        instance.subscriber = SubscriberThread([sub]).start()
+        instance.subscriber = sub
+        self.subscribers.add(sub)
         logger.info("KV events of %s from %s (replay %s)", instance.url, endpoint, replay)
 
     def out_of_rotation(self, instance: Instance, error: str) -> None:
@@ -187,9 +189,7 @@ class Balancer:
         instance.down.set()  # requests waiting on its answer fail now
 
     def close(self) -> None:
-        for instance in self.instances:
-            if instance.subscriber is not None:
-                instance.subscriber.stop()
+        self.subscribers.stop()
 
     # ---- one request ---------------------------------------------------------------------------
 
