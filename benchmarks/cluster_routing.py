@@ -121,7 +121,7 @@ def kv_events_config() -> str:
 
 def prefix_counters(url: str) -> tuple[float, float]:
     metrics = scrape_metrics(url)
-    return metrics.get("vllm:prefix_cache_queries_total", 0.0), metrics.get("vllm:prefix_cache_hits_total", 0.0)
+    return metrics.get("jaxllm:prefix_cache_queries_total", 0.0), metrics.get("jaxllm:prefix_cache_hits_total", 0.0)
 
 
 def run_real(policy: str, trace_path: Path, kv_bytes: int, goodput: list[str], workdir: Path, tag: str) -> dict:

@@ -227,3 +227,61 @@ def test_a_refused_request_does_not_end_the_run(config, cost):
         ),
     ):
         assert result.records[0].error and result.records[1].success
+
+
+def pd_run(trace, config, cost, p: int, d: int, **options):
+    from jaxllm.sim.pd import simulate_pd
+
+    step_time = cost_model_step_time(cost, config)
+    per_token = cost.engine["kv_bytes_per_block"] // cost.engine["block_size"]
+    return simulate_pd(trace, config, step_time, p, d, kv_bytes_per_token=per_token, **cost.event_costs(), **options)
+
+
+def test_pd_prefills_on_one_kind_decodes_on_the_other(config, cost):
+    """Each request: its prompt computed on a prefill instance, its K/V across, every output token from a decode
+    instance that computes only the prompt's last token; the client's first token after the transfer."""
+    trace = chat_trace()
+    result = pd_run(trace, config, cost, 1, 2, kv_transfer_gb_s=0.5, kv_transfer_latency_s=0.02)
+    assert all(r.success for r in result.records) and len(result.records) == len(trace)
+    assert [r.output_len for r in result.records] == [t.output_len for t in trace]
+    prefill, *decodes = result.engines
+    assert prefill.kv.prefix_cache_hits > 0  # the conversations' history, on the one prefill instance
+    assert {result.names[k] for k in result.assigned} == {"decode-0", "decode-1"}  # least loaded spreads them
+    per_token = cost.engine["kv_bytes_per_block"] / cost.engine["block_size"]
+    for record in result.records:
+        assert record.ttft >= 0.02 + record.prompt_len * per_token / 0.5e9
+    for engine in decodes:  # a decode instance's prompts came from the connector, but for their last tokens
+        stats = engine.scheduler.connector.stats
+        assert stats.external_prefix_cache_hits + engine.kv.prefix_cache_hits == sum(
+            r.prompt_len - 1 for i, r in enumerate(result.records) if result.engines[result.assigned[i]] is engine
+        )
+    summary = result.to_json()
+    assert summary["router"] == "pd 1:2" and summary["decode_instances"] == 2
+    assert summary["prefill_prefix_cache_hit_rate"] > 0 and summary["mean_kv_transfer_ms"] > 20
+    again = pd_run(trace, config, cost, 1, 2, kv_transfer_gb_s=0.5, kv_transfer_latency_s=0.02)
+    assert [r.ttft for r in again.records] == [r.ttft for r in result.records]  # seeded: the same run
+    slower = pd_run(trace, config, cost, 1, 2, kv_transfer_gb_s=0.05, kv_transfer_latency_s=0.02)
+    assert slower.to_json()["mean_ttft_ms"] > summary["mean_ttft_ms"]
+
+
+def test_pd_from_the_cli_and_its_bad_flags(tmp_path, capsys):
+    from jaxllm.entrypoints.cli import main
+    from jaxllm.sim.trace import save_trace
+
+    trace = tmp_path / "chat.jsonl"
+    save_trace(chat_trace(), trace)
+    out = tmp_path / "pd.json"
+    base = ["simulate", str(trace), "--cost", str(COST_PATH)]
+    assert main([*base, "--pd", "1:1", "--goodput", "ttft:500", "--output", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert data["router"] == "pd 1:1" and data["instances"] == 2 and data["completed"] == len(load_trace(trace))
+    assert "router pd 1:1 over 2 simulated instances" in capsys.readouterr().out
+    for flags, message in (
+        (["--pd", "0:1"], "PREFILL:DECODE"),
+        (["--pd", "two"], "PREFILL:DECODE"),
+        (["--pd", "1:1", "--instances", "2"], "leave out --instances"),
+        (["--kv-transfer-gb-s", "1"], "go with --pd"),
+        (["--pd", "1:1", "--kv-transfer-gb-s", "0"], "bandwidth > 0"),
+    ):
+        assert main([*base, *flags]) == 2
+        assert message in capsys.readouterr().err

@@ -21,6 +21,7 @@ from tests import test_server  # noqa: E402
 from tests.conftest import TEST_ENGINE, TEST_KV_BLOCKS, kv_bytes  # noqa: E402
 from tests.inprocess_server import MODEL  # noqa: E402
 
+ROUTED = "/routed"  # the second application: jaxllm's prefix_aware policy in front of its own two replicas
 ENGINE = {
     **{k: v for k, v in TEST_ENGINE.items() if k != "progress"},
     "kv_cache_memory_bytes": kv_bytes(TEST_KV_BLOCKS),
@@ -29,11 +30,14 @@ ENGINE = {
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A local Ray cluster serving two replicas; yields the base URL and the processes Ray started."""
+    """A local Ray cluster serving two applications of two replicas each (Ray's routing at /, jaxllm's prefix_aware
+    at /routed); yields the base URL and the processes Ray started."""
     port = free_port()
     ray.init(num_cpus=2, object_store_memory=100 * 2**20, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(ENGINE, num_replicas=2, served_model_name=MODEL), name="jaxllm", route_prefix="/")
+    routed = build_app(ENGINE, num_replicas=2, served_model_name=MODEL, policy="prefix_aware", name="routed")
+    serve.run(routed, name="routed", route_prefix=ROUTED)
     processes = psutil.Process().children(recursive=True)
     yield f"http://127.0.0.1:{port}", processes
     if ray.is_initialized():  # test_teardown_leaves_no_ray_processes did not get to it
@@ -110,6 +114,42 @@ def test_dict_settings_as_serve_run_passes_them():
         build_app({"nnodes": 2})
     with pytest.raises(ValueError, match="not both"):
         build_app({"num_replicas": "2", "autoscaling_config": '{"min_replicas": 1, "max_replicas": 2}'})
+
+
+def test_routed_app_answers_as_llm_generate(cluster, llm):
+    """jaxllm's policy in Ray: the ingress, the handle call and the streamed answer are the plain app's."""
+    url, _ = cluster
+    client = openai.OpenAI(base_url=url + ROUTED + "/v1", api_key="unused", max_retries=0)
+    test_server.test_greedy_text_equals_llm_generate(client, llm)
+    assert client.models.list().data[0].id == MODEL
+    r = httpx.post(url + ROUTED + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 100_000})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+def test_routed_app_sends_each_conversation_to_the_replica_holding_its_history(cluster):
+    """prefix_aware from the replicas' KV events: a conversation's later turns (each prompt extends the last) go
+    where its earlier turns' blocks are cached, however the two conversations' first turns were placed."""
+    url, _ = cluster
+    topics = {"a": "the history of the printing press", "b": "how bees find flowers and make honey"}
+    replicas: dict[str, list[str]] = {k: [] for k in topics}
+    prompts = {k: f"Here is a long talk about {t}. " * 6 for k, t in topics.items()}
+    for turn in range(4):
+        for key in topics:
+            prompts[key] += f" Question {turn}: tell me more about {topics[key]}, part {turn}."
+            body = {"model": MODEL, "prompt": prompts[key], "max_tokens": 2, "temperature": 0}
+            r = httpx.post(url + ROUTED + "/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text
+            replicas[key].append(r.headers[REPLICA_HEADER])
+        time.sleep(1.5)  # the blocks' events reach the router (and the replicas' load their stats)
+    for key, seen in replicas.items():
+        assert len(set(seen[1:])) == 1 and seen[1] == seen[0], (key, seen)
+
+
+def test_routed_app_bad_settings_fail_before_ray_starts_anything():
+    with pytest.raises(ValueError, match="'nope'"):
+        build_app(ENGINE, policy="nope")
+    with pytest.raises(ValueError, match="not both"):
+        build_app(ENGINE, policy="session", request_router=serve.config.RequestRouterConfig())
 
 
 def test_teardown_leaves_no_ray_processes(cluster):

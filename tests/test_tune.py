@@ -333,12 +333,10 @@ def conversation_trace(path: Path) -> str:
 def test_instances_search_the_router_policy_in_the_cluster_simulator(tmp_path, capsys):
     trace = conversation_trace(tmp_path / "chat.jsonl")
     result = tune(trace, tmp_path / "r.json", "--instances", "2", "--search", "max_num_seqs=8", "--full-grid")
-    assert result["search"]["space"] == {
-        "max_num_seqs": [8],
-        "router": ["round_robin", "least_loaded", "session", "prefix_aware"],
-    }
+    routers = ["round_robin", "least_loaded", "session", "prefix_aware", "pd 1:1"]
+    assert result["search"]["space"] == {"max_num_seqs": [8], "router": routers}
     rates = {c["setting"]["router"]: c["max_request_rate"] for c in result["candidates"]}
-    assert set(rates) == {"round_robin", "least_loaded", "session", "prefix_aware"} and min(rates.values()) > 0
+    assert set(rates) == set(routers) and min(rates.values()) > 0
     # turns that find their history cached sustain more than turns sent round the instances
     assert max(rates["session"], rates["prefix_aware"]) > rates["round_robin"]
     best = result["best_setting"]["router"]
@@ -350,6 +348,12 @@ def test_instances_search_the_router_policy_in_the_cluster_simulator(tmp_path, c
     assert "router" not in result["command"]  # each instance's own flags: no router there
     out = capsys.readouterr().out
     assert "2 instances behind a router" in out and "routed by: jaxllm router" in out
+    # a P/D split: the router's P/D mode in front
+    pd = tune(trace, tmp_path / "pd.json", "--instances", "4", "--search", "max_num_seqs=8", "router=pd 1:3,pd2:2")
+    assert pd["search"]["space"]["router"] == ["pd 1:3", "pd 2:2"] and pd["best_setting"]["router"].startswith("pd")
+    p, _ = map(int, pd["best_setting"]["router"].removeprefix("pd ").split(":"))
+    hosts = [f"http://HOST{k}:8000" for k in range(1, 5)]
+    assert pd["router_command"] == " ".join(["jaxllm router --prefill", *hosts[:p], "--decode", *hosts[p:]])
 
 
 @pytest.mark.parametrize(
@@ -357,6 +361,8 @@ def test_instances_search_the_router_policy_in_the_cluster_simulator(tmp_path, c
     [
         (["--search", "router=round_robin"], "give --instances N"),
         (["--instances", "2", "--search", "router=nope"], "'nope'"),
+        (["--instances", "2", "--search", "router=pd 0:2"], "PREFILL:DECODE"),
+        (["--instances", "2", "--search", "router=pd 1:2"], "add up to --instances"),
         (["--instances", "0"], "--instances must be >= 1"),
         (["--instances", "2", "--validate", "1"], "benchmarks/cluster_routing.py"),
         (["--instances", "2", "--max-rate"], "leave out --instances"),

@@ -74,7 +74,6 @@ class EngineInfo:
     def of(cls, core) -> EngineInfo:
         """What an EngineCore's front needs to know about it."""
         sched, arch = core.config.scheduler, core.loaded.arch
-        events = core.kv_events_config
         return cls(
             core.loaded.name,
             core.tokenizer,
@@ -87,7 +86,7 @@ class EngineInfo:
             core.config.pooler,
             block_size=core.config.cache.block_size,
             kv_scope_root=core.kv_scope.root.hex(),
-            kv_events=dataclasses.asdict(events) if events is not None and events.enable_kv_cache_events else None,
+            kv_events=kv_events_info(core),
         )
 
     def validate_prompt(self, prompt_token_ids: list[int]) -> None:
@@ -298,3 +297,17 @@ def call(core, method: str, args: tuple, future: Future) -> None:
         future.set_exception(e)
     else:
         future.set_result(result)
+
+
+def kv_events_info(core) -> dict | None:
+    """The KV events config as a router reads it (None when off), with the addresses the publisher bound (a port
+    given as `*` is a real one here)."""
+    config = core.kv_events_config
+    if config is None or not config.enable_kv_cache_events:
+        return None
+    info = dataclasses.asdict(config)
+    sink = getattr(core.kv_events, "sink", None)
+    for key in ("endpoint", "replay_endpoint"):
+        if getattr(sink, key, None):
+            info[key] = getattr(sink, key)
+    return info

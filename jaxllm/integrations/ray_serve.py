@@ -13,10 +13,10 @@ health check fails.
 
 or from a shell: `serve run jaxllm.integrations.ray_serve:app_builder num_replicas=2 max_num_seqs=64`.
 
-Routing is Ray's default (power of two choices on each replica's ongoing requests). Ray's
-prefix-cache-aware router (`PrefixCacheAffinityRouter`) cannot help here: Ray picks the replica
-for an HTTP request from its headers alone, before the body (the prompt) is read, and that router
-matches prompts. See docs/scaling.md.
+Routing is Ray's default (power of two choices on each replica's ongoing requests), or with `policy=` one of
+jaxllm's router policies (ray_router.py: an HTTP ingress reads the routing keys, a Ray request router applies the
+policy). Ray's own prefix-cache-aware router (`PrefixCacheAffinityRouter`) cannot help the plain app: Ray picks the
+replica for an HTTP request from its headers alone, before the body (the prompt) is read. See docs/scaling.md.
 """
 
 from __future__ import annotations
@@ -67,6 +67,29 @@ class JaxLLMDeployment:
         app.add_middleware(ReplicaHeader, replica_id=self.replica_id)
         return app
 
+    async def proxy(self, method: str, path: str, headers: dict[str, str], body: bytes, route: dict | None = None):
+        """One HTTP request through this replica's app, for a handle call (the routed app's ingress): yields
+        {"status", "headers"}, then the body's chunks as they come. `route` is for the request router only."""
+        async for item in asgi_stream(self.app, method, path, headers, body):
+            yield item
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """What the routed app's request router reads (Ray asks every `request_routing_stats_period_s`): the
+        engine's running and waiting requests, and where its KV events are published."""
+        import time
+
+        import ray
+
+        stats = self.engine.stats()
+        routing: dict[str, Any] = {"at": time.time(), "running": stats["num_running"], "waiting": stats["num_waiting"]}
+        events = self.engine.info.kv_events or {}
+        if events.get("publisher") == "zmq":
+            host = ray.util.get_node_ip_address()
+            for key, name in (("endpoint", "kv_events"), ("replay_endpoint", "replay")):
+                if events.get(key):
+                    routing[name] = events[key].replace("://0.0.0.0:", f"://{host}:").replace("://*:", f"://{host}:")
+        return routing
+
     def check_health(self) -> None:
         """Ray's periodic health check: a replica whose engine died is replaced."""
         self.engine.check_health()
@@ -79,6 +102,57 @@ class JaxLLMDeployment:
         self.engine.abort_all()
         self.engine.shutdown()
         logger.info("replica %s: engine stopped", self.replica_id)
+
+
+async def asgi_stream(app, method: str, path: str, headers: dict[str, str], body: bytes):
+    """Run one HTTP request through an ASGI app in this process: yields {"status", "headers"} first, then the body's
+    chunks. Closing the generator early (the client left) tells the app the client disconnected."""
+    messages: asyncio.Queue = asyncio.Queue()
+    left = asyncio.Event()
+    body_sent = False
+
+    async def receive():
+        nonlocal body_sent
+        if not body_sent:
+            body_sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await left.wait()
+        return {"type": "http.disconnect"}
+
+    path, _, query = path.partition("?")
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": query.encode(),
+        "root_path": "",
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers.items()],
+        "client": ("127.0.0.1", 0),
+        "server": ("127.0.0.1", 80),
+    }
+    task = asyncio.create_task(app(scope, receive, messages.put))
+    task.add_done_callback(lambda _: messages.put_nowait(None))
+    try:
+        while (message := await messages.get()) is not None:
+            if message["type"] == "http.response.start":
+                raw = message.get("headers", [])
+                yield {"status": message["status"], "headers": {k.decode(): v.decode() for k, v in raw}}
+            elif message["type"] == "http.response.body":
+                if message.get("body"):
+                    yield message["body"]
+                if not message.get("more_body"):
+                    break
+        if task.done() and task.exception() is not None:
+            raise task.exception()  # type: ignore[misc]
+    finally:
+        left.set()  # a stream still running sees the disconnect and aborts its request
+        await asyncio.wait([task], timeout=5)
+        if not task.done():
+            task.cancel()
 
 
 class ReplicaHeader:
@@ -113,6 +187,7 @@ def build_app(
     num_gpus: float = 0,
     max_ongoing_requests: int = 256,
     request_router: RequestRouterConfig | None = None,
+    policy: str | None = None,
     served_model_name: str | None = None,
     api_key: str | None = None,
     name: str = "jaxllm",
@@ -131,6 +206,10 @@ def build_app(
     max_ongoing_requests: requests Ray lets into one replica at once (the rest queue at the
         proxy); keep it above max_num_seqs so the engine's batch can fill.
     request_router: Ray's `RequestRouterConfig` (default: Ray's power-of-two router).
+    policy: route with a `jaxllm router` policy instead (round_robin, least_loaded, session, prefix_aware, or a
+        dotted path): the application is then a small HTTP ingress deployment (`{name}-router`, reading each
+        request's session and prompt) in front of the engine replicas, whose Ray request router applies the policy
+        (ray_router.py); for prefix_aware the replicas publish KV events on ports of their own.
     """
     if engine_args is None or isinstance(engine_args, dict):
         settings = dict(engine_args or {})
@@ -142,6 +221,7 @@ def build_app(
             num_gpus=num_gpus,
             max_ongoing_requests=max_ongoing_requests,
             request_router=request_router,
+            policy=policy,
             served_model_name=served_model_name,
             api_key=api_key,
             name=name,
@@ -152,6 +232,12 @@ def build_app(
         raise ValueError("give num_replicas or autoscaling_config, not both")
     if engine_args.nnodes > 1:
         raise ValueError("a Ray Serve replica runs on one node: nnodes must be 1 (scale out with more replicas)")
+    routing = None
+    if policy is not None:
+        if request_router is not None:
+            raise ValueError("give policy (a jaxllm router policy) or request_router (Ray's), not both")
+        routing, engine_args = routed(engine_args, policy)
+        request_router = routing.config
     options = dict(
         num_replicas=num_replicas, autoscaling_config=autoscaling_config, request_router_config=request_router
     )
@@ -160,7 +246,42 @@ def build_app(
         ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
         **{k: v for k, v in options.items() if v is not None},
     )  # None: Ray's default
-    return deployment.bind(engine_args, served_model_name, api_key)
+    engines = deployment.bind(engine_args, served_model_name, api_key)
+    if routing is None:
+        return engines
+    from jaxllm.integrations.ray_router import router_ingress
+
+    # the ingress only reads bodies and forwards streams: no CPU reserved, and no queue limit of its own
+    ingress = router_ingress(name).options(max_ongoing_requests=INGRESS_MAX_ONGOING, ray_actor_options={"num_cpus": 0})
+    return ingress.bind(engines, routing.needs_block_hashes)
+
+
+INGRESS_MAX_ONGOING = 100_000
+
+
+@dataclasses.dataclass
+class Routing:
+    config: RequestRouterConfig  # the engine deployment's request router
+    needs_block_hashes: bool  # the ingress reads the prompt's block hashes
+
+
+def routed(engine_args: EngineArgs, policy: str) -> tuple[Routing, EngineArgs]:
+    """The request router for `policy` (a bad name fails here, before Ray starts anything), and the engine
+    arguments: a policy that reads block hashes gets the replicas' KV events over ZeroMQ on ports of their own,
+    unless the arguments already say where."""
+    from jaxllm.integrations.ray_router import ROUTING_STATS_PERIOD_S, JaxLLMRequestRouter
+    from jaxllm.routing.registry import load_policy
+
+    needs_hashes = load_policy(policy).needs_block_hashes
+    if needs_hashes and engine_args.kv_events_config is None:
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:*"}
+        engine_args = dataclasses.replace(engine_args, kv_events_config={**events, "replay_endpoint": "tcp://*:*"})
+    config = RequestRouterConfig(
+        request_router_class=JaxLLMRequestRouter,
+        request_router_kwargs={"policy": policy},
+        request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+    )
+    return Routing(config, needs_hashes), engine_args
 
 
 def app_builder(args: dict[str, Any]) -> serve.Application:
@@ -176,6 +297,7 @@ DEPLOYMENT_OPTIONS: dict[str, Callable[[str], Any] | None] = {  # option → its
     "num_gpus": float,
     "max_ongoing_requests": int,
     "request_router": None,
+    "policy": str,
     "served_model_name": str,
     "api_key": str,
     "name": str,

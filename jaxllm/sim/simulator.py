@@ -240,7 +240,9 @@ class SimEngine:
         speculation: SimulatedSpeculation | None,
         record_steps: bool,
         records: list[RequestRecord] | None = None,
+        connector=None,
     ):
+        """`connector`: the scheduler's KV connector (a P/D decode instance's: sim/pd.py)."""
         self.trace, self.config, self.seed = trace, config, seed
         self.oracle_output_len, self.request_latency_s = oracle_output_len, request_latency_s
         self.speculation = speculation
@@ -253,7 +255,7 @@ class SimEngine:
                 f"the KV pool holds {self.kv.num_usable_blocks} blocks, fewer than the {needed} one sequence of "
                 f"max_model_len={sched.max_model_len} tokens needs: raise the number of blocks"
             )
-        self.scheduler = Scheduler(config.scheduler, self.kv, config.speculative)
+        self.scheduler = Scheduler(config.scheduler, self.kv, config.speculative, connector=connector)
         depth = config.scheduler.max_concurrent_batches  # = the stages (SimConfig): a batch in flight per stage
         self.loop = StepLoop(self.scheduler, self._launch, self._apply, depth)
         if records is None:
@@ -262,6 +264,7 @@ class SimEngine:
         self.pending: deque[tuple[int, list[int] | None]] = deque()  # sent, not yet at the scheduler
         self.kv_events: KVEventCollector | None = None  # KV events (kv_events/), flushed after each step
         self.num_done = 0  # requests finished or refused
+        self.done: list[int] | None = None  # a list: each request finished or refused is appended (sim/pd.py)
         self.index: dict[int, int] = {}  # id(Request) → trace index
         self.last_token = [0.0] * len(trace)
         self.plain_sampled = [DUMMY_TOKEN] * config.scheduler.max_num_seqs
@@ -329,11 +332,11 @@ class SimEngine:
         limit = self.config.scheduler.max_model_len
         if len(tokens) > limit:
             record.error = f"prompt longer than max_model_len={limit}: {len(tokens)} tokens"
-            self.num_done += 1
+            self._finished(i)
             return
         if len(tokens) + r.output_len > limit:  # vLLM's rule for max_tokens: prompt + completion must fit
             record.error = f"prompt + output longer than max_model_len={limit}: {len(tokens)} + {r.output_len} tokens"
-            self.num_done += 1
+            self._finished(i)
             return
         params = SamplingParams(max_tokens=r.output_len, min_tokens=r.output_len, ignore_eos=True, detokenize=False)
         request = Request(
@@ -348,6 +351,11 @@ class SimEngine:
         )
         self.index[id(request)] = i
         self.scheduler.add_request(request)
+
+    def _finished(self, i: int) -> None:
+        self.num_done += 1
+        if self.done is not None:
+            self.done.append(i)
 
     def _launch(self, out: SchedulerOutput, previous: InFlightStep | None) -> tuple[object | None, list]:
         if out.is_empty:
@@ -371,7 +379,7 @@ class SimEngine:
             if request.is_finished:
                 record.latency = self.clock - record.start
                 record.success = True
-                self.num_done += 1
+                self._finished(i)
         self.kv_usage.append((self.clock - self.start, self.kv.usage))
         return []
 

@@ -24,6 +24,7 @@ from jaxllm.engine.args import EngineArgs
 from jaxllm.routing.registry import load_policy
 from jaxllm.sim.cluster import ClusterResult, simulate_cluster
 from jaxllm.sim.costmodel import CostModel
+from jaxllm.sim.pd import parse_pd, simulate_pd
 from jaxllm.sim.settings import SimSettings, sim_config, simulate_priced
 from jaxllm.sim.simulator import SimConfig, SimResult, cost_model_step_time
 from jaxllm.sim.trace import TraceRequest
@@ -129,11 +130,19 @@ class Objective:
         config = sim_config_of(args, self.cost)
         sim: SimResult | ClusterResult
         if self.instances > 1:
-            policy = load_policy(router or "round_robin")
             step_time = cost_model_step_time(self.cost, config)
-            sim = simulate_cluster(
-                trace, config, step_time, self.instances, policy, seed=self.seed, **self.cost.event_costs()
-            )
+            if router is not None and router.startswith("pd "):
+                p, d = parse_pd(router.removeprefix("pd "))
+                per_token = kv_bytes_per_block(self.cost, config.block_size) // config.block_size
+                events = self.cost.event_costs()
+                sim = simulate_pd(
+                    trace, config, step_time, p, d, kv_bytes_per_token=per_token, seed=self.seed, **events
+                )
+            else:
+                policy = load_policy(router or "round_robin")
+                sim = simulate_cluster(
+                    trace, config, step_time, self.instances, policy, seed=self.seed, **self.cost.event_costs()
+                )
         else:
             sim = simulate_priced(trace, config, self.cost, seed=self.seed, acceptance_rate=self.acceptance_rate)
         self.simulations += 1

@@ -24,10 +24,16 @@ def serve_command(args: EngineArgs) -> str:
     return shlex.join(["jaxllm", "serve", *args.to_cli_args()])
 
 
-def router_command(instances: int, policy: str) -> str:
-    """`jaxllm router` in front of the instances (their URLs are the user's to fill in)."""
+def router_command(instances: int, router: str) -> str:
+    """`jaxllm router` in front of the instances (their URLs are the user's to fill in): N equal instances under a
+    policy, or "pd P:D" prefill and decode instances (each started with its TransferConnector role)."""
     urls = [f"http://HOST{k}:8000" for k in range(1, instances + 1)]
-    return shlex.join(["jaxllm", "router", "--instances", *urls, "--policy", policy])
+    if router.startswith("pd "):
+        from jaxllm.sim.pd import parse_pd
+
+        p, _ = parse_pd(router.removeprefix("pd "))
+        return shlex.join(["jaxllm", "router", "--prefill", *urls[:p], "--decode", *urls[p:]])
+    return shlex.join(["jaxllm", "router", "--instances", *urls, "--policy", router])
 
 
 def candidate_json(c: Candidate) -> dict:

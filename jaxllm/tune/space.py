@@ -31,7 +31,7 @@ SEARCHABLE: dict[str, type] = {
     "num_speculative_tokens": int,  # n-gram speculation depth; 0: none
     "pipeline_parallel_size": int,
     "tensor_parallel_size": int,  # only the calibrated size: the cost model is one TP layout's
-    "router": str,  # with --instances N > 1: the router's policy (jaxllm.routing)
+    "router": str,  # with --instances N > 1: the router's policy (jaxllm.routing), or "pd P:D" (sim/pd.py)
 }
 NUMERIC = (
     "max_num_seqs",
@@ -80,10 +80,16 @@ def _parse_value(name: str, text: str):
             return False
         raise ValueError(f"--search {name}: {text!r} is not true or false")
     if name == ROUTER:
+        text = text.strip()
+        if text.startswith("pd"):
+            from jaxllm.sim.pd import parse_pd
+
+            p, d = parse_pd(text.removeprefix("pd").strip())
+            return f"pd {p}:{d}"
         from jaxllm.routing.registry import load_policy
 
-        load_policy(text.strip())  # an unknown policy: one line now
-        return text.strip()
+        load_policy(text)  # an unknown policy: one line now
+        return text
     if kind is int:
         try:
             value = int(text)
@@ -166,6 +172,15 @@ def default_policies(trace: list[TraceRequest]) -> list[str]:
     return policies
 
 
+def default_routers(instances: int) -> list[str]:
+    """Every router policy, and disaggregated prefill/decode splits "pd P:D" of the instances (all of them up to 8
+    instances; above, P at eighths of N)."""
+    from jaxllm.routing.registry import POLICIES
+
+    splits = sorted({min(max(round(instances * k / 8), 1), instances - 1) for k in range(1, 8)})
+    return [*POLICIES, *(f"pd {p}:{instances - p}" for p in splits)]
+
+
 def default_values(
     cost: CostModel,
     trace: list[TraceRequest],
@@ -205,6 +220,9 @@ def build_space(
     dimension too (every registered policy by default)."""
     if ROUTER in explicit and instances < 2:
         raise ValueError("--search router: a router fronts several instances: give --instances N (N >= 2)")
+    for router in explicit.get(ROUTER, []):
+        if router.startswith("pd ") and sum(map(int, router.removeprefix("pd ").split(":"))) != instances:
+            raise ValueError(f"--search router={router}: its prefill and decode instances must add up to --instances")
     seqs_cap = cost.engine.get("max_num_seqs")
     tokens_cap = max(cost.bucket_tokens)
     if "max_num_batched_tokens" in cost.engine:
@@ -214,9 +232,7 @@ def build_space(
     else:
         values = default_values(cost, trace, fixed, seqs_cap, tokens_cap, acceptance_known)
     if instances > 1 and ROUTER not in values:
-        from jaxllm.routing.registry import POLICIES
-
-        values[ROUTER] = list(POLICIES)
+        values[ROUTER] = default_routers(instances)
     restricted = []
     # a verification of k drafts is k + 1 rows of logits and tokens: beyond the calibrated rows (max_num_seqs)
     # the per-row cost would be extrapolated

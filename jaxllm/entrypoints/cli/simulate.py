@@ -4,7 +4,8 @@
 split over the stages by their layers, plus the hidden states' copy between stages (jaxllm/sim/simulator.py).
 Tensor parallelism is in the cost model itself: calibrate one with `jaxllm calibrate --tensor-parallel-size N`.
 `--instances N --router POLICY` simulates N such engines behind one of `jaxllm router`'s policies (sim/cluster.py);
-`--router a,b,c` runs each policy on the same trace and prints them side by side.
+`--router a,b,c` runs each policy on the same trace and prints them side by side; `--pd P:D` simulates P prefill
+and D decode instances behind the router's P/D mode (sim/pd.py).
 """
 
 from __future__ import annotations
@@ -106,6 +107,27 @@ def register(sub) -> None:
         help="the router's policy: round_robin, least_loaded, session, prefix_aware, or pkg.module:Class; several, "
         "comma-separated: each on the same trace, side by side (default with --instances: round_robin)",
     )
+    cluster.add_argument(
+        "--pd",
+        default=None,
+        metavar="P:D",
+        help="disaggregated prefill and decode: P prefill and D decode instances behind `jaxllm router --prefill "
+        "--decode` (the least loaded of each kind; a prompt's K/V crosses between them), instead of --instances",
+    )
+    cluster.add_argument(
+        "--kv-transfer-gb-s",
+        type=float,
+        default=None,
+        metavar="GB_S",
+        help="--pd: the K/V transfer's bandwidth (default 0.71, the TransferConnector measured on a 2-core CPU)",
+    )
+    cluster.add_argument(
+        "--kv-transfer-latency",
+        type=float,
+        default=None,
+        metavar="S",
+        help="--pd: seconds each transfer takes besides its bytes (default 0.005)",
+    )
     report = parser.add_argument_group("report")
     report.add_argument("--output", default=None, metavar="FILE", help="write the result JSON here")
     report.add_argument("--plot", default=None, metavar="DIR", help="write latency, throughput and KV-usage PNGs here")
@@ -173,7 +195,15 @@ def run(args) -> dict:
 def cluster_policies(args) -> list | None:
     """The router's policy objects for --router (one per name; None: no cluster asked for), checked with the
     other flags before anything runs."""
-    if args.instances is None and args.router is None:
+    if args.pd is not None:
+        from jaxllm.sim.pd import parse_pd
+
+        if args.instances is not None or args.router is not None:
+            raise ValueError("--pd P:D is its own cluster (least loaded of each kind): leave out --instances/--router")
+        parse_pd(args.pd)
+    elif args.kv_transfer_gb_s is not None or args.kv_transfer_latency is not None:
+        raise ValueError("--kv-transfer-* go with --pd")
+    if args.instances is None and args.router is None and args.pd is None:
         return None
     from jaxllm.routing.registry import load_policy
 
@@ -186,6 +216,8 @@ def cluster_policies(args) -> list | None:
         raise ValueError("--instances/--router do not simulate speculative decoding yet")
     if args.plot is not None:
         raise ValueError("--plot is for one engine; a cluster's figures are in --output's JSON")
+    if args.pd is not None:
+        return [args.pd]
     try:
         return [load_policy(name) for name in names]
     except ValueError as e:  # the registry speaks of the router's flag
@@ -205,17 +237,20 @@ def run_cluster(args, trace, config, cost, policies: list, transfer: dict) -> di
     runs, results = [], []
     for policy in policies:
         started = time.perf_counter()
-        sim = simulate_cluster(
-            trace,
-            config,
-            cost_model_step_time(cost, config),
-            instances,
-            policy,
-            seed=args.seed,
-            oracle_output_len=args.oracle_output_len,
-            **cost.event_costs(),
-            **transfer,
-        )
+        if args.pd is not None:
+            sim = run_pd(args, trace, config, cost)
+        else:
+            sim = simulate_cluster(
+                trace,
+                config,
+                cost_model_step_time(cost, config),
+                instances,
+                policy,
+                seed=args.seed,
+                oracle_output_len=args.oracle_output_len,
+                **cost.event_costs(),
+                **transfer,
+            )
         wall = time.perf_counter() - started
         result = {**engine_json(args, trace, config, cost), "simulation_seconds": wall, **sim.to_json(**summary)}
         runs.append(sim)
@@ -230,6 +265,36 @@ def run_cluster(args, trace, config, cost, policies: list, transfer: dict) -> di
         Path(args.output).write_text(json.dumps(out) + "\n")
         print(f"result JSON: {args.output}")
     return out
+
+
+def run_pd(args, trace, config, cost):
+    """`--pd P:D` on the trace: the cluster's result (sim/pd.py)."""
+    from jaxllm.sim.pd import parse_pd, simulate_pd
+    from jaxllm.sim.simulator import cost_model_step_time
+    from jaxllm.tune.space import kv_bytes_per_block
+
+    if args.oracle_output_len or config.pipeline_parallel_size > 1:
+        raise ValueError("--pd simulates one-stage instances without --oracle-output-len")
+    num_prefill, num_decode = parse_pd(args.pd)
+    options = {
+        name: value
+        for name, value in (
+            ("kv_transfer_gb_s", args.kv_transfer_gb_s),
+            ("kv_transfer_latency_s", args.kv_transfer_latency),
+        )
+        if value is not None
+    }
+    return simulate_pd(
+        trace,
+        config,
+        cost_model_step_time(cost, config),
+        num_prefill,
+        num_decode,
+        kv_bytes_per_token=kv_bytes_per_block(cost, config.block_size) // config.block_size,
+        seed=args.seed,
+        **cost.event_costs(),
+        **options,
+    )
 
 
 def cluster_summary(result: dict, sim) -> str:

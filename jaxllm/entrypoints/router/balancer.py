@@ -73,6 +73,22 @@ def on_host(endpoint: str | None, url: str) -> str | None:
     return endpoint
 
 
+def tokenize_request(route: str, body: dict) -> dict | list[int] | None:
+    """What to ask an instance's `/tokenize` for a request's prompt: the body of that call, or the token ids when
+    the request gives them, or None (no single prompt: a batch, or no messages)."""
+    if route.endswith("chat/completions"):
+        if not isinstance(body.get("messages"), list):
+            return None
+        keep = ("messages", "tools", "chat_template", "chat_template_kwargs", "add_generation_prompt", "model")
+        return {k: body[k] for k in keep if k in body}
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return prompt
+    if not isinstance(prompt, str):
+        return None
+    return {"prompt": prompt, **({"model": body["model"]} if "model" in body else {})}
+
+
 def block_hashes(tokens: list[int], block_size: int, root_hex: str) -> list[bytes]:
     """The chained hashes of the full blocks of `tokens`, as the instance's KV manager names them."""
     return prefix_hashes(tokens, block_size, bytes.fromhex(root_hex))
@@ -212,19 +228,9 @@ class Balancer:
 
     async def tokens(self, instance: Instance, route: str, body: dict, headers: dict[str, str]) -> list[int] | None:
         """The prompt's token ids as the instance renders and tokenizes it (None: not known; route by load)."""
-        request: dict[str, Any]
-        if route.endswith("chat/completions"):
-            if not isinstance(body.get("messages"), list):
-                return None
-            keep = ("messages", "tools", "chat_template", "chat_template_kwargs", "add_generation_prompt", "model")
-            request = {k: body[k] for k in keep if k in body}
-        else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-                return prompt
-            if not isinstance(prompt, str):
-                return None  # a batch of prompts: no single prefix
-            request = {"prompt": prompt, **({"model": body["model"]} if "model" in body else {})}
+        request = tokenize_request(route, body)
+        if request is None or isinstance(request, list):
+            return request
         try:
             response = await self.client.post(
                 instance.url + "/tokenize", json=request, headers=headers, timeout=self.health_timeout
