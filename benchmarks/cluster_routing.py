@@ -18,6 +18,7 @@ same round. The simulator does not model the router's own hop (its HTTP proxying
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -25,7 +26,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
@@ -80,36 +80,6 @@ def calibrate(out: Path, kv_bytes: int) -> CostModel:
     return CostModel.load(out)
 
 
-class Router:
-    """`jaxllm router --instances ... --policy P` as a child process on a free port."""
-
-    def __init__(self, urls: list[str], policy: str, log_path: Path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        with open(log_path, "w") as log:
-            self.process = subprocess.Popen(
-                [*CLI, "router", "--instances", *urls, "--policy", policy, "--port", str(self.port)],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        deadline = time.monotonic() + 60
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the router exited with {self.process.returncode}: {log_path.read_text()[-2000:]}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the router not healthy within 60 s: {log_path.read_text()[-2000:]}")
-            time.sleep(0.5)
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(30)
-
-
 def kv_events_config() -> str:
     """KV events over ZeroMQ on two free loopback ports (events, replay): the router finds them in
     /v1/kv_cache_info."""
@@ -127,47 +97,30 @@ def prefix_counters(url: str) -> tuple[float, float]:
 def run_real(policy: str, trace_path: Path, kv_bytes: int, goodput: list[str], workdir: Path, tag: str) -> dict:
     """Two fresh pinned instances behind a fresh router; the trace replayed through it."""
     flags = [*ENGINE_FLAGS, "--kv-cache-memory-bytes", str(kv_bytes)]
-    servers = []
-    try:
-        for core in (0, 1):
-            server = ServerProcess(
-                [*flags, "--kv-events-config", kv_events_config()],
-                log_path=workdir / f"{tag}.serve{core}.log",
-                cpus={core},
+    out = workdir / f"{tag}.bench.json"
+    with contextlib.ExitStack() as stack:
+        servers = [
+            stack.enter_context(
+                ServerProcess(
+                    [*flags, "--kv-events-config", kv_events_config()],
+                    log_path=workdir / f"{tag}.serve{core}.log",
+                    cpus={core},
+                )
             )
-            servers.append(server.__enter__())
+            for core in (0, 1)
+        ]
         for server in servers:  # one request outside the trace: a fresh server's first request is slow
             body = {"model": first_model(server.url, {}), "prompt": list(range(100, 148)), "max_tokens": 4}
             httpx.post(server.url + "/v1/completions", json=body, timeout=120).raise_for_status()
         before = [prefix_counters(s.url) for s in servers]
-        router = Router([s.url for s in servers], policy, workdir / f"{tag}.router.log")
-        try:
-            out = workdir / f"{tag}.bench.json"
+        router_flags = ["--instances", *(s.url for s in servers), "--policy", policy]
+        with ServerProcess(router_flags, command="router", log_path=workdir / f"{tag}.router.log") as router:
+            bench = ["bench", "serve", "--base-url", router.url, "--dataset-name", "jsonl", "--disable-tqdm"]
             subprocess.run(
-                [
-                    *CLI,
-                    "bench",
-                    "serve",
-                    "--base-url",
-                    router.url,
-                    "--dataset-name",
-                    "jsonl",
-                    "--dataset-path",
-                    str(trace_path),
-                    "--goodput",
-                    *goodput,
-                    "--output",
-                    str(out),
-                    "--disable-tqdm",
-                ],
+                [*CLI, *bench, "--dataset-path", str(trace_path), "--goodput", *goodput, "--output", str(out)],
                 check=True,
             )
-        finally:
-            router.stop()
         after = [prefix_counters(s.url) for s in servers]
-    finally:
-        for server in servers:
-            server.stop()
     queries = sum(a[0] - b[0] for a, b in zip(after, before, strict=True))
     hits = sum(a[1] - b[1] for a, b in zip(after, before, strict=True))
     result = json.loads(out.read_text())

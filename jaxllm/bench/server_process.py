@@ -1,5 +1,5 @@
-"""`jaxllm serve` as a child process on a free loopback port: how tests and benchmark scripts get a
-real server, wait for it, read its /metrics and memory, and stop it."""
+"""`jaxllm serve` (or `jaxllm router`) as a child process on a free loopback port: how tests and benchmark scripts
+get a real server, wait for it, read its /metrics and memory, and stop it."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def scrape_metrics(url: str) -> dict[str, float]:
 
 class ServerProcess:
     """`with ServerProcess(flags) as server:` starts `jaxllm serve FLAGS --port P` (its output in
-    `log_path`), returns once /health answers 200, and SIGTERMs it on exit."""
+    `log_path`), returns once /health answers 200, and SIGTERMs it on exit. `command="router"`: `jaxllm router`."""
 
     def __init__(
         self,
@@ -50,10 +50,12 @@ class ServerProcess:
         log_path: str | Path | None = None,
         env: dict[str, str] | None = None,
         cpus: set[int] | None = None,
+        command: str = "serve",
     ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.flags = list(flags)
+        self.command = command
         self.startup_timeout = startup_timeout
         self.log_path = Path(log_path or tempfile.mkstemp(prefix="jaxllm-serve-", suffix=".log")[1])
         self.env = {**os.environ, **(env or {})}
@@ -67,7 +69,7 @@ class ServerProcess:
                     sys.executable,
                     "-m",
                     "jaxllm.entrypoints.cli",
-                    "serve",
+                    self.command,
                     *self.flags,
                     "--host",
                     "127.0.0.1",
@@ -99,9 +101,11 @@ class ServerProcess:
         deadline = time.monotonic() + self.startup_timeout
         while True:
             if process.poll() is not None:
-                raise RuntimeError(f"jaxllm serve exited with {process.returncode}:\n{self.log_tail()}")
+                raise RuntimeError(f"jaxllm {self.command} exited with {process.returncode}:\n{self.log_tail()}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"jaxllm serve not healthy within {self.startup_timeout:g} s:\n{self.log_tail()}")
+                raise TimeoutError(
+                    f"jaxllm {self.command} not healthy within {self.startup_timeout:g} s:\n{self.log_tail()}"
+                )
             try:
                 if httpx.get(self.url + "/health", timeout=2).status_code == 200:
                     return

@@ -240,9 +240,7 @@ class SimEngine:
         speculation: SimulatedSpeculation | None,
         record_steps: bool,
         records: list[RequestRecord] | None = None,
-        connector=None,
     ):
-        """`connector`: the scheduler's KV connector (a P/D decode instance's: sim/pd.py)."""
         self.trace, self.config, self.seed = trace, config, seed
         self.oracle_output_len, self.request_latency_s = oracle_output_len, request_latency_s
         self.speculation = speculation
@@ -255,7 +253,7 @@ class SimEngine:
                 f"the KV pool holds {self.kv.num_usable_blocks} blocks, fewer than the {needed} one sequence of "
                 f"max_model_len={sched.max_model_len} tokens needs: raise the number of blocks"
             )
-        self.scheduler = Scheduler(config.scheduler, self.kv, config.speculative, connector=connector)
+        self.scheduler = Scheduler(config.scheduler, self.kv, config.speculative)
         depth = config.scheduler.max_concurrent_batches  # = the stages (SimConfig): a batch in flight per stage
         self.loop = StepLoop(self.scheduler, self._launch, self._apply, depth)
         if records is None:
