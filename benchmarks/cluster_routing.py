@@ -26,6 +26,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import asdict
 from pathlib import Path
 
 import httpx
@@ -191,14 +192,35 @@ def main() -> None:
     parser.add_argument("--goodput", nargs="+", default=["ttft:1000", "tpot:100"], metavar="KEY:MS")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results/cluster_routing", help="writes OUT.md and OUT.json")
+    parser.add_argument(
+        "--resimulate",
+        default=None,
+        metavar="OUT.json",
+        help="no real runs: simulate again beside an earlier run's real figures (its settings and cost models)",
+    )
     args = parser.parse_args()
 
+    if args.resimulate:
+        earlier = json.loads(Path(args.resimulate).read_text())
+        args = argparse.Namespace(**{**earlier["settings"], "out": args.out, "resimulate": args.resimulate})
     policies = args.policies.split(",")
     for policy in policies:
         load_policy(policy)  # a bad name fails now, not after a calibration
     goodput = parse_goodput(args.goodput)
-    workdir = Path(tempfile.mkdtemp(prefix="cluster-routing-"))
     trace = make_trace(args)
+    if args.resimulate:
+        rounds = earlier["rounds"]
+        for round_ in rounds:
+            cost = CostModel(**round_["cost_model"])
+            round_["simulated"] = {p: run_simulated(p, trace, cost, args.num_blocks, goodput) for p in policies}
+    else:
+        rounds = run_rounds(args, policies, trace, goodput)
+    report(args, policies, trace, rounds)
+
+
+def run_rounds(args: argparse.Namespace, policies: list[str], trace: list, goodput: dict[str, float]) -> list[dict]:
+    """Each round: calibrate (or the given cost model), then every policy for real and in the simulator."""
+    workdir = Path(tempfile.mkdtemp(prefix="cluster-routing-"))
     save_trace(trace, trace_path := workdir / "trace.jsonl")
     rounds = []
     for round_ in range(args.rounds):
@@ -211,8 +233,12 @@ def main() -> None:
             print(f"round {round_ + 1}: {policy}, load average {os.getloadavg()[0]:.1f}", flush=True)
             real[policy] = run_real(policy, trace_path, kv_bytes, args.goodput, workdir, f"{policy}.{round_}")
             simulated[policy] = run_simulated(policy, trace, cost, args.num_blocks, goodput)
-        rounds.append({"cost_fit": cost.fit, "load_average": os.getloadavg()[0], "real": real, "simulated": simulated})
+        load = os.getloadavg()[0]
+        rounds.append({"cost_model": asdict(cost), "load_average": load, "real": real, "simulated": simulated})
+    return rounds
 
+
+def report(args: argparse.Namespace, policies: list[str], trace: list, rounds: list[dict]) -> None:
     text, rows = table(rounds, policies)
     loads = f"{min(r['load_average'] for r in rounds):.1f}-{max(r['load_average'] for r in rounds):.1f}"
     header = (
@@ -225,7 +251,7 @@ def main() -> None:
     print(header + text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out + ".md").write_text(header + text + "\n")
-    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "resimulate")}
     Path(args.out + ".json").write_text(json.dumps({"settings": settings, "rows": rows, "rounds": rounds}, indent=1))
 
 

@@ -67,10 +67,12 @@ def test_the_simulators_policies_are_the_routers_classes():
     # the CLI's objects come from the same loader
     import jaxllm.entrypoints.cli.simulate as cli
 
-    class Args:
-        instances, router, speculative_config, plot = 4, "round_robin,prefix_aware", None, None
+    from jaxllm.entrypoints.cli import build_parser
 
-    assert [type(p) for p in cli.cluster_policies(Args)] == [RoundRobin, PrefixAware]
+    args = build_parser().parse_args(
+        ["simulate", "t.jsonl", "--cost", "c.json", "--instances", "4", "--router", "round_robin,prefix_aware"]
+    )
+    assert [type(p) for p in cli.cluster_policies(args)] == [RoundRobin, PrefixAware]
 
 
 def test_a_later_turn_extends_the_earlier_one_and_hashes_as_the_router_does(config):

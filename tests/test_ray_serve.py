@@ -33,7 +33,8 @@ def cluster():
     """A local Ray cluster serving two applications of two replicas each (Ray's routing at /, jaxllm's prefix_aware
     at /routed); yields the base URL and the processes Ray started."""
     port = free_port()
-    ray.init(num_cpus=2, object_store_memory=100 * 2**20, include_dashboard=False, log_to_driver=False)
+    # 4 logical CPUs: each of the four engine replicas reserves one (the routed app's ingress none)
+    ray.init(num_cpus=4, object_store_memory=100 * 2**20, include_dashboard=False, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     serve.run(build_app(ENGINE, num_replicas=2, served_model_name=MODEL), name="jaxllm", route_prefix="/")
     routed = build_app(ENGINE, num_replicas=2, served_model_name=MODEL, policy="prefix_aware", name="routed")

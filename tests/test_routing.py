@@ -380,3 +380,34 @@ def test_data_parallel_replicas_are_chosen_by_a_router_policy():
         replica.alive = False  # (shut down on purpose: its reader ends quietly)
     for end in replica_ends:
         end.close()
+
+
+def test_a_client_leaving_mid_stream_leaves_no_read_of_the_instance_behind():
+    """The client goes while the router waits for the instance's next chunk (often just after the last one):
+    that read is cancelled with it, not left to finish unobserved ("Task exception was never retrieved")."""
+    from jaxllm.entrypoints.router.balancer import Instance, WatchedResponse
+    from jaxllm.routing.view import InstanceState
+
+    async def scenario() -> set:
+        never = asyncio.Event()
+
+        async def body():
+            yield b"data: one\n\n"
+            await never.wait()  # the instance's next chunk does not come
+
+        upstream = httpx.Response(200, headers={"content-type": "text/event-stream"}, content=body())
+        down = asyncio.Event()
+        response = WatchedResponse(
+            upstream, on_close=lambda outcome: None, down=down, instance=Instance(InstanceState("i"))
+        )
+        chunks = response._chunks()
+        assert await chunks.__anext__() == b"data: one\n\n"
+        reading = asyncio.ensure_future(chunks.__anext__())
+        await asyncio.sleep(0.05)
+        before = asyncio.all_tasks() - {asyncio.current_task(), reading}
+        reading.cancel()  # the client left
+        await asyncio.gather(reading, return_exceptions=True)
+        await asyncio.sleep(0.05)
+        return {t for t in before if not t.done()}
+
+    assert asyncio.run(scenario()) == set()

@@ -79,7 +79,7 @@ class ServerProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 env=self.env,
-                preexec_fn=None if self.cpus is None else lambda: os.sched_setaffinity(0, self.cpus),
+                preexec_fn=None if (cpus := self.cpus) is None else lambda: os.sched_setaffinity(0, cpus),
             )
         try:
             self._wait_healthy()

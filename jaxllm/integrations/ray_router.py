@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, cast
 
 from ray import serve
-from ray.serve.handle import DeploymentHandle
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from jaxllm.engine.block_hash import prefix_hashes
@@ -118,9 +118,14 @@ class RouterIngress:
         keys = None
         if request.method == "POST" and request.url.path.endswith(ROUTED):
             keys = route_keys(await self.route_request(path, body, headers))
-        stream = self.engines.options(stream=True).proxy.remote(request.method, path, headers, body, keys)
+        stream = self.proxy(request.method, path, headers, body, keys)
         head = await stream.__anext__()
         return StreamingResponse(stream, status_code=head["status"], headers=head["headers"])
+
+    def proxy(self, method: str, path: str, headers: dict[str, str], body: bytes, keys: dict | None):
+        """The request on an engine replica (`JaxLLMDeployment.proxy`): its head, then its body's chunks."""
+        call = self.engines.options(stream=True).proxy.remote(method, path, headers, body, keys)
+        return cast(DeploymentResponseGenerator, call)
 
     async def route_request(self, path: str, raw: bytes, headers: dict[str, str]) -> RouteRequest:
         try:
@@ -162,7 +167,7 @@ class RouterIngress:
     async def call(self, method: str, path: str, headers: dict[str, str], body: bytes) -> Any:
         """A small request to any replica (by load), its JSON answer (None: not a 200)."""
         chunks = []
-        stream = self.engines.options(stream=True).proxy.remote(method, path, headers, body, None)
+        stream = self.proxy(method, path, headers, body, None)
         head = await stream.__anext__()
         async for chunk in stream:
             chunks.append(chunk)

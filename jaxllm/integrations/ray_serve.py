@@ -65,12 +65,13 @@ class JaxLLMDeployment:
         names = [self.served_model_name] if self.served_model_name else None
         app = build_openai_app(self.engine, served_model_names=names, api_key=self.api_key)
         app.add_middleware(ReplicaHeader, replica_id=self.replica_id)
+        self.asgi_app = app  # what `proxy` runs a handle call's request through
         return app
 
     async def proxy(self, method: str, path: str, headers: dict[str, str], body: bytes, route: dict | None = None):
         """One HTTP request through this replica's app, for a handle call (the routed app's ingress): yields
         {"status", "headers"}, then the body's chunks as they come. `route` is for the request router only."""
-        async for item in asgi_stream(self.app, method, path, headers, body):
+        async for item in asgi_stream(self.asgi_app, method, path, headers, body):
             yield item
 
     def record_routing_stats(self) -> dict[str, Any]:
@@ -276,11 +277,12 @@ def routed(engine_args: EngineArgs, policy: str) -> tuple[Routing, EngineArgs]:
     if needs_hashes and engine_args.kv_events_config is None:
         events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:*"}
         engine_args = dataclasses.replace(engine_args, kv_events_config={**events, "replay_endpoint": "tcp://*:*"})
-    config = RequestRouterConfig(
-        request_router_class=JaxLLMRequestRouter,
-        request_router_kwargs={"policy": policy},
-        request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
-    )
+    options: dict[str, Any] = {
+        "request_router_class": JaxLLMRequestRouter,
+        "request_router_kwargs": {"policy": policy},
+        "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S,
+    }
+    config = RequestRouterConfig(**options)
     return Routing(config, needs_hashes), engine_args
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from jaxllm.kv_events.index import PrefixIndex
 
+DEFAULT_HEALTH_CHECK_INTERVAL_S = 2.0  # how often the router reads each instance's health and load
 SESSION_HEADER = "x-session-id"  # the router's default affinity header (`jaxllm bench serve` sends a trace's session)
 
 

@@ -5,10 +5,10 @@ Each instance is the simulator's engine (simulator.py `SimEngine`: the real `Sch
 priced by the cost model). The instances advance in virtual-time order — a heap of each busy instance's next step
 start — and a request is routed at its arrival time, before any instance steps past it, by a policy from
 `jaxllm.routing` (the classes `jaxllm router` uses, loaded by `routing.registry.load_policy`). What the policy
-sees is what a router sees: a `ClusterView` of `InstanceState`s whose running/waiting come from each scheduler
-after its latest step (a router polling as often as the instances step; a step in progress at the arrival has
-been applied already, so the numbers can be one step ahead of a poll's), `dispatched` the requests sent to it that
-have not reached its scheduler yet, `in_flight` those not finished; and, for a policy that reads block
+sees is what a router sees: a `ClusterView` of `InstanceState`s whose running/waiting are each scheduler's as the
+router's load poll last read them (every `poll_interval_s`, the router's health-check interval; a step in progress
+at a poll has been applied already, so the numbers can be one step ahead of a real poll's), `dispatched` the
+requests sent to it since, `in_flight` those not finished; and, for a policy that reads block
 hashes, a `PrefixIndex` fed by the KV events each instance's KV manager publishes (the engine's own listener,
 `kv_events.publisher.KVEventCollector`, one batch per step)
 — never the KV managers themselves. A request's block hashes are the engine's and the router's
@@ -32,7 +32,7 @@ from jaxllm.kv_events.events import EventBatch
 from jaxllm.kv_events.index import PrefixIndex
 from jaxllm.kv_events.publisher import KVEventCollector
 from jaxllm.routing.base import RoutingPolicy
-from jaxllm.routing.view import ClusterView, InstanceState, RouteRequest
+from jaxllm.routing.view import DEFAULT_HEALTH_CHECK_INTERVAL_S, ClusterView, InstanceState, RouteRequest
 from jaxllm.sim.costmodel import DEFAULT_PP_TRANSFER_LATENCY_S, DEFAULT_PP_TRANSFER_S_PER_TOKEN
 from jaxllm.sim.simulator import SimConfig, SimEngine, SimResult
 from jaxllm.sim.trace import TraceRequest, prompt_token_ids
@@ -117,18 +117,26 @@ def simulate_cluster(
     pp_transfer_latency_s: float = DEFAULT_PP_TRANSFER_LATENCY_S,
     pp_transfer_s_per_token: float = DEFAULT_PP_TRANSFER_S_PER_TOKEN,
     kv_events: bool | None = None,
+    poll_interval_s: float = DEFAULT_HEALTH_CHECK_INTERVAL_S,
 ) -> ClusterResult:
     """Run `trace` (sorted by arrival) on `num_instances` equal engines behind `policy`.
 
     `step_time` prices every instance's steps (stateless: a cost model's); the other keywords are `simulate`'s.
     `kv_events`: attach the KV-events listener to every instance and feed the prefix index (None: when the
-    policy reads block hashes, as a router subscribes to KV events for it).
+    policy reads block hashes, as a router subscribes to KV events for it). `poll_interval_s`: how often the
+    router reads each instance's running and waiting requests (`jaxllm router --health-check-interval`, whose
+    default this is); between reads a policy sees those counts plus what was sent since (`dispatched`), as the
+    router does; 0: after every step of the instance.
     """
     if num_instances < 1:
         raise ValueError(f"--instances must be >= 1, got {num_instances}")
     if config.speculative is not None:
         raise ValueError("the cluster simulation does not simulate speculative decoding yet")
-    for name, value in (("request_latency_s", request_latency_s), ("idle_wake_s", idle_wake_s)):
+    for name, value in (
+        ("request_latency_s", request_latency_s),
+        ("idle_wake_s", idle_wake_s),
+        ("poll_interval_s", poll_interval_s),
+    ):
         if value < 0:
             raise ValueError(f"{name} must be >= 0, got {value}")
     pipeline = config.pipeline_cost(pp_transfer_latency_s, pp_transfer_s_per_token)
@@ -155,10 +163,16 @@ def simulate_cluster(
     heap: list[tuple[float, int]] = []  # (next step's start, instance) of each instance with work
     queued = [False] * num_instances
     next_arrival, n = 0, len(trace)
+    next_poll = trace[0].arrival_time if trace else 0.0
     while next_arrival < n or heap:
         if next_arrival < n and (not heap or trace[next_arrival].arrival_time <= heap[0][0]):
             i, r = next_arrival, trace[next_arrival]
             next_arrival += 1
+            if poll_interval_s and r.arrival_time >= next_poll:  # the router's load poll came round
+                next_poll += (int((r.arrival_time - next_poll) // poll_interval_s) + 1) * poll_interval_s
+                for engine, state in zip(engines, states, strict=True):
+                    state.running, state.waiting = len(engine.scheduler.running), len(engine.scheduler.waiting)
+                    state.dispatched = 0
             tokens = None
             request = RouteRequest(session=r.session if r.session is not None else r.user)
             if hashed and r.prompt is None:
@@ -181,9 +195,10 @@ def simulate_cluster(
         _, k = heapq.heappop(heap)
         engine, state = engines[k], states[k]
         engine.step()
-        scheduler = engine.scheduler
-        state.running, state.waiting = len(scheduler.running), len(scheduler.waiting)
-        state.dispatched, state.in_flight = len(engine.pending), sent[k] - engine.num_done
+        state.in_flight = sent[k] - engine.num_done
+        if not poll_interval_s:
+            state.running, state.waiting = len(engine.scheduler.running), len(engine.scheduler.waiting)
+            state.dispatched = len(engine.pending)
         start = engine.next_step_time()
         if start is None:
             queued[k] = False

@@ -108,6 +108,14 @@ def register(sub) -> None:
         "comma-separated: each on the same trace, side by side (default with --instances: round_robin)",
     )
     cluster.add_argument(
+        "--router-poll-interval",
+        type=float,
+        default=None,
+        metavar="S",
+        help="how often the router reads each instance's load (`jaxllm router --health-check-interval`; default 2, "
+        "as there; 0: after every step)",
+    )
+    cluster.add_argument(
         "--pd",
         default=None,
         metavar="P:D",
@@ -203,6 +211,8 @@ def cluster_policies(args) -> list | None:
         parse_pd(args.pd)
     elif args.kv_transfer_gb_s is not None or args.kv_transfer_latency is not None:
         raise ValueError("--kv-transfer-* go with --pd")
+    if args.router_poll_interval is not None and (args.pd is not None or args.instances is None):
+        raise ValueError("--router-poll-interval goes with --instances N")
     if args.instances is None and args.router is None and args.pd is None:
         return None
     from jaxllm.routing.registry import load_policy
@@ -250,6 +260,7 @@ def run_cluster(args, trace, config, cost, policies: list, transfer: dict) -> di
                 oracle_output_len=args.oracle_output_len,
                 **cost.event_costs(),
                 **transfer,
+                **({} if args.router_poll_interval is None else {"poll_interval_s": args.router_poll_interval}),
             )
         wall = time.perf_counter() - started
         result = {**engine_json(args, trace, config, cost), "simulation_seconds": wall, **sim.to_json(**summary)}

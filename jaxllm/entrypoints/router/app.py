@@ -19,11 +19,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import jaxllm
-from jaxllm.entrypoints.router.balancer import DEFAULT_HEALTH_CHECK_INTERVAL_S, SESSION_HEADER, Balancer
+from jaxllm.entrypoints.router.balancer import Balancer
 from jaxllm.entrypoints.router.instances import InstancePool
 from jaxllm.entrypoints.router.metrics import RouterMetrics
 from jaxllm.entrypoints.router.proxy import HEALTH_TIMEOUT_S, Proxy, error_response
 from jaxllm.routing.registry import load_policy
+from jaxllm.routing.view import DEFAULT_HEALTH_CHECK_INTERVAL_S, SESSION_HEADER
 
 DEFAULT_TIMEOUT_S = 300.0  # --timeout
 CONNECT_TIMEOUT_S = 5.0  # an instance that takes longer to accept a connection counts as down

@@ -34,11 +34,15 @@ from jaxllm.entrypoints.router.proxy import PassthroughResponse, describe, error
 from jaxllm.kv_events.index import InstanceView, PrefixIndex
 from jaxllm.kv_events.subscriber import SubscriberThread, ZmqEventSubscriber
 from jaxllm.routing.base import RoutingPolicy
-from jaxllm.routing.view import SESSION_HEADER, ClusterView, InstanceState, RouteRequest
+from jaxllm.routing.view import (
+    DEFAULT_HEALTH_CHECK_INTERVAL_S,
+    SESSION_HEADER,
+    ClusterView,
+    InstanceState,
+    RouteRequest,
+)
 
 logger = logging.getLogger("jaxllm.router")
-
-DEFAULT_HEALTH_CHECK_INTERVAL_S = 2.0
 
 
 @dataclass
@@ -349,8 +353,13 @@ class WatchedResponse(PassthroughResponse):
         while True:
             following = asyncio.ensure_future(chunks.__anext__())
             down = asyncio.ensure_future(self.down.wait())
-            await asyncio.wait({following, down}, return_when=asyncio.FIRST_COMPLETED)
-            down.cancel()
+            try:
+                await asyncio.wait({following, down}, return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:  # the client left (often just after the last chunk): read no more
+                following.cancel()
+                raise
+            finally:
+                down.cancel()
             if not following.done():  # it left rotation mid-answer
                 following.cancel()
                 await asyncio.gather(following, return_exceptions=True)
