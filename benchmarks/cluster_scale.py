@@ -8,7 +8,7 @@ same trace goes to every policy: the comparison is paired. Writes OUT.json (ever
 and OUT_goodput.png, OUT_ttft.png, OUT_hits.png: goodput, mean TTFT and prefix-cache hit rate vs the rate.
 
     python benchmarks/cluster_scale.py --cost benchmarks/results/cluster_routing_cost.json \
-        --instances 1000 --requests-per-instance 40 --out benchmarks/results/cluster_scale
+        --instances 1000 --requests-per-instance 40 --rates 0.2,0.4,0.6,0.8 --out benchmarks/results/cluster_scale
 """
 
 from __future__ import annotations
@@ -77,12 +77,12 @@ def main() -> None:
     parser.add_argument("--instances", type=int, default=1000)
     parser.add_argument("--requests-per-instance", type=int, default=40)
     parser.add_argument(
-        "--rates", default="0.05,0.1,0.15,0.2", help="conversations started per second per instance, comma-separated"
+        "--rates", default="0.2,0.4,0.6,0.8", help="conversations started per second per instance, comma-separated"
     )
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--turn-len", type=int, default=48)
     parser.add_argument("--output-len", type=int, default=8)
-    parser.add_argument("--think-time", type=float, default=5.0)
+    parser.add_argument("--think-time", type=float, default=2.0)
     parser.add_argument("--system-prompts", type=int, default=8)
     parser.add_argument("--system-prompt-len", type=int, default=64)
     parser.add_argument("--max-prompt-len", type=int, default=480)

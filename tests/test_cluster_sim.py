@@ -66,7 +66,6 @@ def test_the_simulators_policies_are_the_routers_classes():
         assert type(load_policy(name)) is cls
     # the CLI's objects come from the same loader
     import jaxllm.entrypoints.cli.simulate as cli
-
     from jaxllm.entrypoints.cli import build_parser
 
     args = build_parser().parse_args(

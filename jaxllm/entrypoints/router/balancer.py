@@ -29,8 +29,8 @@ from fastapi.responses import Response
 from prometheus_client.parser import text_string_to_metric_families
 
 from jaxllm.engine.block_hash import prefix_hashes
-from jaxllm.entrypoints.router.metrics import RouterMetrics
-from jaxllm.entrypoints.router.proxy import PassthroughResponse, describe, error_body, error_response, outcome_of
+from jaxllm.entrypoints.router.metrics import RouterMetrics, outcome_of
+from jaxllm.entrypoints.router.proxy import PassthroughResponse, describe, error_body, error_response
 from jaxllm.kv_events.index import InstanceView, PrefixIndex
 from jaxllm.kv_events.subscriber import SubscriberThread, ZmqEventSubscriber
 from jaxllm.routing.base import RoutingPolicy
@@ -251,7 +251,7 @@ class Balancer:
             if not isinstance(body, dict):
                 raise ValueError("not a JSON object")
         except ValueError as e:
-            return self.finish(route, start, error_response(400, f"the request body is not a JSON object: {e}"))
+            return self.metrics.finish(route, start, error_response(400, f"the request body is not a JSON object: {e}"))
         routed = await self.route_request(route, body, headers)
         tried: set[int] = set()
         errors: list[str] = []
@@ -260,7 +260,7 @@ class Balancer:
             if not candidates:
                 down = [f"{i.url}: {i.last_error}" for i in self.instances if i.last_error] or ["none healthy"]
                 message = "no instance available: " + "; ".join(errors or down)
-                return self.finish(route, start, error_response(503, message), outcome="unavailable")
+                return self.metrics.finish(route, start, error_response(503, message), outcome="unavailable")
             state = self.policy.choose(routed, ClusterView([i.state for i in candidates], self.index))
             instance = next((i for i in candidates if i.state is state), None)
             if instance is None:
@@ -293,7 +293,7 @@ class Balancer:
         if sending.cancelled():  # it left rotation while we waited for its answer: fail now, never hang
             state.in_flight -= 1
             message = f"instance {instance.url} stopped answering its health checks: {instance.last_error}"
-            return self.finish(route, start, error_response(503, message), outcome="unavailable")
+            return self.metrics.finish(route, start, error_response(503, message), outcome="unavailable")
         error = sending.exception()
         if error is not None:
             state.in_flight -= 1
@@ -304,24 +304,18 @@ class Balancer:
                 self.out_of_rotation(instance, describe(error))
                 return None
             status = 504 if isinstance(error, httpx.TimeoutException) else 502
-            return self.finish(route, start, error_response(status, f"instance {instance.url}: {describe(error)}"))
+            return self.metrics.finish(
+                route, start, error_response(status, f"instance {instance.url}: {describe(error)}")
+            )
         upstream = sending.result()
 
         def close(outcome: str) -> None:
             state.in_flight -= 1
-            self.record(route, start, outcome)
+            self.metrics.record(route, start, outcome)
 
         return WatchedResponse(upstream, on_close=close, down=instance.down, instance=instance)
 
     # ---- bookkeeping -----------------------------------------------------------------------------
-
-    def record(self, route: str, start: float, outcome: str) -> None:
-        self.metrics.requests.labels(route, outcome).inc()
-        self.metrics.request_latency.labels(route).observe(time.perf_counter() - start)
-
-    def finish(self, route: str, start: float, response: Response, outcome: str | None = None) -> Response:
-        self.record(route, start, outcome or outcome_of(response.status_code))
-        return response
 
     async def forward_get(self, path: str, headers: dict[str, str]) -> Response:
         errors = []

@@ -6,9 +6,11 @@ exports only what it measures and several routers can share a process (the tests
 
 from __future__ import annotations
 
+import time
 from functools import partial
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from starlette.responses import Response
 
 from jaxllm.entrypoints.router.instances import Instance, InstancePool
 
@@ -16,6 +18,10 @@ from jaxllm.entrypoints.router.instances import Instance, InstancePool
 OUTCOMES = ("success", "client_error", "upstream_error", "unavailable", "aborted")
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+
+
+def outcome_of(status: int) -> str:
+    return "success" if status < 400 else "client_error" if status < 500 else "upstream_error"
 
 
 class RouterMetrics:
@@ -65,6 +71,16 @@ class RouterMetrics:
             buckets=LATENCY_BUCKETS,
             registry=self.registry,
         )
+
+    def record(self, route: str, start: float, outcome: str) -> None:
+        """One answered request: its outcome, and its latency from `start` (`time.perf_counter()`)."""
+        self.requests.labels(route, outcome).inc()
+        self.request_latency.labels(route).observe(time.perf_counter() - start)
+
+    def finish(self, route: str, start: float, response: Response, outcome: str | None = None) -> Response:
+        """`record` the request by its response's status (or `outcome`), and return the response."""
+        self.record(route, start, outcome or outcome_of(response.status_code))
+        return response
 
     def watch(self, pool: InstancePool) -> None:
         """Export a pool's in-flight counts and state; the gauges read them when scraped."""

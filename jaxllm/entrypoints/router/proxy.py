@@ -28,7 +28,7 @@ import httpx
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from jaxllm.entrypoints.router.instances import Instance, InstancePool
-from jaxllm.entrypoints.router.metrics import RouterMetrics
+from jaxllm.entrypoints.router.metrics import RouterMetrics, outcome_of
 
 logger = logging.getLogger("jaxllm.router")
 
@@ -64,10 +64,6 @@ def error_response(status: int, message: str) -> JSONResponse:
     return JSONResponse(error_body(status, message), status_code=status)
 
 
-def outcome_of(status: int) -> str:
-    return "success" if status < 400 else "client_error" if status < 500 else "upstream_error"
-
-
 def describe(error: Exception) -> str:
     text = str(error)
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
@@ -101,17 +97,17 @@ class Proxy:
         try:
             body = json.loads(raw_body) if raw_body else None
         except ValueError as e:
-            return self.finish(route, start, error_response(400, f"the request body is not valid JSON: {e}"))
+            return self.metrics.finish(route, start, error_response(400, f"the request body is not valid JSON: {e}"))
         if not isinstance(body, dict):
-            return self.finish(route, start, error_response(400, "the request body must be a JSON object"))
+            return self.metrics.finish(route, start, error_response(400, "the request body must be a JSON object"))
         headers = {**headers, "content-type": "application/json"}
         try:
             prefilled = await self.prefill(route, body, headers)
             if prefilled.rejection is not None:
-                return self.finish(route, start, prefilled.rejection)
+                return self.metrics.finish(route, start, prefilled.rejection)
             return await self.decode(route, decode_body(body, prefilled.kv_transfer_params), headers, start)
         except asyncio.CancelledError:
-            self.record(route, start, "aborted")
+            self.metrics.record(route, start, "aborted")
             raise
 
     async def prefill(self, route: str, body: dict[str, Any], headers: dict[str, str]) -> Prefilled:
@@ -166,16 +162,16 @@ class Proxy:
                     raise
                 status = 504 if isinstance(e, httpx.TimeoutException) else 502
                 message = f"decode instance {self.failed(self.decode_pool, instance, describe(e))}"
-                return self.finish(route, start, error_response(status, message))
+                return self.metrics.finish(route, start, error_response(status, message))
             self.decode_pool.answered(instance)
 
             def close(outcome: str, instance: Instance = instance) -> None:
                 self.decode_pool.release(instance)
-                self.record(route, start, outcome)
+                self.metrics.record(route, start, outcome)
 
             return PassthroughResponse(upstream, on_close=close)
         message = "no decode instance could be reached: " + "; ".join(errors)
-        return self.finish(route, start, error_response(503, message), outcome="unavailable")
+        return self.metrics.finish(route, start, error_response(503, message), outcome="unavailable")
 
     # ---- everything else -------------------------------------------------------------------------
 
@@ -221,14 +217,6 @@ class Proxy:
         pool.failed(instance, error)
         self.metrics.upstream_errors.labels(pool.role, instance.url).inc()
         return f"{instance.url}: {error}"
-
-    def record(self, route: str, start: float, outcome: str) -> None:
-        self.metrics.requests.labels(route, outcome).inc()
-        self.metrics.request_latency.labels(route).observe(time.perf_counter() - start)
-
-    def finish(self, route: str, start: float, response: Response, outcome: str | None = None) -> Response:
-        self.record(route, start, outcome or outcome_of(response.status_code))
-        return response
 
 
 def whole(response: httpx.Response) -> Response:
