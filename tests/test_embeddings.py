@@ -177,7 +177,7 @@ def test_pooling_settings_refused_early():
 
     with pytest.raises(ValueError, match="pooling_type must be one of LAST, MEAN, CLS"):
         PoolerConfig.parse('{"pooling_type": "MAX"}')
-    with pytest.raises(ValueError, match="unknown keys"):
+    with pytest.raises(ValueError, match="unknown field"):
         PoolerConfig.parse({"pooling": "MEAN"})
     with pytest.raises(ValueError, match="runner must be one of generate, pooling"):
         EngineArgs(runner="embed").check()

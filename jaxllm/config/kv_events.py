@@ -7,9 +7,10 @@ every message (kv_events/publisher.py).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
 from typing import Any
+
+from jaxllm.config.checks import json_object
 
 PUBLISHERS = ("zmq", "null")
 
@@ -48,17 +49,5 @@ class KVEventsConfig:
         """From a dict, a JSON string (`--kv-events-config`), or None."""
         if value is None or isinstance(value, KVEventsConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_events_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError("kv_events_config must be a JSON object")
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise ValueError(
-                f"kv_events_config: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
-            )
+        value = json_object("kv_events_config", value, (f.name for f in fields(cls)))
         return cls(**value)

@@ -9,9 +9,10 @@ error).
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
+
+from jaxllm.config.checks import json_object
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 FAILURE_POLICIES = ("recompute", "fail")
@@ -78,11 +79,8 @@ class KVTransferConfig:
     ) -> KVTransferConfig | None:
         """From a dict, a JSON string (`--kv-transfer-config`), or None; `kv_offloading_size` (GiB, vLLM's
         `--kv-offloading-size`) alone means the OffloadingConnector with that much host memory."""
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"kv_transfer_config is not valid JSON: {e}") from None
+        if value is not None and not isinstance(value, KVTransferConfig):
+            value = json_object("kv_transfer_config", value, cls.__dataclass_fields__)
         if kv_offloading_size is not None:
             if not isinstance(kv_offloading_size, int | float) or kv_offloading_size <= 0:
                 raise ValueError(f"kv_offloading_size must be a positive number of GiB, got {kv_offloading_size!r}")
@@ -95,12 +93,6 @@ class KVTransferConfig:
                 raise ValueError("kv_offloading_size goes with the OffloadingConnector only")
         if value is None or isinstance(value, KVTransferConfig):
             return value
-        if not isinstance(value, dict):
-            raise ValueError(f"kv_transfer_config must be a JSON object, got {type(value).__name__}")
-        unknown = sorted(set(value) - set(cls.__dataclass_fields__))
-        if unknown:
-            known = ", ".join(cls.__dataclass_fields__)
-            raise ValueError(f"kv_transfer_config: unknown field(s) {', '.join(unknown)}; known: {known}")
         if "kv_connector" not in value:
             raise ValueError("kv_transfer_config needs 'kv_connector'")
         return cls(**value)

@@ -4,10 +4,9 @@ become one embedding. Plain data: reading a model's sentence-transformers files 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
-from jaxllm.config.checks import one_of
+from jaxllm.config.checks import json_object, one_of
 
 RUNNERS = ("generate", "pooling")
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
@@ -43,16 +42,8 @@ class PoolerConfig:
         """From `LLM(pooler_config=...)` or `--pooler-config` (JSON); unknown keys are refused by name."""
         if value is None or isinstance(value, PoolerConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"pooler_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"pooler_config must be a dict or JSON object, got {type(value).__name__}")
-        known = {"pooling_type", "normalize", "is_matryoshka", "matryoshka_dimensions"}
-        if unknown := sorted(set(value) - known):
-            raise ValueError(f"pooler_config: unknown keys {unknown}; known: {sorted(known)}")
+        known = ("pooling_type", "normalize", "is_matryoshka", "matryoshka_dimensions")
+        value = json_object("pooler_config", value, known)
         return cls(**value)
 
 

@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from jaxllm.config.checks import json_object
+
 METHODS = ("ngram", "draft_model")
 MAX_SPECULATIVE_TOKENS = 16
 
@@ -52,20 +54,9 @@ class SpeculativeConfig:
         """From a dict, a JSON string (the CLI's `--speculative-config`), or None (no speculation)."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"speculative_config is not valid JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
-        fields = dict(value)
+        fields = json_object("speculative_config", value, cls.__dataclass_fields__)
         if "method" not in fields and "model" in fields:
             fields["method"] = "draft_model"  # vLLM infers the method from the model
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(fields) - known)
-        if unknown:
-            raise ValueError(f"speculative_config: unknown field(s) {', '.join(unknown)}; known: {', '.join(known)}")
         for needed in ("method", "num_speculative_tokens"):
             if needed not in fields:
                 raise ValueError(f"speculative_config needs {needed!r}")
