@@ -80,6 +80,12 @@ def main() -> None:
         "--rates", default="0.2,0.4,0.6,0.8", help="conversations started per second per instance, comma-separated"
     )
     parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument(
+        "--prefix-aware-abs-thresholds",
+        default="8",
+        help="prefix_aware again with each of these balance_abs_threshold values (SGLang's 32 is the default's), "
+        "comma-separated; empty: none",
+    )
     parser.add_argument("--turn-len", type=int, default=48)
     parser.add_argument("--output-len", type=int, default=8)
     parser.add_argument("--think-time", type=float, default=2.0)
@@ -94,17 +100,26 @@ def main() -> None:
     from jaxllm.bench.serve import parse_goodput
 
     goodput = parse_goodput(args.goodput)
-    policies = args.policies.split(",")
+    variants = {name: (name, {}) for name in args.policies.split(",")}
+    for text in filter(None, args.prefix_aware_abs_thresholds.split(",")):
+        variants[f"prefix_aware abs {text}"] = ("prefix_aware", {"balance_abs_threshold": int(text)})
+    policies = list(variants)
     cost = CostModel.load(args.cost)
     config = sim_config_for(cost.engine)
     step_time = cost_model_step_time(cost, config)
     runs = []
     for rate in (float(r) for r in args.rates.split(",")):
         trace = make_trace(args, rate)
-        for policy in policies:
+        for policy, (name, options) in variants.items():
             started = time.perf_counter()
             result = simulate_cluster(
-                trace, config, step_time, args.instances, load_policy(policy), seed=args.seed, **cost.event_costs()
+                trace,
+                config,
+                step_time,
+                args.instances,
+                load_policy(name, **options),
+                seed=args.seed,
+                **cost.event_costs(),
             ).to_json(goodput=goodput)
             seconds = time.perf_counter() - started
             result.pop("per_instance")
