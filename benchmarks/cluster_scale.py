@@ -30,7 +30,7 @@ from jaxllm.sim.synth import LengthDist, conversations
 
 TURNS = 4
 CURVES = (
-    ("goodput", "request_goodput", "goodput (requests/s within the SLOs)"),
+    ("goodput", "request_goodput", "goodput per instance (requests/s within the SLOs)"),
     ("ttft", "mean_ttft_ms", "mean TTFT (ms)"),
     ("hits", "prefix_cache_hit_rate", "prefix-cache hit rate"),
 )
@@ -52,13 +52,14 @@ def make_trace(args: argparse.Namespace, rate_per_instance: float) -> list:
     )
 
 
-def plot(runs: list[dict], policies: list[str], out: str, title: str) -> list[str]:
+def plot(runs: list[dict], policies: list[str], out: str, title: str, instances: int) -> list[str]:
     paths = []
     for suffix, key, label in CURVES:
         fig = Figure(figsize=(7, 4.5), layout="constrained")
         ax = fig.subplots()
+        per = instances if key == "request_goodput" else 1
         for policy in policies:
-            points = sorted((r["rate_per_instance"], r["summary"][key]) for r in runs if r["policy"] == policy)
+            points = sorted((r["rate_per_instance"], r["summary"][key] / per) for r in runs if r["policy"] == policy)
             ax.plot([x for x, _ in points], [y for _, y in points], marker="o", label=policy)
         ax.set_xlabel("offered load (conversations started per second per instance)")
         ax.set_ylabel(label)
@@ -73,7 +74,7 @@ def plot(runs: list[dict], policies: list[str], out: str, title: str) -> list[st
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cost", required=True, help="cost model from `jaxllm calibrate`")
+    parser.add_argument("--cost", default=None, help="cost model from `jaxllm calibrate` (needed but with --replot)")
     parser.add_argument("--instances", type=int, default=1000)
     parser.add_argument("--requests-per-instance", type=int, default=40)
     parser.add_argument(
@@ -95,7 +96,12 @@ def main() -> None:
     parser.add_argument("--goodput", nargs="+", default=["ttft:1000", "tpot:100"], metavar="KEY:MS")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default="benchmarks/results/cluster_scale")
+    parser.add_argument("--replot", default=None, metavar="OUT.json", help="only draw the plots of an earlier run")
     args = parser.parse_args()
+    if args.replot:
+        return replot(args.replot, args.out)
+    if args.cost is None:
+        parser.error("--cost is needed (a cost model from `jaxllm calibrate`)")
 
     from jaxllm.bench.serve import parse_goodput
 
@@ -130,14 +136,25 @@ def main() -> None:
                 f"{result['prefix_cache_hit_rate']:.0%} (load average {os.getloadavg()[0]:.1f})",
                 flush=True,
             )
-    title = (
-        f"{args.instances} simulated instances, {TURNS}-turn conversations over {args.system_prompts} system "
-        f"prompts; cost model {Path(args.cost).name}; SLOs {' '.join(args.goodput)}"
-    )
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    settings = {k: v for k, v in vars(args).items() if k != "out"}
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "replot")}
     Path(args.out + ".json").write_text(json.dumps({"settings": settings, "cost_engine": cost.engine, "runs": runs}))
-    print("plots:", ", ".join(plot(runs, policies, args.out, title)))
+    print("plots:", ", ".join(plot(runs, policies, args.out, title_of(args), args.instances)))
+
+
+def title_of(args: argparse.Namespace) -> str:
+    return (
+        f"{args.instances} simulated instances, {TURNS}-turn conversations over {args.system_prompts} system "
+        f"prompts\ncost model {Path(args.cost).name}; SLOs {' '.join(args.goodput)}"
+    )
+
+
+def replot(path: str, out: str) -> None:
+    """The plots again from a run's JSON."""
+    data = json.loads(Path(path).read_text())
+    args = argparse.Namespace(**data["settings"])
+    policies = list(dict.fromkeys(r["policy"] for r in data["runs"]))
+    print("plots:", ", ".join(plot(data["runs"], policies, out, title_of(args), args.instances)))
 
 
 if __name__ == "__main__":
