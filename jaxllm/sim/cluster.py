@@ -24,6 +24,8 @@ one trace run under several policies is a paired comparison. With one instance t
 from __future__ import annotations
 
 import heapq
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from jaxllm.bench.results import RequestRecord, summarize
@@ -33,7 +35,7 @@ from jaxllm.kv_events.index import PrefixIndex
 from jaxllm.kv_events.publisher import KVEventCollector
 from jaxllm.routing.base import RoutingPolicy
 from jaxllm.routing.view import DEFAULT_HEALTH_CHECK_INTERVAL_S, ClusterView, InstanceState, RouteRequest
-from jaxllm.sim.costmodel import DEFAULT_PP_TRANSFER_LATENCY_S, DEFAULT_PP_TRANSFER_S_PER_TOKEN
+from jaxllm.sim.costmodel import DEFAULT_PP_TRANSFER_LATENCY_S, DEFAULT_PP_TRANSFER_S_PER_TOKEN, PipelineCost
 from jaxllm.sim.simulator import SimConfig, SimEngine, SimResult
 from jaxllm.sim.trace import TraceRequest, prompt_token_ids
 from jaxllm.sim.virtual_device import StepTime, VirtualDevice
@@ -103,6 +105,94 @@ class ClusterResult:
         return result
 
 
+def priced_engine(
+    trace: list[TraceRequest],
+    config: SimConfig,
+    step_time: StepTime,
+    pipeline: PipelineCost,
+    records: list[RequestRecord],
+    *,
+    seed: int,
+    request_latency_s: float,
+    idle_wake_s: float,
+    oracle_output_len: bool = False,
+) -> SimEngine:
+    """One simulated instance of a cluster, its steps priced by `step_time` on a virtual device of its own."""
+    engine = SimEngine(trace, config, seed, oracle_output_len, request_latency_s, None, False, records)
+    limit = config.scheduler.max_num_batched_tokens
+    engine.device = VirtualDevice(pipeline, step_time, limit, idle_wake_s, engine.clock)
+    return engine
+
+
+class SimFleet:
+    """Simulated instances on one virtual clock, and what a router knows of each (`states`, as it keeps them).
+
+    `next_step` is the earliest start among the busy instances' next steps (a heap; inf when all are idle);
+    `send` hands an instance a request, `step` runs the earliest step, `poll` reads every instance's load as the
+    router's poll does."""
+
+    def __init__(self, names: list[str], engines: list[SimEngine]):
+        self.names, self.engines = names, engines
+        self.states = [InstanceState(name) for name in names]
+        self.sent = [0] * len(engines)
+        self.queued = [False] * len(engines)
+        self.heap: list[tuple[float, int]] = []  # (next step's start, instance) of each instance with work
+
+    @property
+    def next_step(self) -> float:
+        return self.heap[0][0] if self.heap else math.inf
+
+    def send(self, k: int, i: int, tokens: list[int] | None = None) -> None:
+        self.engines[k].send(i, tokens)
+        self.sent[k] += 1
+        state = self.states[k]
+        state.dispatched += 1
+        state.in_flight += 1
+        if not self.queued[k]:  # a busy instance's next start does not move; an idle one's is this arrival's
+            start = self.engines[k].next_step_time()
+            assert start is not None
+            heapq.heappush(self.heap, (start, k))
+            self.queued[k] = True
+
+    def step(self, *, track_load: bool) -> int:
+        """The earliest step; returns its instance. `track_load`: its state takes the scheduler's load after it
+        (a router polling as often as the instances step); the requests still open on it are always tracked."""
+        _, k = heapq.heappop(self.heap)
+        engine, state = self.engines[k], self.states[k]
+        engine.step()
+        state.in_flight = self.sent[k] - engine.num_done
+        if track_load:
+            state.running, state.waiting = len(engine.scheduler.running), len(engine.scheduler.waiting)
+            state.dispatched = len(engine.pending)
+        start = engine.next_step_time()
+        if start is None:
+            self.queued[k] = False
+        else:
+            heapq.heappush(self.heap, (start, k))
+        return k
+
+    def poll(self) -> None:
+        for engine, state in zip(self.engines, self.states, strict=True):
+            state.running, state.waiting = len(engine.scheduler.running), len(engine.scheduler.waiting)
+            state.dispatched = 0
+
+    def runs(
+        self, assigned: list[int], records_of: Callable[[int], list[RequestRecord]]
+    ) -> tuple[list[SimResult], float]:
+        """Each instance's result (its records: those of the requests it served, `assigned`, in trace order) and
+        the makespan: first arrival to the last step of any instance."""
+        served: list[list[RequestRecord]] = [[] for _ in self.engines]
+        for i, k in enumerate(assigned):
+            served[k].append(records_of(k)[i])
+        runs = []
+        for engine, mine in zip(self.engines, served, strict=True):
+            run = engine.result()
+            run.records = mine
+            runs.append(run)
+        start = min(e.start for e in self.engines)
+        return runs, max(e.clock for e in self.engines) - start
+
+
 def simulate_cluster(
     trace: list[TraceRequest],
     config: SimConfig,
@@ -146,74 +236,49 @@ def simulate_cluster(
     publish = policy.needs_block_hashes if kv_events is None else kv_events
     engines = []
     for name in names:
-        engine = SimEngine(trace, config, seed, oracle_output_len, request_latency_s, None, False, records)
-        limit = config.scheduler.max_num_batched_tokens
-        engine.device = VirtualDevice(pipeline, step_time, limit, idle_wake_s, engine.clock)
+        engine = priced_engine(
+            trace,
+            config,
+            step_time,
+            pipeline,
+            records,
+            seed=seed,
+            request_latency_s=request_latency_s,
+            idle_wake_s=idle_wake_s,
+            oracle_output_len=oracle_output_len,
+        )
         if publish:
             sink = _IndexSink(index, name)
             collector = KVEventCollector(sink, block_size=config.block_size, scope=engine.kv.root.hex())
             engine.kv.listener = engine.kv_events = collector
         engines.append(engine)
-    states = [InstanceState(name) for name in names]
+    fleet = SimFleet(names, engines)
+    states = fleet.states
     view = ClusterView(states, index)
     root, scope = engines[0].kv.root, engines[0].kv.root.hex()
     hashed = policy.needs_block_hashes
-    sent = [0] * num_instances
     assigned = [-1] * len(trace)
-    heap: list[tuple[float, int]] = []  # (next step's start, instance) of each instance with work
-    queued = [False] * num_instances
     next_arrival, n = 0, len(trace)
     next_poll = trace[0].arrival_time if trace else 0.0
-    while next_arrival < n or heap:
-        if next_arrival < n and (not heap or trace[next_arrival].arrival_time <= heap[0][0]):
+    while next_arrival < n or fleet.heap:
+        if next_arrival < n and trace[next_arrival].arrival_time <= fleet.next_step:
             i, r = next_arrival, trace[next_arrival]
             next_arrival += 1
             if poll_interval_s and r.arrival_time >= next_poll:  # the router's load poll came round
                 next_poll += (int((r.arrival_time - next_poll) // poll_interval_s) + 1) * poll_interval_s
-                for engine, state in zip(engines, states, strict=True):
-                    state.running, state.waiting = len(engine.scheduler.running), len(engine.scheduler.waiting)
-                    state.dispatched = 0
+                fleet.poll()
             tokens = None
             request = RouteRequest(session=r.session if r.session is not None else r.user)
             if hashed and r.prompt is None:
                 tokens = prompt_token_ids(r, i, seed)
                 hashes = prefix_hashes(tokens, config.block_size, root)
                 request = RouteRequest(hashes, scope, session=request.session)
-            state = policy.choose(request, view)
-            k = _index_of(state, states)
+            k = _index_of(policy.choose(request, view), states)
             assigned[i] = k
-            engines[k].send(i, tokens)
-            sent[k] += 1
-            state.dispatched += 1
-            state.in_flight += 1
-            if not queued[k]:  # a busy instance's next start does not move; an idle one's is this arrival's
-                start = engines[k].next_step_time()
-                assert start is not None
-                heapq.heappush(heap, (start, k))
-                queued[k] = True
+            fleet.send(k, i, tokens)
             continue
-        _, k = heapq.heappop(heap)
-        engine, state = engines[k], states[k]
-        engine.step()
-        state.in_flight = sent[k] - engine.num_done
-        if not poll_interval_s:
-            state.running, state.waiting = len(engine.scheduler.running), len(engine.scheduler.waiting)
-            state.dispatched = len(engine.pending)
-        start = engine.next_step_time()
-        if start is None:
-            queued[k] = False
-        else:
-            heapq.heappush(heap, (start, k))
-    served: list[list[RequestRecord]] = [[] for _ in engines]
-    for i, k in enumerate(assigned):
-        served[k].append(records[i])
-    runs = []
-    for engine, mine in zip(engines, served, strict=True):
-        run = engine.result()
-        run.records = mine
-        runs.append(run)
-    start = trace[0].arrival_time if trace else 0.0
-    duration = max((e.clock for e in engines), default=start) - start
+        fleet.step(track_load=not poll_interval_s)
+    runs, duration = fleet.runs(assigned, lambda _: records)
     name = getattr(policy, "name", type(policy).__name__)
     return ClusterResult(name, names, runs, records, assigned, duration, engines=engines)
 

@@ -26,12 +26,12 @@ from jaxllm.bench.results import RequestRecord
 from jaxllm.kv_transfer.base import KVConnectorScheduler
 from jaxllm.kv_transfer.stats import KVTransferStats
 from jaxllm.request import Request
-from jaxllm.routing.view import InstanceState, least_loaded
-from jaxllm.sim.cluster import ClusterResult
+from jaxllm.routing.view import least_loaded
+from jaxllm.sim.cluster import ClusterResult, SimFleet, priced_engine
 from jaxllm.sim.costmodel import DEFAULT_PP_TRANSFER_LATENCY_S, DEFAULT_PP_TRANSFER_S_PER_TOKEN
 from jaxllm.sim.simulator import SimConfig, SimEngine
 from jaxllm.sim.trace import TraceRequest
-from jaxllm.sim.virtual_device import StepTime, VirtualDevice
+from jaxllm.sim.virtual_device import StepTime
 
 # benchmarks/results/kv_transfer_cpu.json: the TransferConnector moved a 480-token prompt's K/V of the default
 # model (float32, 47,616 bytes a token) at 0.71 GB/s on this 2-core machine
@@ -90,64 +90,56 @@ def simulate_pd(
         raise ValueError("the KV transfer needs a bandwidth > 0 GB/s and a latency >= 0 s")
     s_per_token = kv_bytes_per_token / (kv_transfer_gb_s * 1e9)
     pipeline = config.pipeline_cost(DEFAULT_PP_TRANSFER_LATENCY_S, DEFAULT_PP_TRANSFER_S_PER_TOKEN)
-    limit = config.scheduler.max_num_batched_tokens
     n = len(trace)
     records = [RequestRecord(prompt_len=0, start=r.arrival_time) for r in trace]  # the client's: decode's tokens
     prefill_records = [RequestRecord(prompt_len=0, start=r.arrival_time) for r in trace]
     prefill_trace = [replace(r, output_len=1) for r in trace]  # the producer's `max_tokens: 1`
     decode_trace = list(trace)  # each entry's arrival becomes its handoff's when it is sent
+
+    def instance(of: list[TraceRequest], filled: list[RequestRecord]) -> SimEngine:
+        return priced_engine(
+            of,
+            config,
+            step_time,
+            pipeline,
+            filled,
+            seed=seed,
+            request_latency_s=request_latency_s,
+            idle_wake_s=idle_wake_s,
+        )
+
     engines: list[SimEngine] = []
     for k in range(num_prefill + num_decode):
         if k < num_prefill:
-            engine = SimEngine(prefill_trace, config, seed, False, request_latency_s, None, False, prefill_records)
+            engine = instance(prefill_trace, prefill_records)
             engine.done = []
         else:
-            engine = SimEngine(decode_trace, config, seed, False, request_latency_s, None, False, records)
+            engine = instance(decode_trace, records)
             engine.scheduler.connector = HandoffConnector(engine.kv)
-        engine.device = VirtualDevice(pipeline, step_time, limit, idle_wake_s, engine.clock)
         engines.append(engine)
     names = [f"prefill-{k}" for k in range(num_prefill)] + [f"decode-{k}" for k in range(num_decode)]
-    states = [InstanceState(name) for name in names]
-    sent = [0] * len(engines)
+    fleet = SimFleet(names, engines)
+    states = fleet.states
     assigned = [-1] * n  # the decode instance each request ended on (its prefill instance when it failed there)
-    steps: list[tuple[float, int]] = []  # (next step's start, instance) of each instance with work
-    queued = [False] * len(engines)
     handoffs: list[tuple[float, int]] = []  # (arrival at a decode instance, request)
     transfer_s: list[float] = []
     next_arrival = 0
-
-    def dispatch(k: int, i: int) -> None:
-        engines[k].send(i)
-        sent[k] += 1
-        states[k].dispatched += 1
-        states[k].in_flight += 1
-        if not queued[k]:
-            start = engines[k].next_step_time()
-            assert start is not None
-            heapq.heappush(steps, (start, k))
-            queued[k] = True
-
-    while next_arrival < n or steps or handoffs:
+    while next_arrival < n or fleet.heap or handoffs:
         arrival = trace[next_arrival].arrival_time if next_arrival < n else math.inf
         handoff = handoffs[0][0] if handoffs else math.inf
-        step = steps[0][0] if steps else math.inf
-        if arrival <= min(handoff, step):  # a request reaches the router: to a prefill instance
+        if arrival <= min(handoff, fleet.next_step):  # a request reaches the router: to a prefill instance
             k = states.index(least_loaded(states[:num_prefill], next_arrival))
             assigned[next_arrival] = k
-            dispatch(k, next_arrival)
+            fleet.send(k, next_arrival)
             next_arrival += 1
-        elif handoff <= step:  # its K/V is across: the router's second call, to a decode instance
+        elif handoff <= fleet.next_step:  # its K/V is across: the router's second call, to a decode instance
             when, i = heapq.heappop(handoffs)
             k = num_prefill + states[num_prefill:].index(least_loaded(states[num_prefill:], i))
             decode_trace[i] = replace(trace[i], arrival_time=when)
             assigned[i] = k
-            dispatch(k, i)
+            fleet.send(k, i)
         else:
-            _, k = heapq.heappop(steps)
-            engine, state = engines[k], states[k]
-            engine.step()
-            state.running, state.waiting = len(engine.scheduler.running), len(engine.scheduler.waiting)
-            state.dispatched, state.in_flight = len(engine.pending), sent[k] - engine.num_done
+            engine = engines[fleet.step(track_load=True)]
             for i in engine.done or ():
                 if prefill_records[i].success:
                     seconds = kv_transfer_latency_s + prefill_records[i].prompt_len * s_per_token
@@ -157,18 +149,7 @@ def simulate_pd(
                     records[i].prompt_len, records[i].error = prefill_records[i].prompt_len, prefill_records[i].error
             if engine.done:
                 engine.done.clear()
-            start = engine.next_step_time()
-            if start is None:
-                queued[k] = False
-            else:
-                heapq.heappush(steps, (start, k))
-    runs = []
-    for k, engine in enumerate(engines):
-        run = engine.result()
-        run.records = [(prefill_records if k < num_prefill else records)[i] for i in range(n) if assigned[i] == k]
-        runs.append(run)
-    start = trace[0].arrival_time if trace else 0.0
-    duration = max((e.clock for e in engines), default=start) - start
+    runs, duration = fleet.runs(assigned, lambda k: prefill_records if k < num_prefill else records)
     prefill = runs[:num_prefill]
     queries, hits = sum(r.prefix_cache_queries for r in prefill), sum(r.prefix_cache_hits for r in prefill)
     extra = {
