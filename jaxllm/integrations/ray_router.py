@@ -23,11 +23,11 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from jaxllm.engine.block_hash import prefix_hashes
+from jaxllm.entrypoints.router.balancer import route_of, session_of, tokenize_request
 from jaxllm.kv_events.index import InstanceView, PrefixIndex
 from jaxllm.kv_events.subscriber import SubscriberThread, ZmqEventSubscriber
 from jaxllm.routing.registry import load_policy
-from jaxllm.routing.view import SESSION_HEADER, ClusterView, InstanceState, RouteRequest
+from jaxllm.routing.view import ClusterView, InstanceState, RouteRequest
 
 logger = logging.getLogger("ray.serve")
 
@@ -134,22 +134,15 @@ class RouterIngress:
             return RouteRequest()  # the replica answers the 400
         if not isinstance(body, dict):
             return RouteRequest()
-        session = headers.get(SESSION_HEADER)
-        if session is None and isinstance(body.get("user"), str):
-            session = body["user"]
+        session = session_of(headers, body)
         if not self.needs_block_hashes:
             return RouteRequest(session=session)
         tokens = await self.tokens(path, body, headers)
         info = await self.kv_cache_info(headers)
-        if tokens is None or info is None:
-            return RouteRequest(session=session)
-        root = info["kv_scope_root"]
-        return RouteRequest(prefix_hashes(tokens, int(info["block_size"]), bytes.fromhex(root)), root, session=session)
+        return RouteRequest(session=session) if info is None else route_of(tokens, info, session)
 
     async def tokens(self, path: str, body: dict, headers: dict[str, str]) -> list[int] | None:
         """The prompt's token ids as a replica renders and tokenizes it (None: route by load alone)."""
-        from jaxllm.entrypoints.router.balancer import tokenize_request
-
         request = tokenize_request(path, body)
         if request is None or isinstance(request, list):
             return request

@@ -98,6 +98,23 @@ def block_hashes(tokens: list[int], block_size: int, root_hex: str) -> list[byte
     return prefix_hashes(tokens, block_size, bytes.fromhex(root_hex))
 
 
+def session_of(headers: dict[str, str], body: dict[str, Any], header: str = SESSION_HEADER) -> str | None:
+    """A request's affinity key: its session header (lower-case name), else the body's `user`."""
+    session = headers.get(header)
+    if session is None and isinstance(body.get("user"), str):
+        session = body["user"]
+    return session
+
+
+def route_of(tokens: list[int] | None, info: dict[str, Any], session: str | None) -> RouteRequest:
+    """A request's routing keys from its prompt's token ids (None: unknown) hashed as the instance whose
+    `/v1/kv_cache_info` is `info` hashes them."""
+    if tokens is None:
+        return RouteRequest(session=session)
+    root = info["kv_scope_root"]
+    return RouteRequest(block_hashes(tokens, int(info["block_size"]), root), root, session=session)
+
+
 class Balancer:
     def __init__(
         self,
@@ -214,9 +231,7 @@ class Balancer:
     # ---- one request ---------------------------------------------------------------------------
 
     async def route_request(self, route: str, body: dict[str, Any], headers: dict[str, str]) -> RouteRequest:
-        session = headers.get(self.session_header)
-        if session is None and isinstance(body.get("user"), str):
-            session = body["user"]
+        session = session_of(headers, body, self.session_header)
         if not self.policy.needs_block_hashes:
             return RouteRequest(session=session)
         live = [i for i in self.instances if i.state.healthy and i.info is not None]
@@ -224,11 +239,7 @@ class Balancer:
             return RouteRequest(session=session)
         target = min(live, key=lambda i: i.state.load)
         assert target.info is not None
-        tokens = await self.tokens(target, route, body, headers)
-        if tokens is None:
-            return RouteRequest(session=session)
-        hashes = block_hashes(tokens, int(target.info["block_size"]), target.info["kv_scope_root"])
-        return RouteRequest(hashes, target.info["kv_scope_root"], session=session)
+        return route_of(await self.tokens(target, route, body, headers), target.info, session)
 
     async def tokens(self, instance: Instance, route: str, body: dict, headers: dict[str, str]) -> list[int] | None:
         """The prompt's token ids as the instance renders and tokenizes it (None: not known; route by load)."""
