@@ -23,11 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from jaxllm.model.grouped import flat_stack
-from jaxllm.model.lora import LoRATiles, lora_delta
+from jaxllm.model.lora import LoRATiles, add_lora
 from jaxllm.model.quant import QuantPlan, packs_quantized, quantized_params
 from jaxllm.model.registry import ModelArch, RopeConfig
-from pallas_kernels.stacked_matmul import packable, packed_matmul, packed_rows, quantized, stacked_matmul
+from pallas_kernels.stacked_matmul import packed_matmul, packed_rows, quantized, stacked_matmul
 
 Dtype = Any
 INIT_STD = 0.02
@@ -141,9 +140,7 @@ class Linear(nn.Module):
             bs: list[Array] = []
             while self.has_variable("params", f"lora_b{len(bs)}"):
                 bs.append(self.get_variable("params", f"lora_b{len(bs)}"))
-            lora_packed = [st.matmul_backend == "cpu_packed" and packable(flat_stack(w)) for w in (a, *bs)]
-            delta = lora_delta(x, a, bs, lora, st.index(layer), st.kernel_max_rows, lora_packed, self.parts_axis)
-            y = y + delta.astype(y.dtype)
+            y = add_lora(y, x, a, bs, lora, st.index(layer), self.parts_axis, st.matmul_backend == "cpu_packed")
         return y
 
 

@@ -1,12 +1,14 @@
-"""LoRA adapters' device slots: for each projection of each stack of layers, "lora_a" `[L, S, K, R]` and, per part of
+"""LoRA adapters' device slots: for each projection of each stack of layers, "lora_a" `[L, S, R, K]` and, per part of
 the fused projection (q, k, v; gate, up; or the one), "lora_b<p>" `[L, S, r, *part]` (model/lora.py), slot 0 zeros,
 slots 1..max_loras an adapter each.
 
 B is kept per part rather than as one block-diagonal `[R, *N]` (what `lora/peft.py` reads): q's rows never meet k's
 or v's columns, so the block form would read and multiply 2-4x the weights a step needs (at batch 1 the adapters'
 bytes are what LoRA costs). The shapes never change, so an adapter is loaded (or replaced) by one executable compiled
-at warm-up that writes its slot in place (the slot arrays donated): no compile while serving. On "cpu_packed", each
-layer's slot is packed for the CPU kernel. A and B are float32 whatever the model's type (a few MB an adapter).
+at warm-up that writes its slot in place (the slot arrays donated): no compile while serving. A is stored as PEFT
+stores it, `[r, in]` per part (the parts' ranks stacked): each rank's row is contiguous, as the CPU kernel's shrink
+reads it (pallas_kernels/stacked_matmul/lora.py). A and B are float32 whatever the model's type (a few MB an
+adapter).
 """
 
 from __future__ import annotations
@@ -21,11 +23,8 @@ from jax.sharding import PartitionSpec as P
 
 from jaxllm.config import LoRAConfig
 from jaxllm.lora.peft import PROJECTIONS, fused_shapes, regions
-from jaxllm.model.grouped import flat_stack
 from jaxllm.model.llama import stack_name
-from jaxllm.model.lora import rank_width
 from jaxllm.model.registry import ModelArch
-from pallas_kernels import stacked_matmul
 
 # fused projection → (its module in a layer, the mesh axes of its input and of its output's axes, as `Linear` shards)
 PLACES = {
@@ -49,11 +48,11 @@ class LoRASlots:
         self.tree: dict = {}
         for name, (k, out) in fused_shapes(arch).items():
             (module, proj), in_axis, out_axes = PLACES[name]
-            width = rank_width(len(PROJECTIONS[name]), r)
+            width = len(PROJECTIONS[name]) * r
             for stack, start, end in self.stacks:
                 layers = end - start
                 leaves: dict[str, tuple[tuple[int, ...], P]] = {
-                    "lora_a": ((layers, s, k, width), P(None, None, in_axis, None))
+                    "lora_a": ((layers, s, width, k), P(None, None, None, in_axis))
                 }
                 for p, part in enumerate(_parts(arch, name, out)):
                     leaves[f"lora_b{p}"] = ((layers, s, r, *part), P(None, None, None, *out_axes))
@@ -84,22 +83,21 @@ class LoRASlots:
         self._compiled = self._write.lower(self.abstract(), jnp.int32(0), one_slot).compile()
         return self._compiled
 
-    def prepare(self, projections: dict[str, tuple[np.ndarray, np.ndarray]], packed: bool) -> Adapter:
+    def prepare(self, projections: dict[str, tuple[np.ndarray, np.ndarray]]) -> Adapter:
         """An adapter (`lora.peft.LoRAWeights.projections`: A `[L, K, parts * max_rank]`, B `[L, parts * max_rank,
-        *N]`) laid out as one slot: A's rank padded to whole panels, B cut into its parts, each layer packed for the
-        CPU kernel where `Linear` reads it packed (`packed`: the model runs "cpu_packed"; host arrays: a slot write
-        then only moves them)."""
+        *N]`) laid out as one slot: A transposed, B cut into its parts (host arrays: a slot write then only moves
+        them)."""
         r, values = self.config.max_lora_rank, cast(Adapter, {})
         for name, ((module, proj), _, _) in PLACES.items():
             a, b = projections[name]
             part_regions = [regions(self.arch)[m] for m in PROJECTIONS[name]]
             for stack, start, end in self.stacks:
                 leaves = self.tree[stack][module][proj]
-                arrays = {"lora_a": _pad(a[start:end], leaves["lora_a"].shape[-1], axis=2)}
+                arrays = {"lora_a": a[start:end].transpose(0, 2, 1)}
                 for p, region in enumerate(part_regions):
                     arrays[f"lora_b{p}"] = b[(slice(start, end), slice(p * r, (p + 1) * r), *region)]
                 values.setdefault(stack, {}).setdefault(module, {})[proj] = {
-                    leaf: _layout(v, leaves[leaf], packed) for leaf, v in arrays.items()
+                    leaf: np.ascontiguousarray(v, leaves[leaf].dtype) for leaf, v in arrays.items()
                 }
         return values
 
@@ -110,13 +108,6 @@ class LoRASlots:
         self.tree = self._compiled(self.tree, np.int32(slot), adapter)
 
 
-def _layout(value: np.ndarray, slots: jax.Array, packed: bool) -> np.ndarray:
-    """One slot's leaf, float32, contiguous, packed when the kernel reads `slots` packed."""
-    value = np.ascontiguousarray(value, np.float32)
-    packs = packed and stacked_matmul.packable(flat_stack(slots))
-    return np.ascontiguousarray(stacked_matmul.pack(value)) if packs else value
-
-
 def _parts(arch: ModelArch, name: str, out: tuple[int, ...]) -> list[tuple[int, ...]]:
     """The output shape of each part of a fused projection (its region of `out`)."""
     return [np.empty(out, np.bool_)[regions(arch)[m]].shape for m in PROJECTIONS[name]]
@@ -124,10 +115,3 @@ def _parts(arch: ModelArch, name: str, out: tuple[int, ...]) -> list[tuple[int, 
 
 def _write_slot(tree, slot, values):
     return jax.tree.map(lambda a, v: a.at[:, slot].set(v), tree, values)
-
-
-def _pad(a: np.ndarray, width: int, axis: int) -> np.ndarray:
-    """`a` with its rank axis zero-padded to `width` columns."""
-    pad = [(0, 0)] * a.ndim
-    pad[axis] = (0, width - a.shape[axis])
-    return np.pad(a, pad)

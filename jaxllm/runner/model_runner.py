@@ -418,7 +418,7 @@ class ModelRunner:
     def prepare_lora(self, projections: dict):
         """An adapter's weights laid out as a device slot takes them (`LoRASlots.prepare`; host arrays)."""
         assert self.lora is not None, "enable_lora is off"
-        return self.lora.prepare(projections, packed=self.model.matmul_backend == "cpu_packed")
+        return self.lora.prepare(projections)
 
     def load_lora(self, slot: int, prepared) -> None:
         """Write a prepared adapter into device slot `slot` (`LoRASlots.load`): nothing compiles."""
