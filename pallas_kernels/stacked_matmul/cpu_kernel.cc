@@ -124,17 +124,15 @@ ffi::Error QuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
 }
 
 // x float32 [T, K]; y float32 [T, N] (the projection's output, aliased to out); slots int32 [T]; layer int32 [1];
-// a [L, S, Rw, K] and each part's b [L, S, r, outer, cols], all float32 or all float16; out = y + the products.
+// a [L, S, Rw, K] and each part's b [L, S, r, outer, cols], float32; out = y + the products.
 ffi::Error LoraImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> y, ffi::Buffer<ffi::S32> slots,
-                    ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer a, ffi::RemainingArgs bs, ffi::ResultBuffer<ffi::F32> out,
+                    ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> a, ffi::RemainingArgs bs, ffi::ResultBuffer<ffi::F32> out,
                     int64_t outer) {
   auto xd = x.dimensions(), ad = a.dimensions();
   const int64_t parts = static_cast<int64_t>(bs.size());
   if (xd.size() != 2 || ad.size() != 4 || ad[3] != xd[1] || layer.element_count() != 1 ||
       static_cast<int64_t>(slots.element_count()) != xd[0] || parts < 1 || parts > kMaxLoraParts || outer < 1)
     return ffi::Error::InvalidArgument("add_lora_cpu: x [T, K], a [L, S, Rw, K], slots [T], layer [1], 1-4 parts");
-  const bool f16 = a.element_type() == ffi::F16;
-  if (!f16 && a.element_type() != ffi::F32) return ffi::Error::InvalidArgument("add_lora_cpu: a float32 or float16");
   const int64_t num_layers = ad[0], num_slots = ad[1], l = layer.typed_data()[0];
   if (l < 0 || l >= num_layers) return ffi::Error::InvalidArgument("add_lora_cpu: layer out of range");
   for (size_t t = 0; t < slots.element_count(); ++t)
@@ -142,38 +140,29 @@ ffi::Error LoraImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
       return ffi::Error::InvalidArgument("add_lora_cpu: slot out of range");
   int64_t r = 0, row_width = 0;
   int64_t cols[kMaxLoraParts];
-  const void* b_data[kMaxLoraParts];
+  const float* b_data[kMaxLoraParts];
   for (int64_t p = 0; p < parts; ++p) {
-    auto b = bs.get<ffi::AnyBuffer>(p);
+    auto b = bs.get<ffi::Buffer<ffi::F32>>(p);
     if (b.has_error()) return b.error();
     auto bd = b->dimensions();
-    if (b->element_type() != a.element_type() || bd.size() < 3 || bd[0] != num_layers || bd[1] != num_slots ||
-        (p > 0 && bd[2] != r))
-      return ffi::Error::InvalidArgument("add_lora_cpu: each b [L, S, r, ...], typed as a");
+    if (bd.size() < 3 || bd[0] != num_layers || bd[1] != num_slots || bd[2] < 1 || (p > 0 && bd[2] != r))
+      return ffi::Error::InvalidArgument("add_lora_cpu: each b float32 [L, S, r, ...]");
     r = bd[2];
     const int64_t per_rank = static_cast<int64_t>(b->element_count()) / (num_layers * num_slots * r);
     if (per_rank % outer || (per_rank / outer) % kLanes)
       return ffi::Error::InvalidArgument("add_lora_cpu: each part's columns per outer index whole vectors");
     cols[p] = per_rank / outer;
     row_width += cols[p];
-    b_data[p] = b->untyped_data();
+    b_data[p] = b->typed_data();
   }
   const int64_t k_dim = xd[1], n = outer * row_width;
   if (k_dim % kLanes || r * parts > ad[2] || static_cast<int64_t>(y.element_count()) != xd[0] * n)
     return ffi::Error::InvalidArgument("add_lora_cpu: K whole vectors, Rw >= parts * r, y [T, outer * columns]");
   if (out->typed_data() != y.typed_data())
     std::copy(y.typed_data(), y.typed_data() + y.element_count(), out->typed_data());
-  const Team team(pool);
-  auto run = [&](auto* typed) {
-    using W = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
-    LoraWeights<W> w{static_cast<const W*>(a.untyped_data()), {}, k_dim, ad[2], r, outer, parts, {}};
-    for (int64_t p = 0; p < parts; ++p) w.b[p] = static_cast<const W*>(b_data[p]), w.cols[p] = cols[p];
-    AddLora(team, x.typed_data(), xd[0], slots.typed_data(), num_slots, l, w, out->typed_data());
-  };
-  if (f16)
-    run(static_cast<const uint16_t*>(nullptr));
-  else
-    run(static_cast<const float*>(nullptr));
+  LoraWeights w{a.typed_data(), {}, k_dim, ad[2], r, outer, parts, {}};
+  for (int64_t p = 0; p < parts; ++p) w.b[p] = b_data[p], w.cols[p] = cols[p];
+  AddLora(Team(pool), x.typed_data(), xd[0], slots.typed_data(), num_slots, l, w, out->typed_data());
   return ffi::Error::Success();
 }
 
@@ -186,7 +175,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AddLoraCpu, LoraImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .RemainingArgs()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("outer"));

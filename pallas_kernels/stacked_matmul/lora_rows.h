@@ -5,7 +5,7 @@
 //
 // Layouts (one layer's slot of model/lora.py's arrays): A [Rw, K] (PEFT's own [r, in] per part, parts stacked),
 // each part's B [r, outer, cols] (the fused output seen as [outer, sum of cols]: q/k/v interleaved per KV head,
-// gate/up side by side), float32 or float16. Tokens are grouped by slot (a counting sort: slots are few), and each
+// gate/up side by side), float32. Tokens are grouped by slot (a counting sort: slots are few), and each
 // group runs in blocks of up to kLoraRows tokens, so a block reads its adapter's weights once:
 // - shrink: h[t, j] = x[t] . A[j], A's rows being contiguous in K; items are (block, kRankRows rows of A);
 // - expand: y[t, o, part's columns] += h[t, part's ranks] @ B, vectorized over the columns; items are (block,
@@ -27,20 +27,16 @@ using jaxllm_simd::kLanes;
 using jaxllm_simd::VecF;
 
 constexpr int kLoraRows = 4;                  // tokens of one adapter a block: its weights read once per block
-constexpr int kRankRows = 2;                  // rows of A a shrink step holds (kLoraRows x kRankRows accumulators)
+constexpr int kRankRows = 8;                  // rows of A a shrink item covers
 constexpr int64_t kColChunk = 8 * kLanes;     // columns an expand item covers
 constexpr int64_t kLoraTeamFlops = 1 << 18;   // multiply-adds below which a phase stays on the calling thread
-
-inline VecF LoadWeight(const float* p) { return jaxllm_simd::Load(p); }
-inline VecF LoadWeight(const uint16_t* p) { return jaxllm_simd::LoadHalf(p); }  // float16
 
 constexpr int kMaxLoraParts = 4;  // parts of a fused projection (q/k/v: 3)
 
 // Every slot of every layer: A [L * S, rank_width, k], each part's B [L * S, r, outer, cols[p]].
-template <typename W>
 struct LoraWeights {
-  const W* a;
-  const W* b[kMaxLoraParts];
+  const float* a;
+  const float* b[kMaxLoraParts];
   int64_t k, rank_width, r, outer, parts;
   int64_t cols[kMaxLoraParts];  // each part's columns per outer index
   int64_t RowWidth() const {    // y's columns per outer index
@@ -48,8 +44,8 @@ struct LoraWeights {
     for (int64_t p = 0; p < parts; ++p) n += cols[p];
     return n;
   }
-  const W* A(int64_t index) const { return a + index * rank_width * k; }
-  const W* B(int64_t index, int64_t p) const { return b[p] + index * r * outer * cols[p]; }
+  const float* A(int64_t index) const { return a + index * rank_width * k; }
+  const float* B(int64_t index, int64_t p) const { return b[p] + index * r * outer * cols[p]; }
 };
 
 inline float Sum(VecF v) {
@@ -58,59 +54,68 @@ inline float Sum(VecF v) {
   return s;
 }
 
-// h[i, j0 .. j0 + kRankRows) for ROWS rows of x (`xs`: each row's start) against A's rows j0 ...
-template <int ROWS, typename W>
-void ShrinkStep(const float* const* xs, const W* a, int64_t k, int64_t j0, int64_t rank_width, float* h) {
-  VecF acc[ROWS][kRankRows] = {};
-  const int64_t ranks = std::min<int64_t>(kRankRows, rank_width - j0);
+// Independent accumulators a step keeps per row: a few rows would otherwise wait on one FMA chain (at one row the
+// chains' latency, not the bytes, set the pace).
+template <int ROWS>
+constexpr int kChains = ROWS == 1 ? 8 : ROWS == 2 ? 4 : 2;
+
+// h[i, j .. j + RANKS) for ROWS rows of x (`xs`: each row's start) against A's rows j ...
+template <int ROWS, int RANKS>
+__attribute__((always_inline)) inline void ShrinkTile(const float* const* xs, const float* a, int64_t k, int64_t j,
+                                                      int64_t rank_width, float* h) {
+  VecF acc[ROWS][RANKS] = {};
   for (int64_t kk = 0; kk < k; kk += kLanes) {
     VecF xv[ROWS];
 #pragma GCC unroll 4
     for (int r = 0; r < ROWS; ++r) xv[r] = jaxllm_simd::Load(xs[r] + kk);
-#pragma GCC unroll 2
-    for (int j = 0; j < kRankRows; ++j) {
-      if (j >= ranks) break;
-      const VecF av = LoadWeight(a + (j0 + j) * k + kk);
+#pragma GCC unroll 8
+    for (int i = 0; i < RANKS; ++i) {
+      const VecF av = jaxllm_simd::Load(a + (j + i) * k + kk);
 #pragma GCC unroll 4
-      for (int r = 0; r < ROWS; ++r) acc[r][j] += xv[r] * av;
+      for (int r = 0; r < ROWS; ++r) acc[r][i] += xv[r] * av;
     }
   }
   for (int r = 0; r < ROWS; ++r)
-    for (int j = 0; j < ranks; ++j) h[r * rank_width + j0 + j] = Sum(acc[r][j]);
+    for (int i = 0; i < RANKS; ++i) h[r * rank_width + j + i] = Sum(acc[r][i]);
 }
 
-// y rows (`ys`) [c0, c0 + width) of one part += h's part ranks (`hp`, rows rank_width apart) @ B's rows
-// (`b`: column c0 of rank 0, ranks `ldb` apart); width a multiple of kLanes.
-template <int ROWS, typename W>
-void ExpandStep(float* const* ys, const float* hp, int64_t rank_width, const W* b, int64_t ldb, int64_t r_dim,
-                int64_t width) {
-  constexpr int kVecs = 2;
-  int64_t c = 0;
-  for (; c + kVecs * kLanes <= width; c += kVecs * kLanes) {
-    VecF acc[ROWS][kVecs];
-    for (int r = 0; r < ROWS; ++r)
-      for (int v = 0; v < kVecs; ++v) acc[r][v] = jaxllm_simd::Load(ys[r] + c + v * kLanes);
-    for (int64_t j = 0; j < r_dim; ++j) {
-      VecF bv[kVecs];
-      for (int v = 0; v < kVecs; ++v) bv[v] = LoadWeight(b + j * ldb + c + v * kLanes);
+// h[i, j0 .. j0 + kRankRows) (an item), kChains<ROWS> rows of A at a time.
+template <int ROWS>
+void ShrinkStep(const float* const* xs, const float* a, int64_t k, int64_t j0, int64_t rank_width, float* h) {
+  const int64_t j_end = std::min<int64_t>(j0 + kRankRows, rank_width);
+  int64_t j = j0;
+  for (; j + kChains<ROWS> <= j_end; j += kChains<ROWS>) ShrinkTile<ROWS, kChains<ROWS>>(xs, a, k, j, rank_width, h);
+  for (; j < j_end; ++j) ShrinkTile<ROWS, 1>(xs, a, k, j, rank_width, h);
+}
+
+// y rows (`ys`) [c, c + VECS vectors) of one part += h's part ranks (`hp`, rows rank_width apart) @ B's rows (`b`:
+// the part's first column, ranks `ldb` apart).
+template <int ROWS, int VECS>
+__attribute__((always_inline)) inline void ExpandTile(float* const* ys, const float* hp, int64_t rank_width,
+                                                      const float* b, int64_t ldb, int64_t r_dim, int64_t c) {
+  VecF acc[ROWS][VECS];
+  for (int r = 0; r < ROWS; ++r)
+    for (int v = 0; v < VECS; ++v) acc[r][v] = jaxllm_simd::Load(ys[r] + c + v * kLanes);
+  for (int64_t j = 0; j < r_dim; ++j) {
+#pragma GCC unroll 8
+    for (int v = 0; v < VECS; ++v) {
+      const VecF bv = jaxllm_simd::Load(b + j * ldb + c + v * kLanes);
 #pragma GCC unroll 4
-      for (int r = 0; r < ROWS; ++r) {
-        const float hv = hp[r * rank_width + j];
-        for (int v = 0; v < kVecs; ++v) acc[r][v] += hv * bv[v];
-      }
+      for (int r = 0; r < ROWS; ++r) acc[r][v] += hp[r * rank_width + j] * bv;
     }
-    for (int r = 0; r < ROWS; ++r)
-      for (int v = 0; v < kVecs; ++v) jaxllm_simd::Store(ys[r] + c + v * kLanes, acc[r][v]);
   }
-  for (; c < width; c += kLanes) {
-    VecF acc[ROWS];
-    for (int r = 0; r < ROWS; ++r) acc[r] = jaxllm_simd::Load(ys[r] + c);
-    for (int64_t j = 0; j < r_dim; ++j) {
-      const VecF bv = LoadWeight(b + j * ldb + c);
-      for (int r = 0; r < ROWS; ++r) acc[r] += hp[r * rank_width + j] * bv;
-    }
-    for (int r = 0; r < ROWS; ++r) jaxllm_simd::Store(ys[r] + c, acc[r]);
-  }
+  for (int r = 0; r < ROWS; ++r)
+    for (int v = 0; v < VECS; ++v) jaxllm_simd::Store(ys[r] + c + v * kLanes, acc[r][v]);
+}
+
+// Columns [0, width) of an item (a multiple of kLanes), kChains<ROWS> vectors at a time.
+template <int ROWS>
+void ExpandStep(float* const* ys, const float* hp, int64_t rank_width, const float* b, int64_t ldb, int64_t r_dim,
+                int64_t width) {
+  constexpr int64_t kCols = kChains<ROWS> * kLanes;
+  int64_t c = 0;
+  for (; c + kCols <= width; c += kCols) ExpandTile<ROWS, kChains<ROWS>>(ys, hp, rank_width, b, ldb, r_dim, c);
+  for (; c < width; c += kLanes) ExpandTile<ROWS, 1>(ys, hp, rank_width, b, ldb, r_dim, c);
 }
 
 // The ROWS dispatch: a block's row count (1 .. kLoraRows) as a template argument.
@@ -126,9 +131,8 @@ void WithRows(int rows, const F& f) {
 
 // y [T, outer * RowWidth] += each token's LoRA product of `layer`; x [T, k] float32; slots [T] (0: none), of
 // num_slots a layer. K and every part's columns multiples of kLanes (checked by the handler).
-template <typename W>
 void AddLora(const Team& team, const float* x, int64_t num_tokens, const int32_t* slots, int64_t num_slots,
-             int64_t layer, const LoraWeights<W>& w, float* y) {
+             int64_t layer, const LoraWeights& w, float* y) {
   // tokens grouped by slot (slot 0 left out): order[], and blocks of up to kLoraRows tokens of one slot
   std::vector<int64_t> count(num_slots + 1, 0);
   for (int64_t t = 0; t < num_tokens; ++t) ++count[slots[t] + 1];
@@ -179,7 +183,7 @@ void AddLora(const Team& team, const float* x, int64_t num_tokens, const int32_t
     for (int64_t i = 0; i < blk.rows; ++i) ys[i] = y + order[blk.first + i] * n + seg.y_col;
     const int64_t ldb = w.outer * w.cols[seg.part];
     const float* hp = h_row(blk) + seg.part * w.r;
-    const W* b = w.B(layer * num_slots + blk.slot, seg.part) + seg.part_col;
+    const float* b = w.B(layer * num_slots + blk.slot, seg.part) + seg.part_col;
     WithRows(static_cast<int>(blk.rows), [&](auto rows) {
       ExpandStep<decltype(rows)::value>(ys, hp, rw, b, ldb, w.r, seg.width);
     });

@@ -15,7 +15,7 @@ import pytest
 from jaxllm.model.lora import lora_delta, tile_tokens
 from pallas_kernels.stacked_matmul import lora
 
-LAYERS, SLOTS, LAYER, RANK = 3, 5, 1, 8
+LAYERS, SLOTS, LAYER, RANK = 3, 5, 1, 6  # RANK 6: rank widths 18, 12, 6 leave remainders of every tile
 # (K, the fused output's shape, its parts' extents along parts_axis, parts_axis): q/k/v interleaved per KV head,
 # gate/up side by side, one part
 PROJECTIONS = (
@@ -32,11 +32,11 @@ def parts_of(out: tuple[int, ...], extents: tuple[int, ...], axis: int | None) -
     return [(*out[:axis], e, *out[axis + 1 :]) for e in extents]
 
 
-def case(seed: int, tokens: int, k: int, out, extents, axis, dtype):
+def case(seed: int, tokens: int, k: int, out, extents, axis):
     rng = np.random.default_rng(seed)
     parts = parts_of(out, extents, axis)
-    a = rng.standard_normal((LAYERS, SLOTS, len(parts) * RANK, k)).astype(dtype)
-    bs = [rng.standard_normal((LAYERS, SLOTS, RANK, *p)).astype(dtype) for p in parts]
+    a = rng.standard_normal((LAYERS, SLOTS, len(parts) * RANK, k)).astype(np.float32)
+    bs = [rng.standard_normal((LAYERS, SLOTS, RANK, *p)).astype(np.float32) for p in parts]
     slots = rng.integers(0, SLOTS - 1, tokens).astype(np.int32)  # the last slot never named
     slots[0] = 1  # at least one adapter token
     x = rng.standard_normal((tokens, k)).astype(np.float32)
@@ -73,12 +73,11 @@ def check(got, want, x, a, bs, slots):
 
 
 @pytest.mark.skipif(not lora.available(), reason="the CPU kernel did not build")
-@pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("projection", PROJECTIONS, ids=["qkv", "gate_up", "one_part"])
 @pytest.mark.parametrize("tokens", TOKENS)
-def test_kernel_matches_the_float64_oracle(tokens, projection, dtype):
+def test_kernel_matches_the_float64_oracle(tokens, projection):
     k, out, extents, axis = projection
-    x, y, a, bs, slots = case(tokens * 7 + k, tokens, k, out, extents, axis, dtype)
+    x, y, a, bs, slots = case(tokens * 7 + k, tokens, k, out, extents, axis)
     assert lora.applies(a, bs, axis)
     got = lora.add_lora(
         jnp.asarray(y), jnp.asarray(x), jnp.asarray(a), [jnp.asarray(b) for b in bs], jnp.asarray(slots), LAYER, axis
@@ -92,7 +91,7 @@ def test_xla_path_matches_the_float64_oracle(tokens, projection):
     """The tiled path (GPU, tensor parallelism) on the same layouts; it multiplies slot 0's zeros, so no poison
     there."""
     k, out, extents, axis = projection
-    x, y, a, bs, slots = case(tokens + k, tokens, k, out, extents, axis, np.float32)
+    x, y, a, bs, slots = case(tokens + k, tokens, k, out, extents, axis)
     for w in (a, *bs):
         w[:, 0] = 0
     x[slots == 0] = 1.0
