@@ -265,6 +265,39 @@ inline VecI DotBytes(VecI acc, VecI w, VecI x) {
 #endif
 }
 
+// A block's dot products of 4-bit quants (0..15) by int8 x, summed in int16 where pmaddubsw is the way: a pair's
+// product sum is at most 2 * 15 * 127, so up to kNibbleSteps of them fit an int16 lane (30480), and the widening to
+// int32 (pmaddwd by ones) is paid once a block instead of once a step, one multiply instruction a step instead of
+// two. Lane i of FinishNibbleDots(sum of kNibbleSteps DotNibbles(...)) equals the DotBytes<4> sum. Elsewhere these
+// are DotBytes<4> itself and the identity.
+constexpr int kNibbleSteps = 8;
+inline VecI DotNibbles(VecI acc16, VecI w, VecI x) {
+#if (defined(__AVX512VNNI__) && defined(__AVX512F__)) || (defined(__AVXVNNI__) && !defined(__AVX512F__))
+  return DotBytes<4>(acc16, w, x);
+#elif defined(__AVX512BW__)
+  return (VecI)_mm512_add_epi16((__m512i)acc16, _mm512_maddubs_epi16((__m512i)w, (__m512i)x));
+#elif defined(__AVX2__)
+  return (VecI)_mm256_add_epi16((__m256i)acc16, _mm256_maddubs_epi16((__m256i)w, (__m256i)x));
+#elif defined(__SSSE3__) && !defined(__AVX__)
+  return (VecI)_mm_add_epi16((__m128i)acc16, _mm_maddubs_epi16((__m128i)w, (__m128i)x));
+#else
+  return DotBytes<4>(acc16, w, x);
+#endif
+}
+inline VecI FinishNibbleDots(VecI acc16) {
+#if (defined(__AVX512VNNI__) && defined(__AVX512F__)) || (defined(__AVXVNNI__) && !defined(__AVX512F__))
+  return acc16;
+#elif defined(__AVX512BW__)
+  return (VecI)_mm512_madd_epi16((__m512i)acc16, _mm512_set1_epi16(1));
+#elif defined(__AVX2__)
+  return (VecI)_mm256_madd_epi16((__m256i)acc16, _mm256_set1_epi16(1));
+#elif defined(__SSSE3__) && !defined(__AVX__)
+  return (VecI)_mm_madd_epi16((__m128i)acc16, _mm_set1_epi16(1));
+#else
+  return acc16;
+#endif
+}
+
 // Four rows of 16 bytes as their columns' quads: out[t] holds columns 4t .. 4t + 3, column c's bytes side by side
 // (out[t][4 i + j] = r_j[4 t + i]), by two levels of byte and word interleaves (punpck on x86, zip on NEON).
 typedef uint8_t Bytes16 __attribute__((vector_size(16)));
