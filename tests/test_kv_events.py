@@ -5,6 +5,7 @@ unknown. The KV manager alone runs random workloads; the tiny engine runs end to
 from __future__ import annotations
 
 import random
+import threading
 import time
 
 import pytest
@@ -219,6 +220,35 @@ def test_one_subscriber_thread_reads_instances_added_while_it_runs():
         for pub in pubs:
             pub.close()
     assert not thread.thread.is_alive()
+
+
+def test_a_removed_subscriber_is_closed_and_then_its_instance_forgotten():
+    """An instance that dies leaves the thread: its socket closed on the thread, then the callback (the router's
+    forgetting of its blocks) runs there, after its last events; the other instance's events keep coming."""
+    from jaxllm.kv_events.subscriber import SubscriberThread
+
+    pubs = [ZmqEventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*", buffer_steps=8) for _ in range(2)]
+    index, thread = PrefixIndex(), SubscriberThread(poll_ms=10)
+    subs = [
+        ZmqEventSubscriber(pub.endpoint, InstanceView(index, f"i{k}"), replay_endpoint=pub.replay_endpoint)
+        for k, pub in enumerate(pubs)
+    ]
+    try:
+        for k, (pub, sub) in enumerate(zip(pubs, subs, strict=True)):
+            pub.publish(EventBatch(0, events=[BlockStored([bytes([k]) * 32], None, [k] * 4, 4, None, SCOPE, 0)]))
+            thread.add(sub)
+        wait_for(lambda: bool(index.blocks_of("i0")) and bool(index.blocks_of("i1")))
+        forgotten = threading.Event()
+        thread.remove(subs[0], then=lambda: (index.forget("i0"), forgotten.set()))
+        assert forgotten.wait(5)
+        assert subs[0] not in thread.subscribers and subs[0].socket.closed
+        assert not index.blocks_of("i0") and thread.thread.is_alive()
+        pubs[1].publish(EventBatch(1, events=[BlockStored([b"\x09" * 32], None, [9] * 4, 4, None, SCOPE, 0)]))
+        wait_for(lambda: index.match([b"\x09" * 32], scope=SCOPE) == {"i1": 1})
+    finally:
+        thread.stop()
+        for pub in pubs:
+            pub.close()
 
 
 def test_kv_events_config_is_validated():

@@ -15,6 +15,7 @@ read on one subscriber thread. Ray still does the rest: replicas, autoscaling, h
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from typing import Any, cast
@@ -50,7 +51,7 @@ class JaxLLMRequestRouter(FIFOMixin, RequestRouter):
         self.index = PrefixIndex()
         self.states: dict[ReplicaID, InstanceState] = {}
         self.stats_seen: dict[ReplicaID, float] = {}  # the `at` of the stats each state was last set from
-        self.subscribed: set[ReplicaID] = set()
+        self.subscriptions: dict[ReplicaID, ZmqEventSubscriber] = {}
         self.subscribers = SubscriberThread()
 
     def state_of(self, replica: RunningReplica) -> InstanceState:
@@ -62,9 +63,8 @@ class JaxLLMRequestRouter(FIFOMixin, RequestRouter):
         if stats.get("at") is not None and stats["at"] != self.stats_seen.get(rid):
             state.running, state.waiting, state.dispatched = stats["running"], stats["waiting"], 0
             self.stats_seen[rid] = stats["at"]
-        if rid not in self.subscribed and stats.get("kv_events"):
-            self.subscribed.add(rid)
-            sub = ZmqEventSubscriber(
+        if rid not in self.subscriptions and stats.get("kv_events"):
+            sub = self.subscriptions[rid] = ZmqEventSubscriber(
                 stats["kv_events"], InstanceView(self.index, rid.unique_id), replay_endpoint=stats.get("replay")
             )
             self.subscribers.add(sub)
@@ -96,7 +96,12 @@ class JaxLLMRequestRouter(FIFOMixin, RequestRouter):
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
         self.states.pop(replica_id, None)
-        self.index.forget(replica_id.unique_id)
+        forget = functools.partial(self.index.forget, replica_id.unique_id)
+        sub = self.subscriptions.pop(replica_id, None)
+        if sub is None:
+            forget()
+        else:  # on the subscriber thread, after its last events: none can land after the forgetting
+            self.subscribers.remove(sub, then=forget)
 
 
 class RouterIngress:

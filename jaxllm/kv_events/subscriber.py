@@ -167,7 +167,7 @@ class SubscriberThread:
     """Polls many subscribers' sockets on one daemon thread until `stop()`: a router with a thousand instances
     runs one thread, not a thousand. Subscribers join as their instances are found (`add`, from any thread); the
     thread registers each and catches it up (blocking the others' events up to the replay timeout) before polling
-    it."""
+    it. They leave as their instances die (`remove`): the thread closes the socket, which only it may touch."""
 
     def __init__(self, subscribers: list[ZmqEventSubscriber] | None = None, poll_ms: int = 100):
         import zmq
@@ -176,7 +176,8 @@ class SubscriberThread:
         self.poller = zmq.Poller()
         self._by_socket: dict = {}
         self._joining: list[ZmqEventSubscriber] = list(subscribers or [])
-        self._lock = threading.Lock()  # guards _joining
+        self._leaving: list[tuple[ZmqEventSubscriber, Callable[[], None] | None]] = []
+        self._lock = threading.Lock()  # guards _joining and _leaving
         self._stop = threading.Event()
         self._poll_ms = poll_ms
         self.thread = threading.Thread(target=self._run, name="kv-events-subscriber", daemon=True)
@@ -192,11 +193,28 @@ class SubscriberThread:
             if not self.thread.is_alive() and not self._stop.is_set():
                 self.thread.start()
 
-    def _join(self) -> None:
+    def remove(self, sub: ZmqEventSubscriber, then: Callable[[], None] | None = None) -> None:
+        """Stop reading `sub` and close it on the thread's next poll, then call `then` there (e.g. forget the
+        instance's blocks: after the last of its events, so none lands after it)."""
+        with self._lock:
+            self._leaving.append((sub, then))
+
+    def _update(self) -> None:
         import zmq
 
         with self._lock:
             joining, self._joining = self._joining, []
+            leaving, self._leaving = self._leaving, []
+        for sub, then in leaving:
+            if sub in joining:
+                joining.remove(sub)
+            elif sub in self.subscribers:
+                self.subscribers.remove(sub)
+                del self._by_socket[sub.socket]
+                self.poller.unregister(sub.socket)
+            sub.close()
+            if then is not None:
+                then()
         for sub in joining:
             self.subscribers.append(sub)
             self._by_socket[sub.socket] = sub
@@ -205,7 +223,7 @@ class SubscriberThread:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            self._join()
+            self._update()
             for socket, _ in self.poller.poll(self._poll_ms):
                 try:
                     self._by_socket[socket].receive_ready()
