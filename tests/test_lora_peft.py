@@ -318,3 +318,15 @@ def test_half_precision_tensors(adapter, tmp_path):
         for name in PROJECTIONS:
             for got, want in zip(half.projections[name], exact.projections[name], strict=True):
                 np.testing.assert_array_equal(got, want)
+
+
+def test_lora_dtype_is_checked_and_auto_follows_the_base():
+    """vLLM's `lora_dtype`: "auto" is the model's dtype, float16 on a quantized base; anything else is refused."""
+    from jaxllm.config import LoRAConfig
+
+    assert LoRAConfig().slot_dtype("float32", quantized_base=False) == "float32"
+    assert LoRAConfig().slot_dtype("bfloat16", quantized_base=False) == "bfloat16"
+    assert LoRAConfig().slot_dtype("float32", quantized_base=True) == "float16"
+    assert LoRAConfig(lora_dtype="float32").slot_dtype("float32", quantized_base=True) == "float32"
+    with pytest.raises(ValueError, match="lora_dtype must be one of auto, float32, float16, bfloat16, got 'int8'"):
+        LoRAConfig(lora_dtype="int8")

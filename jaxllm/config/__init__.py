@@ -8,7 +8,7 @@ from jaxllm.config.cache import CacheConfig
 from jaxllm.config.engine import EngineConfig, check_combinations
 from jaxllm.config.kv_events import KVEventsConfig
 from jaxllm.config.kv_transfer import KVTransferConfig
-from jaxllm.config.lora import LoRAConfig
+from jaxllm.config.lora import LORA_DTYPES, LoRAConfig
 from jaxllm.config.model import DTYPES, LOAD_FORMATS, QUANTIZATIONS, ModelConfig, check_quantization, resolve_dtype
 from jaxllm.config.parallel import ParallelConfig
 from jaxllm.config.pooler import POOLING_TYPES, RUNNERS, PoolerConfig
@@ -26,6 +26,7 @@ __all__ = [
     "EngineConfig",
     "KVEventsConfig",
     "KVTransferConfig",
+    "LORA_DTYPES",
     "LoRAConfig",
     "ModelConfig",
     "ParallelConfig",

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from jaxllm.config import (
     DTYPES,
     LOAD_FORMATS,
+    LORA_DTYPES,
     QUANTIZATIONS,
     RUNNERS,
     CacheConfig,
@@ -64,6 +65,8 @@ HELP = {
     "max_loras": "LoRA adapters a step can mix (device slots; a request for a further one waits its turn)",
     "max_lora_rank": "the largest LoRA rank an adapter may have (an adapter of higher rank is refused at load)",
     "max_cpu_loras": "LoRA adapters kept read in host memory (default: max_loras)",
+    "lora_dtype": "the LoRA adapters' stored type: auto (the model's dtype; float16 on a quantized base), float32, "
+    "float16 or bfloat16",
     "runner": "generate (tokens) or pooling (embeddings and scores: /v1/embeddings, /score, /rerank; docs/serving.md)",
     "pooler_config": 'the pooling runner\'s pooler, vLLM\'s JSON: \'{"pooling_type": "MEAN", "normalize": true}\' '
     "(default: the model's sentence-transformers files, else LAST with L2 normalisation)",
@@ -77,6 +80,7 @@ CHOICES = {
     "dtype": ("auto", *DTYPES),
     "kv_cache_dtype": ("auto", *DTYPES),
     "runner": RUNNERS,
+    "lora_dtype": LORA_DTYPES,
 }
 
 
@@ -120,6 +124,7 @@ class EngineArgs:
     max_loras: int = 1  # adapters in one step (device slots)
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None  # adapters kept read in host memory (None: max_loras)
+    lora_dtype: str = "auto"  # vLLM's: the adapters' stored type (auto: the model's; float16 on a quantized base)
     reasoning_parser: str = "auto"  # vLLM's: how thinking is told from the answer (docs/serving.md, Reasoning)
     runner: str = "generate"  # vLLM's: "pooling" serves embeddings and scores instead of tokens
     pooler_config: dict | str | None = None  # vLLM's JSON: {"pooling_type": "MEAN", "normalize": true}
@@ -142,7 +147,9 @@ class EngineArgs:
         return KVEventsConfig.parse(self.kv_events_config)
 
     def lora(self) -> LoRAConfig | None:
-        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras) if self.enable_lora else None
+        if not self.enable_lora:
+            return None
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras, self.lora_dtype)
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(

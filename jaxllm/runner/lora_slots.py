@@ -7,8 +7,7 @@ or v's columns, so the block form would read and multiply 2-4x the weights a ste
 bytes are what LoRA costs). The shapes never change, so an adapter is loaded (or replaced) by one executable compiled
 at warm-up that writes its slot in place (the slot arrays donated): no compile while serving. A is stored as PEFT
 stores it, `[r, in]` per part (the parts' ranks stacked): each rank's row is contiguous, as the CPU kernel's shrink
-reads it (pallas_kernels/stacked_matmul/lora.py). A and B are float32 whatever the model's type (a few MB an
-adapter).
+reads it (pallas_kernels/stacked_matmul/lora.py). A and B are stored as `dtype` (`LoRAConfig.slot_dtype`).
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ class LoRASlots:
     """The slot arrays of every projection (`tree`: parameters to merge into the model's, `merged`), `prepare` (an
     adapter laid out as its slot, on the host) and `load` (written into a slot)."""
 
-    def __init__(self, arch: ModelArch, config: LoRAConfig, mesh: Mesh):
+    def __init__(self, arch: ModelArch, config: LoRAConfig, mesh: Mesh, dtype: str = "float32"):
         self.arch, self.config = arch, config
         s, r = config.num_slots, config.max_lora_rank
         self.stacks = [(stack_name(start, arch.num_layers, end), start, end) for start, end, _ in arch.layer_runs()]
@@ -57,7 +56,7 @@ class LoRASlots:
                 for p, part in enumerate(_parts(arch, name, out)):
                     leaves[f"lora_b{p}"] = ((layers, s, r, *part), P(None, None, None, *out_axes))
                 self.tree.setdefault(stack, {}).setdefault(module, {})[proj] = {
-                    leaf: jax.device_put(np.zeros(shape, np.float32), NamedSharding(mesh, spec))
+                    leaf: jax.device_put(jnp.zeros(shape, dtype), NamedSharding(mesh, spec))
                     for leaf, (shape, spec) in leaves.items()
                 }
         self._write = jax.jit(_write_slot, donate_argnums=(0,))

@@ -117,7 +117,10 @@ class ModelRunner:
         )
         started = time.perf_counter()
         # LoRA: adapters' device slots, first (the KV cache takes a share of the memory left)
-        self.lora = LoRASlots(arch, config.lora, mesh) if config.lora is not None else None
+        self.lora = None
+        if config.lora is not None:
+            dtype = config.lora.slot_dtype(jnp.dtype(loaded.dtype).name, bool(loaded.quant))
+            self.lora = LoRASlots(arch, config.lora, mesh, dtype)
         self.num_blocks, self.cache = self._allocate_cache(cache_cfg.kv_dtype(loaded.dtype))
         self.startup_seconds = {"kv_cache": time.perf_counter() - started}  # phases, for the start-up report
         speculative = config.speculative

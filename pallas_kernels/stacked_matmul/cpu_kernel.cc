@@ -124,15 +124,18 @@ ffi::Error QuantImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuff
 }
 
 // x float32 [T, K]; y float32 [T, N] (the projection's output, aliased to out); slots int32 [T]; layer int32 [1];
-// a [L, S, Rw, K] and each part's b [L, S, r, outer, cols], float32; out = y + the products.
+// a [L, S, Rw, K] and each part's b [L, S, r, outer, cols], all float32, float16 or bfloat16; out = y + the products.
 ffi::Error LoraImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> y, ffi::Buffer<ffi::S32> slots,
-                    ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> a, ffi::RemainingArgs bs, ffi::ResultBuffer<ffi::F32> out,
+                    ffi::Buffer<ffi::S32> layer, ffi::AnyBuffer a, ffi::RemainingArgs bs, ffi::ResultBuffer<ffi::F32> out,
                     int64_t outer) {
   auto xd = x.dimensions(), ad = a.dimensions();
   const int64_t parts = static_cast<int64_t>(bs.size());
   if (xd.size() != 2 || ad.size() != 4 || ad[3] != xd[1] || layer.element_count() != 1 ||
       static_cast<int64_t>(slots.element_count()) != xd[0] || parts < 1 || parts > kMaxLoraParts || outer < 1)
     return ffi::Error::InvalidArgument("add_lora_cpu: x [T, K], a [L, S, Rw, K], slots [T], layer [1], 1-4 parts");
+  const ffi::DataType type = a.element_type();
+  if (type != ffi::F32 && type != ffi::F16 && type != ffi::BF16)
+    return ffi::Error::InvalidArgument("add_lora_cpu: a float32, float16 or bfloat16");
   const int64_t num_layers = ad[0], num_slots = ad[1], l = layer.typed_data()[0];
   if (l < 0 || l >= num_layers) return ffi::Error::InvalidArgument("add_lora_cpu: layer out of range");
   for (size_t t = 0; t < slots.element_count(); ++t)
@@ -140,29 +143,39 @@ ffi::Error LoraImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
       return ffi::Error::InvalidArgument("add_lora_cpu: slot out of range");
   int64_t r = 0, row_width = 0;
   int64_t cols[kMaxLoraParts];
-  const float* b_data[kMaxLoraParts];
+  const void* b_data[kMaxLoraParts];
   for (int64_t p = 0; p < parts; ++p) {
-    auto b = bs.get<ffi::Buffer<ffi::F32>>(p);
+    auto b = bs.get<ffi::AnyBuffer>(p);
     if (b.has_error()) return b.error();
     auto bd = b->dimensions();
-    if (bd.size() < 3 || bd[0] != num_layers || bd[1] != num_slots || bd[2] < 1 || (p > 0 && bd[2] != r))
-      return ffi::Error::InvalidArgument("add_lora_cpu: each b float32 [L, S, r, ...]");
+    if (b->element_type() != type || bd.size() < 3 || bd[0] != num_layers || bd[1] != num_slots || bd[2] < 1 || (p > 0 && bd[2] != r))
+      return ffi::Error::InvalidArgument("add_lora_cpu: each b [L, S, r, ...], typed as a");
     r = bd[2];
     const int64_t per_rank = static_cast<int64_t>(b->element_count()) / (num_layers * num_slots * r);
     if (per_rank % outer || (per_rank / outer) % kLanes)
       return ffi::Error::InvalidArgument("add_lora_cpu: each part's columns per outer index whole vectors");
     cols[p] = per_rank / outer;
     row_width += cols[p];
-    b_data[p] = b->typed_data();
+    b_data[p] = b->untyped_data();
   }
   const int64_t k_dim = xd[1], n = outer * row_width;
   if (k_dim % kLanes || r * parts > ad[2] || static_cast<int64_t>(y.element_count()) != xd[0] * n)
     return ffi::Error::InvalidArgument("add_lora_cpu: K whole vectors, Rw >= parts * r, y [T, outer * columns]");
   if (out->typed_data() != y.typed_data())
     std::copy(y.typed_data(), y.typed_data() + y.element_count(), out->typed_data());
-  LoraWeights w{a.typed_data(), {}, k_dim, ad[2], r, outer, parts, {}};
-  for (int64_t p = 0; p < parts; ++p) w.b[p] = b_data[p], w.cols[p] = cols[p];
-  AddLora(Team(pool), x.typed_data(), xd[0], slots.typed_data(), num_slots, l, w, out->typed_data());
+  const Team team(pool);
+  auto run = [&](auto* typed) {  // the weights' element type, by a null pointer of it
+    using W = std::remove_pointer_t<decltype(typed)>;
+    LoraWeights<W> w{static_cast<const W*>(a.untyped_data()), {}, k_dim, ad[2], r, outer, parts, {}};
+    for (int64_t p = 0; p < parts; ++p) w.b[p] = static_cast<const W*>(b_data[p]), w.cols[p] = cols[p];
+    AddLora(team, x.typed_data(), xd[0], slots.typed_data(), num_slots, l, w, out->typed_data());
+  };
+  if (type == ffi::F16)
+    run(static_cast<Fp16*>(nullptr));
+  else if (type == ffi::BF16)
+    run(static_cast<Bf16*>(nullptr));
+  else
+    run(static_cast<float*>(nullptr));
   return ffi::Error::Success();
 }
 
@@ -175,7 +188,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AddLoraCpu, LoraImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
                                   .RemainingArgs()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("outer"));

@@ -7,8 +7,8 @@ concatenation, a gather back and an add) cost a decode step 11 calls a layer, wh
 adapter's bytes (benchmarks/results/lora_cpu.json). Slot 0 tokens (no adapter, a bucket's padding) are skipped, not
 multiplied by zeros; y is updated in place (aliased to the output).
 
-Layouts (model/lora.py): a `[L, S, Rw, K]` (PEFT's `[r, in]` per part), each part's b `[L, S, r, *part]`, float32;
-the parts joined along `parts_axis` of y's trailing shape.
+Layouts (model/lora.py): a `[L, S, Rw, K]` (PEFT's `[r, in]` per part), each part's b `[L, S, r, *part]`, float32,
+float16 or bfloat16 (widened as read); the parts joined along `parts_axis` of y's trailing shape.
 """
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ def applies(a, bs: list, parts_axis: int | None) -> bool:
     outer = _outer(bs[0].shape[3:], parts_axis)
     cols = [math.prod(b.shape[3:]) // outer for b in bs]
     whole = a.shape[-1] % WIDEST_VECTOR == 0 and all(c % WIDEST_VECTOR == 0 for c in cols)
-    return jax.default_backend() == "cpu" and whole and a.dtype == jnp.float32 and available()
+    return (
+        jax.default_backend() == "cpu" and whole and a.dtype in (jnp.float32, jnp.float16, jnp.bfloat16) and available()
+    )
 
 
 def add_lora(

@@ -5,7 +5,7 @@
 //
 // Layouts (one layer's slot of model/lora.py's arrays): A [Rw, K] (PEFT's own [r, in] per part, parts stacked),
 // each part's B [r, outer, cols] (the fused output seen as [outer, sum of cols]: q/k/v interleaved per KV head,
-// gate/up side by side), float32. Tokens are grouped by slot (a counting sort: slots are few), and each
+// gate/up side by side), float32, float16 or bfloat16 (each widened to float32 as it is read). Tokens are grouped by slot (a counting sort: slots are few), and each
 // group runs in blocks of up to kLoraRows tokens, so a block reads its adapter's weights once:
 // - shrink: h[t, j] = x[t] . A[j], A's rows being contiguous in K; items are (block, kRankRows rows of A);
 // - expand: y[t, o, part's columns] += h[t, part's ranks] @ B, vectorized over the columns; items are (block,
@@ -31,12 +31,24 @@ constexpr int kRankRows = 8;                  // rows of A a shrink item covers
 constexpr int64_t kColChunk = 8 * kLanes;     // columns an expand item covers
 constexpr int64_t kLoraTeamFlops = 1 << 18;   // multiply-adds below which a phase stays on the calling thread
 
+// The adapter's element types: float32, or 16 bits (half the bytes a decode step reads) widened in registers.
+struct Fp16 {
+  uint16_t bits;
+};
+struct Bf16 {
+  uint16_t bits;
+};
+inline VecF LoadWeight(const float* p) { return jaxllm_simd::Load(p); }
+inline VecF LoadWeight(const Fp16* p) { return jaxllm_simd::LoadHalf(&p->bits); }
+inline VecF LoadWeight(const Bf16* p) { return jaxllm_simd::Load(&p->bits); }
+
 constexpr int kMaxLoraParts = 4;  // parts of a fused projection (q/k/v: 3)
 
 // Every slot of every layer: A [L * S, rank_width, k], each part's B [L * S, r, outer, cols[p]].
+template <typename W>
 struct LoraWeights {
-  const float* a;
-  const float* b[kMaxLoraParts];
+  const W* a;
+  const W* b[kMaxLoraParts];
   int64_t k, rank_width, r, outer, parts;
   int64_t cols[kMaxLoraParts];  // each part's columns per outer index
   int64_t RowWidth() const {    // y's columns per outer index
@@ -44,8 +56,8 @@ struct LoraWeights {
     for (int64_t p = 0; p < parts; ++p) n += cols[p];
     return n;
   }
-  const float* A(int64_t index) const { return a + index * rank_width * k; }
-  const float* B(int64_t index, int64_t p) const { return b[p] + index * r * outer * cols[p]; }
+  const W* A(int64_t index) const { return a + index * rank_width * k; }
+  const W* B(int64_t index, int64_t p) const { return b[p] + index * r * outer * cols[p]; }
 };
 
 inline float Sum(VecF v) {
@@ -60,8 +72,8 @@ template <int ROWS>
 constexpr int kChains = ROWS == 1 ? 8 : ROWS == 2 ? 4 : 2;
 
 // h[i, j .. j + RANKS) for ROWS rows of x (`xs`: each row's start) against A's rows j ...
-template <int ROWS, int RANKS>
-__attribute__((always_inline)) inline void ShrinkTile(const float* const* xs, const float* a, int64_t k, int64_t j,
+template <int ROWS, int RANKS, typename W>
+__attribute__((always_inline)) inline void ShrinkTile(const float* const* xs, const W* a, int64_t k, int64_t j,
                                                       int64_t rank_width, float* h) {
   VecF acc[ROWS][RANKS] = {};
   for (int64_t kk = 0; kk < k; kk += kLanes) {
@@ -70,7 +82,7 @@ __attribute__((always_inline)) inline void ShrinkTile(const float* const* xs, co
     for (int r = 0; r < ROWS; ++r) xv[r] = jaxllm_simd::Load(xs[r] + kk);
 #pragma GCC unroll 8
     for (int i = 0; i < RANKS; ++i) {
-      const VecF av = jaxllm_simd::Load(a + (j + i) * k + kk);
+      const VecF av = LoadWeight(a + (j + i) * k + kk);
 #pragma GCC unroll 4
       for (int r = 0; r < ROWS; ++r) acc[r][i] += xv[r] * av;
     }
@@ -80,8 +92,8 @@ __attribute__((always_inline)) inline void ShrinkTile(const float* const* xs, co
 }
 
 // h[i, j0 .. j0 + kRankRows) (an item), kChains<ROWS> rows of A at a time.
-template <int ROWS>
-void ShrinkStep(const float* const* xs, const float* a, int64_t k, int64_t j0, int64_t rank_width, float* h) {
+template <int ROWS, typename W>
+void ShrinkStep(const float* const* xs, const W* a, int64_t k, int64_t j0, int64_t rank_width, float* h) {
   const int64_t j_end = std::min<int64_t>(j0 + kRankRows, rank_width);
   int64_t j = j0;
   for (; j + kChains<ROWS> <= j_end; j += kChains<ROWS>) ShrinkTile<ROWS, kChains<ROWS>>(xs, a, k, j, rank_width, h);
@@ -90,16 +102,16 @@ void ShrinkStep(const float* const* xs, const float* a, int64_t k, int64_t j0, i
 
 // y rows (`ys`) [c, c + VECS vectors) of one part += h's part ranks (`hp`, rows rank_width apart) @ B's rows (`b`:
 // the part's first column, ranks `ldb` apart).
-template <int ROWS, int VECS>
+template <int ROWS, int VECS, typename W>
 __attribute__((always_inline)) inline void ExpandTile(float* const* ys, const float* hp, int64_t rank_width,
-                                                      const float* b, int64_t ldb, int64_t r_dim, int64_t c) {
+                                                      const W* b, int64_t ldb, int64_t r_dim, int64_t c) {
   VecF acc[ROWS][VECS];
   for (int r = 0; r < ROWS; ++r)
     for (int v = 0; v < VECS; ++v) acc[r][v] = jaxllm_simd::Load(ys[r] + c + v * kLanes);
   for (int64_t j = 0; j < r_dim; ++j) {
 #pragma GCC unroll 8
     for (int v = 0; v < VECS; ++v) {
-      const VecF bv = jaxllm_simd::Load(b + j * ldb + c + v * kLanes);
+      const VecF bv = LoadWeight(b + j * ldb + c + v * kLanes);
 #pragma GCC unroll 4
       for (int r = 0; r < ROWS; ++r) acc[r][v] += hp[r * rank_width + j] * bv;
     }
@@ -109,8 +121,8 @@ __attribute__((always_inline)) inline void ExpandTile(float* const* ys, const fl
 }
 
 // Columns [0, width) of an item (a multiple of kLanes), kChains<ROWS> vectors at a time.
-template <int ROWS>
-void ExpandStep(float* const* ys, const float* hp, int64_t rank_width, const float* b, int64_t ldb, int64_t r_dim,
+template <int ROWS, typename W>
+void ExpandStep(float* const* ys, const float* hp, int64_t rank_width, const W* b, int64_t ldb, int64_t r_dim,
                 int64_t width) {
   constexpr int64_t kCols = kChains<ROWS> * kLanes;
   int64_t c = 0;
@@ -131,8 +143,9 @@ void WithRows(int rows, const F& f) {
 
 // y [T, outer * RowWidth] += each token's LoRA product of `layer`; x [T, k] float32; slots [T] (0: none), of
 // num_slots a layer. K and every part's columns multiples of kLanes (checked by the handler).
+template <typename W>
 void AddLora(const Team& team, const float* x, int64_t num_tokens, const int32_t* slots, int64_t num_slots,
-             int64_t layer, const LoraWeights& w, float* y) {
+             int64_t layer, const LoraWeights<W>& w, float* y) {
   // tokens grouped by slot (slot 0 left out): order[], and blocks of up to kLoraRows tokens of one slot
   std::vector<int64_t> count(num_slots + 1, 0);
   for (int64_t t = 0; t < num_tokens; ++t) ++count[slots[t] + 1];
@@ -183,7 +196,7 @@ void AddLora(const Team& team, const float* x, int64_t num_tokens, const int32_t
     for (int64_t i = 0; i < blk.rows; ++i) ys[i] = y + order[blk.first + i] * n + seg.y_col;
     const int64_t ldb = w.outer * w.cols[seg.part];
     const float* hp = h_row(blk) + seg.part * w.r;
-    const float* b = w.B(layer * num_slots + blk.slot, seg.part) + seg.part_col;
+    const W* b = w.B(layer * num_slots + blk.slot, seg.part) + seg.part_col;
     WithRows(static_cast<int>(blk.rows), [&](auto rows) {
       ExpandStep<decltype(rows)::value>(ys, hp, rw, b, ldb, w.r, seg.width);
     });

@@ -73,15 +73,16 @@ def check(got, want, x, a, bs, slots):
 
 
 @pytest.mark.skipif(not lora.available(), reason="the CPU kernel did not build")
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("projection", PROJECTIONS, ids=["qkv", "gate_up", "one_part"])
 @pytest.mark.parametrize("tokens", TOKENS)
-def test_kernel_matches_the_float64_oracle(tokens, projection):
+def test_kernel_matches_the_float64_oracle(tokens, projection, dtype):
     k, out, extents, axis = projection
     x, y, a, bs, slots = case(tokens * 7 + k, tokens, k, out, extents, axis)
-    assert lora.applies(a, bs, axis)
-    got = lora.add_lora(
-        jnp.asarray(y), jnp.asarray(x), jnp.asarray(a), [jnp.asarray(b) for b in bs], jnp.asarray(slots), LAYER, axis
-    )
+    wa, wbs = jnp.asarray(a, dtype), [jnp.asarray(b, dtype) for b in bs]  # the oracle on the rounded weights
+    a, bs = np.asarray(wa, np.float64), [np.asarray(b, np.float64) for b in wbs]
+    assert lora.applies(wa, wbs, axis)
+    got = lora.add_lora(jnp.asarray(y), jnp.asarray(x), wa, wbs, jnp.asarray(slots), LAYER, axis)
     check(got, oracle(x, y, a, bs, slots, axis), x, a, bs, slots)
 
 
