@@ -14,6 +14,18 @@ os.environ.setdefault("JAXLLM_CPU_INT8_DOT", "off")
 import pytest  # noqa: E402
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config):
+    """A crash (a segfault inside XLA, say) prints the crashing thread's stack alone: pytest's default, every
+    thread's, buried it under a dozen idle workers' in the part of CI's output that is shown."""
+    import faulthandler
+
+    from _pytest.faulthandler import fault_handler_stderr_fd_key
+
+    if fault_handler_stderr_fd_key in config.stash:
+        faulthandler.enable(file=config.stash[fault_handler_stderr_fd_key], all_threads=False)
+
+
 @pytest.fixture(scope="session")
 def default_model():
     """The embedded default model, loaded once per test session (float32, one device)."""

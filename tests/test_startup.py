@@ -42,7 +42,9 @@ def test_executable_round_trip_keeps_results_and_donation(tmp_path):
     key = fingerprint("test", abstract_signature((x, x[0])))
     device = jax.devices()[:1]  # the tests run with 4 host devices: an executable loads onto its own
     assert cache.load(key, device) is None
-    fresh = cache.compile_and_store(key, fn.lower(x, x[0]))
+    fresh, compiled_here = cache.compile(fn.lower(x, x[0]))
+    assert compiled_here  # (compiled in well under JAX's 0.5 s threshold: never in JAX's cache)
+    cache.store(key, fresh)
     expected = jax.device_get(fresh(x, jnp.ones(64)))
     loaded = cache.load(key, device)
     assert loaded is not None
@@ -51,6 +53,10 @@ def test_executable_round_trip_keeps_results_and_donation(tmp_path):
     np.testing.assert_array_equal(got[0], expected[0])
     np.testing.assert_array_equal(got[1], expected[1])
     assert state.is_deleted()  # still donated
+    damaged = bytearray(cache._path(key).read_bytes())
+    damaged[len(damaged) // 2] ^= 0xFF
+    cache._path(key).write_bytes(bytes(damaged))
+    assert cache.load(key, device) is None  # a damaged file is never handed to XLA: compile again
 
 
 def test_unreadable_executable_means_compile_not_crash(tmp_path, caplog):

@@ -25,6 +25,7 @@ import pickle
 import tempfile
 import threading
 from pathlib import Path
+from typing import Any
 
 import jax
 from jax.experimental import serialize_executable
@@ -32,10 +33,11 @@ from jax.experimental import serialize_executable
 from jaxllm.runner.compilations import served_by_jax_cache
 
 logger = logging.getLogger(__name__)
-# XLA's CPU client is not safe to deserialize executables beside other work: two `load`s side by side, then a
+# XLA's CPU client is not safe to (de)serialize executables beside other work: two `load`s side by side, then a
 # `load` beside compiles and a weight-reading thread, crashed the process (a segfault in `deserialize_executable`,
-# CI, jaxlib 0.10). Loads take turns, and `ModelRunner.load_cached_executables` runs them before anything else.
-_deserializing = threading.Lock()
+# CI, jaxlib 0.10). Loads and stores take turns under this lock; `ModelRunner` loads before anything else runs and
+# stores after its compiles are done, in its own thread.
+_serializing = threading.Lock()
 
 _PACKAGES = ("jax", "jaxlib", "flax", "numpy")
 _SOURCE_SUFFIXES = (".py", ".cc", ".h")
@@ -54,7 +56,7 @@ _HOST_ONLY = {
     "metrics",
     "integrations",
 }
-_FORMAT = b"jaxllm-executable-1"
+_FORMAT = b"jaxllm-executable-2"  # then the payload's sha256, then the payload
 
 
 # XLA CPU compiles a step's ~200-270 elementwise fusions through its MLIR fusion emitters and LLVM at -O2. The
@@ -132,8 +134,11 @@ class ExecutableCache:
         except OSError:
             return None
         try:
-            payload, in_tree, out_tree = pickle.loads(blob)
-            with _deserializing:
+            header, digest, body = blob[: len(_FORMAT)], blob[len(_FORMAT) : len(_FORMAT) + 32], blob[len(_FORMAT) + 32 :]
+            if header != _FORMAT or hashlib.sha256(body).digest() != digest:  # never hand XLA a damaged blob
+                raise ValueError("not a whole executable of this format")
+            payload, in_tree, out_tree = pickle.loads(body)
+            with _serializing:
                 return serialize_executable.deserialize_and_load(
                     payload, in_tree, out_tree, execution_devices=list(devices)
                 )
@@ -141,17 +146,22 @@ class ExecutableCache:
             logger.warning("cached executable %s unreadable (%s: %s); compiling", path.name, type(e).__name__, e)
             return None
 
-    def compile_and_store(self, key: str, lowered):
-        """Compile `lowered`; store the executable when it was compiled here (not served by JAX's cache)."""
+    @staticmethod
+    def compile(lowered) -> tuple[Any, bool]:
+        """`lowered` compiled, and whether it was compiled here: only such an executable may be `store`d (one
+        served by JAX's cache serializes without its object code)."""
         served_by_jax_cache.hit = False
         compiled = lowered.compile(compiler_options())
-        if self.folder is not None and not served_by_jax_cache.hit:
-            self.store(key, compiled)
-        return compiled
+        return compiled, not served_by_jax_cache.hit
 
     def store(self, key: str, compiled) -> None:
+        """Write `compiled` (freshly compiled: `compile`) under `key`; call it while nothing else compiles."""
+        if self.folder is None:
+            return
         try:
-            blob = pickle.dumps(serialize_executable.serialize(compiled))
+            with _serializing:
+                body = pickle.dumps(serialize_executable.serialize(compiled))
+            blob = _FORMAT + hashlib.sha256(body).digest() + body
             path = self._path(key)
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile(dir=path.parent, suffix=".partial", delete=False) as f:

@@ -319,14 +319,15 @@ class ModelRunner:
         """Load or compile every executable now (each bucket's forward, each row count's sampler). Returns seconds.
 
         The executable cache's are loaded first (`load_cached_executables`); the others are traced and lowered one
-        at a time (that holds the GIL) and compiled side by side in threads (XLA's compiler does not).
+        at a time (that holds the GIL) and compiled side by side in threads (XLA's compiler does not), then stored
+        in the executable cache one at a time in this thread, once every compile is done.
         """
         from tqdm.auto import tqdm
 
         loaded = self.load_cached_executables()
         start = time.perf_counter()
         jobs = self._executable_jobs()
-        futures = {}
+        futures, keys = {}, {}
         with (
             ThreadPoolExecutor(max(1, min(len(jobs), os.cpu_count() or 1))) as pool,
             tqdm(
@@ -339,15 +340,17 @@ class ModelRunner:
         ):
             for job in reversed(jobs):  # largest first: the last compile to finish is a short one
                 fn, args = jobs[job]
-                key = fingerprint(self._key, job[0], abstract_signature(args))
+                keys[job] = fingerprint(self._key, job[0], abstract_signature(args))
                 bar.set_postfix_str(f"tracing {_job_name(job)}")  # up to ~1 s each, in this thread: the bar moves
-                futures[job] = pool.submit(self._executables.compile_and_store, key, fn.lower(*args))
+                futures[job] = pool.submit(self._executables.compile, fn.lower(*args))
                 futures[job].add_done_callback(lambda _: bar.update())
             bar.set_postfix_str("compiling" if futures else "")
             made = {job: future.result() for job, future in futures.items()}
         tables = self._executable_tables()
-        for (kind, shape), executable in made.items():
+        for (kind, shape), (executable, fresh) in made.items():
             tables[kind][shape] = executable
+            if fresh:
+                self._executables.store(keys[kind, shape], executable)
         if self.lora is not None:  # (small: ~0.1 s; not worth the executable cache)
             self.lora.compile()
         self.compile_seconds = self.startup_seconds["buckets"] = time.perf_counter() - start + self._load_seconds
