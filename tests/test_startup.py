@@ -31,6 +31,18 @@ def test_a_second_engine_loads_every_bucket_compiled_and_generates_the_same(llm)
     assert ids(second.generate(prompts, params, use_tqdm=False)) == ids(llm.generate(prompts, params, use_tqdm=False))
 
 
+def test_the_compiled_step_cache_can_be_turned_off_alone(llm, monkeypatch):
+    """JAXLLM_DISABLE_EXECUTABLE_CACHE=1: every step traced again (JAX's cache serving its compile), none loaded."""
+    monkeypatch.setenv("JAXLLM_DISABLE_EXECUTABLE_CACHE", "1")
+    third = LLM(**TEST_ENGINE, kv_cache_memory_bytes=kv_bytes(TEST_KV_BLOCKS))
+    assert third.engine.runner.loaded_executables == 0
+    assert third.engine.runner._executables.folder is None  # nothing stored either
+    prompts = ["The capital of France is"]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    ids = lambda outs: [o.outputs[0].token_ids for o in outs]  # noqa: E731
+    assert ids(third.generate(prompts, params, use_tqdm=False)) == ids(llm.generate(prompts, params, use_tqdm=False))
+
+
 def _step(x, state):
     return jnp.tanh(x @ x.T).sum(0) + state, state * 2  # `state` is donated, as the engine's KV cache is
 

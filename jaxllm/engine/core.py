@@ -90,6 +90,8 @@ class EngineCore:
             check_kv_connector(kv_transfer, bytes_per_block(arch, self.config.cache.block_size, kv_dtype, slots=slots))
         self.seed = args.seed
         executables = os.path.join(cache_folder, "jaxllm-executables") if cache_folder else None
+        if os.environ.get("JAXLLM_DISABLE_EXECUTABLE_CACHE", "0") not in ("", "0"):  # vLLM's VLLM_DISABLE_COMPILE_CACHE
+            executables = None  # (JAX's cache stays on: each step is traced and lowered, then its compile served)
         # the device side: the target model's worker (weights, KV cache, compiled steps), a draft model's too
         self.worker = Worker(
             source,

@@ -134,8 +134,9 @@ class ExecutableCache:
         except OSError:
             return None
         try:
-            header, digest, body = blob[: len(_FORMAT)], blob[len(_FORMAT) : len(_FORMAT) + 32], blob[len(_FORMAT) + 32 :]
-            if header != _FORMAT or hashlib.sha256(body).digest() != digest:  # never hand XLA a damaged blob
+            start = len(_FORMAT) + 32  # the format, the payload's sha256, the payload
+            digest, body = blob[len(_FORMAT) : start], blob[start:]
+            if blob[: len(_FORMAT)] != _FORMAT or hashlib.sha256(body).digest() != digest:  # never handed to XLA
                 raise ValueError("not a whole executable of this format")
             payload, in_tree, out_tree = pickle.loads(body)
             with _serializing:
