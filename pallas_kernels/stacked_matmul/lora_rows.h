@@ -29,7 +29,7 @@ using jaxllm_simd::VecF;
 constexpr int kLoraRows = 4;                  // tokens of one adapter a block: its weights read once per block
 constexpr int kRankRows = 8;                  // rows of A a shrink item covers
 constexpr int64_t kColChunk = 8 * kLanes;     // columns an expand item covers
-constexpr int64_t kLoraTeamFlops = 1 << 18;   // multiply-adds below which a phase stays on the calling thread
+constexpr int64_t kLoraTeamFlops = 1 << 18;   // multiply-adds below which a phase stays on the calling thread (lora.py: TEAM_MACS)
 
 // The adapter's element types: float32, or 16 bits (half the bytes a decode step reads) widened in registers.
 struct Fp16 {
