@@ -22,7 +22,10 @@ QUESTIONS = [  # test_engine's eight and four more
     "How many legs does a spider have?",
 ]
 GREEDY = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=2)
-NEAR_TIE = 0.25  # nats between the float path's two best tokens: where 8-bit x may flip the choice
+# nats between the float path's two best tokens: where 8-bit x may flip the choice. The widest seen: 0.23 on AVX2
+# (Zen 2), 0.38 on AVX512-VNNI (Zen 4: "What is 12 times 7?" parts at token 32), where each CPU's float path sums
+# in its own order; a wrong product parts within the first tokens, where the choice was clear by nats
+NEAR_TIE = 0.5
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +60,7 @@ def test_greedy_chat_answers_part_from_the_float_path_only_at_near_ties(llm, int
     """12 held-out chat prompts x 48 tokens. This 135M model's answers are full of near-ties: llama.cpp's own
     8-bit activations on the same file part from the float path in 9 of 12 (docs/quantization.md), and so may
     these. What must hold: wherever an answer first parts, the float path's two best tokens were within NEAR_TIE
-    (8-bit x moves a logprob by ~0.1-0.3 nats); a wrong product would part where the choice was clear."""
+    (8-bit x moves a logprob by ~0.1-0.4 nats); a wrong product would part where the choice was clear."""
     floats, ints = chat(llm, QUESTIONS), chat(int8_llm, QUESTIONS)
     parted = []
     for question, want, got in zip(QUESTIONS, floats, ints, strict=True):
