@@ -10,6 +10,7 @@ import os
 import pytest
 
 from jaxllm import LLM, SamplingParams
+from jaxllm.model.quant import QuantPlan
 from jaxllm.runner.compilations import compilation_count
 from tests.conftest import TEST_ENGINE, kv_bytes
 from tests.test_engine import QUESTIONS as ENGINE_QUESTIONS
@@ -54,6 +55,10 @@ def test_the_engine_runs_the_integer_path_and_says_so(llm, int8_llm):
     assert int8_llm.engine.runner.model.matmul_int8_min_rows == 1
     assert "int8 dot from 1 row" in int8_llm.engine.runner.cpu_kernels.describe()
     assert llm.engine.runner.model.matmul_int8_min_rows == 0  # the session's engine: the exact path
+    # the LM head too, over the default model's 8-bit (Q8_0) tied embedding; never over 4-bit weights
+    assert int8_llm.engine.runner.model.head_int8_min_rows("embed_tokens") == 1
+    four_bit_head = int8_llm.engine.runner.model.clone(quant=QuantPlan((("embed_tokens", "q4_1"),)))
+    assert four_bit_head.head_int8_min_rows("embed_tokens") == 0
 
 
 def test_greedy_chat_answers_part_from_the_float_path_only_at_near_ties(llm, int8_llm):

@@ -178,6 +178,7 @@ class Embed(nn.Module):
     packed: bool = False
     kernel_max_rows: int | None = None  # packed: XLA's dot above this many rows (stacked_matmul's)
     quant: str | None = None  # a quantized table: stored as E.T `[H, V]` (a kernel of the LM head), model/quant.py
+    int8_min_rows: int = 0  # a quantized table: the LM head's integer path from this many rows (Stacking's)
 
     def setup(self):
         if self.quant:
@@ -202,7 +203,8 @@ class Embed(nn.Module):
 
     def attend(self, x: Float[Array, "S H"]) -> Float[Array, "S V"]:
         if self.quant:  # the LM head: an unstacked quantized kernel [H, V]
-            return Stacking(kernel_max_rows=self.kernel_max_rows).quantized_matmul(x, self.table, None, self.packed)
+            st = Stacking(kernel_max_rows=self.kernel_max_rows, int8_min_rows=self.int8_min_rows)
+            return st.quantized_matmul(x, self.table, None, self.packed)
         if self.packed:
             return packed_matmul(x, self.embedding, kernel_max_rows=self.kernel_max_rows)
         # E @ x.T reads the embedding's contiguous rows; x @ E.T makes XLA (CPU) copy E transposed per step
