@@ -90,6 +90,16 @@ QuantizedRows QuantizeRows(const Team& team, const float* x, int64_t rows, int64
 
 inline void Store16(uint8_t* p, Bytes16 v) { std::memcpy(p, &v, sizeof v); }
 
+// 8-bit quants (any vector of bytes) as the dot instructions take them: plus kQ8Bias, and -128 read as -127 where
+// the sign trick needs it.
+template <class V>
+inline V StoredQ8(V v) {
+  typedef uint8_t U8 __attribute__((vector_size(sizeof(V))));
+  U8 u = (U8)v;
+  if constexpr (kQ8Symmetric) u = u == 0x80 ? U8{} + 0x81 : u;
+  return (V)(u ^ static_cast<uint8_t>(kQ8Bias));
+}
+
 // Rows r0 .. r3 of a panel's quants (kPanel bytes each, `ld` apart), each byte through `f`, as 32 quads:
 // out[4 c + j] = f(r_j[c]).
 template <class F>
@@ -117,11 +127,8 @@ void RepackPanel(const QuantLayer& w, int64_t p, IntPanel& out) {
   const auto* q = static_cast<const uint8_t*>(w.qs) + p * q_rows * kPanel;
   constexpr int64_t kQuad = 4 * kPanel;
   if constexpr (BITS == 8) {
-    const auto stored = [](Bytes16 v) {  // plus the bias; -128 as -127 where the sign trick needs it
-      if constexpr (kQ8Symmetric) v = v == 0x80 ? Bytes16{} + 0x81 : v;
-      return v ^ static_cast<uint8_t>(kQ8Bias);
-    };
-    for (int64_t i = 0; i < k_dim / 4; ++i) InterleaveQuads(q + 4 * i * kPanel, kPanel, out.quads.data() + i * kQuad, stored);
+    for (int64_t i = 0; i < k_dim / 4; ++i)
+      InterleaveQuads(q + 4 * i * kPanel, kPanel, out.quads.data() + i * kQuad, StoredQ8<Bytes16>);
   } else {  // byte row 16 b + j holds k = 32 b + j (low nibble) and 32 b + 16 + j (high): quads 8 b + i and 8 b + 4 + i
     const auto low = [](Bytes16 v) { return v & 15; };
     const auto high = [](Bytes16 v) { return v >> 4; };
@@ -234,44 +241,54 @@ void IntPanels(const Team& team, const float* xp, int64_t rows, const QuantLayer
   });
 }
 
-// The few-row regime (a decode step) on the integer path, for 4-bit quants where the target arranges quads in
-// registers: bound by reading the weights, so each panel's quants are read once, straight from memory, arranged
-// into quads as they arrive (no buffer), their nibbles split by a mask and a shift, and multiplied by x's int8
-// blocks, where the float-activation strips widen and convert every nibble.
-template <int ROWS, bool MIN>
+// The few-row regime (a decode step) on the integer path, where the target arranges quads in registers: bound by
+// reading the weights, so each panel's quants are read once, straight from memory, arranged into quads as they
+// arrive (no buffer) and multiplied by x's int8 blocks, where the float-activation strips widen and convert every
+// quant. 4-bit quants: byte rows 16 b + 4 i .. + 3 hold k = 32 b + 4 i + j (low nibbles) and + 16 (high), split by
+// a mask and a shift; 8-bit ones: byte rows 32 b + 4 i .. + 3, k = 32 b + 4 i + j, biased as StoredQ8 says.
+template <int ROWS, int BITS, bool MIN>
 void IntStreamPanel(const QuantizedRows& xq, const QuantLayer& w, int64_t p, float* y) {
   constexpr int kV = 4 * kPanel / kVecBytes;  // vectors of a panel's quads of 4 k
+  constexpr int kSteps = BITS == 4 ? 4 : 8;   // loads of 4 byte rows per block of 32 k
   const int64_t k_dim = w.k_dim, blocks = k_dim / kQ8Block, groups = k_dim / w.group, per_group = w.group / kQ8Block;
-  const uint8_t* q = static_cast<const uint8_t*>(w.qs) + p * (k_dim / 2) * kPanel;
+  const uint8_t* q = static_cast<const uint8_t*>(w.qs) + p * (k_dim * BITS / 8) * kPanel;
   VecF acc[ROWS][kV] = {};
   for (int64_t b = 0; b < blocks; ++b) {
     VecI dots[ROWS][kV] = {};
-#pragma GCC unroll 4
-    for (int i = 0; i < 4; ++i) {  // byte rows 16 b + 4 i .. + 3: k = 32 b + 4 i + j (low nibbles), + 16 (high)
-      const uint8_t* rows = q + (16 * b + 4 * i) * kPanel;
+#pragma GCC unroll 8
+    for (int i = 0; i < kSteps; ++i) {
+      const uint8_t* rows = q + (kQ8Block * BITS / 8 * b + 4 * i) * kPanel;
       __builtin_prefetch(rows + kQuantAheadBytes);
       __builtin_prefetch(rows + kQuantAheadBytes + 64);
       VecI quads[kV];
       QuadsOf4Rows(rows, quads);
 #pragma GCC unroll 4
       for (int r = 0; r < ROWS; ++r) {
-        int32_t lo4, hi4;
+        int32_t lo4;
         std::memcpy(&lo4, xq.q.data() + r * k_dim + b * kQ8Block + 4 * i, sizeof lo4);
-        std::memcpy(&hi4, xq.q.data() + r * k_dim + b * kQ8Block + 16 + 4 * i, sizeof hi4);
-        const VecI xlo = VecI{} + lo4, xhi = VecI{} + hi4;
-        for (int v = 0; v < kV; ++v) {
-          dots[r][v] = DotNibbles(dots[r][v], quads[v] & 0x0f0f0f0f, xlo);
-          dots[r][v] = DotNibbles(dots[r][v], (quads[v] >> 4) & 0x0f0f0f0f, xhi);
+        const VecI xlo = VecI{} + lo4;
+        if constexpr (BITS == 4) {
+          int32_t hi4;
+          std::memcpy(&hi4, xq.q.data() + r * k_dim + b * kQ8Block + 16 + 4 * i, sizeof hi4);
+          const VecI xhi = VecI{} + hi4;
+          for (int v = 0; v < kV; ++v) {
+            dots[r][v] = DotNibbles(dots[r][v], quads[v] & 0x0f0f0f0f, xlo);
+            dots[r][v] = DotNibbles(dots[r][v], (quads[v] >> 4) & 0x0f0f0f0f, xhi);
+          }
+        } else {
+          for (int v = 0; v < kV; ++v) dots[r][v] = DotBytes<8>(dots[r][v], StoredQ8(quads[v]), xlo);
         }
       }
     }
-    for (int r = 0; r < ROWS; ++r)
-      for (int v = 0; v < kV; ++v) dots[r][v] = FinishNibbleDots(dots[r][v]);  // 8 steps: whole in int16
+    if constexpr (BITS == 4)
+      for (int r = 0; r < ROWS; ++r)
+        for (int v = 0; v < kV; ++v) dots[r][v] = FinishNibbleDots(dots[r][v]);  // 8 steps: whole in int16
     const int64_t s = (p * groups + b / per_group) * kPanel;
 #pragma GCC unroll 8
     for (int v = 0; v < kV; ++v) {
       const VecF d = LoadHalf(w.scales + s + v * kLanes);
-      const VecF m = MIN ? LoadHalf(w.mins + s + v * kLanes) : -8.f * d;
+      VecF m = MIN ? LoadHalf(w.mins + s + v * kLanes) : -8.f * d;
+      if constexpr (BITS == 8) m = -static_cast<float>(kQ8Bias) * d;
       for (int r = 0; r < ROWS; ++r)
         acc[r][v] += __builtin_convertvector(dots[r][v], VecF) * (d * xq.a[r * blocks + b]) + m * xq.s[r * blocks + b];
     }
@@ -280,32 +297,33 @@ void IntStreamPanel(const QuantizedRows& xq, const QuantLayer& w, int64_t p, flo
     for (int v = 0; v < kV; ++v) Store(y + r * w.n + p * kPanel + v * kLanes, acc[r][v]);
 }
 
-template <int ROWS, bool MIN>
+template <int ROWS, int BITS, bool MIN>
 void IntStreamRemainder(int rows, const QuantizedRows& xq, const QuantLayer& w, int64_t p, float* y) {
   if constexpr (ROWS > 0) {
-    if (rows == ROWS) return IntStreamPanel<ROWS, MIN>(xq, w, p, y);
-    IntStreamRemainder<ROWS - 1, MIN>(rows, xq, w, p, y);
+    if (rows == ROWS) return IntStreamPanel<ROWS, BITS, MIN>(xq, w, p, y);
+    IntStreamRemainder<ROWS - 1, BITS, MIN>(rows, xq, w, p, y);
   }
 }
 
-template <bool MIN>
+template <int BITS, bool MIN>
 void IntStreamPanels(const Team& team, const float* xp, int64_t rows, const QuantLayer& w, float* y) {
   const QuantizedRows xq = QuantizeRows(team, xp, rows, w.k_dim);
   const int64_t panels = w.n / kPanel;
   const int threads = TeamSize(team, rows, w.k_dim * w.n * kQuantTeamBytesPerWeight);
   team.ForEach(threads, panels, ChunkFor(panels, threads), [&](int64_t p) {
-    IntStreamRemainder<kQuantStreamRows, MIN>(static_cast<int>(rows), xq, w, p, y);
+    IntStreamRemainder<kQuantStreamRows, BITS, MIN>(static_cast<int>(rows), xq, w, p, y);
   });
 }
 
-// y = x @ w: the integer path from `int8_min_rows` rows of x on (0: never; in the few-row regime only for 4-bit
-// quants where the target arranges quads in registers), else quant_panels.h's.
+// y = x @ w: the integer path from `int8_min_rows` rows of x on (0: never; in the few-row regime only where the
+// target arranges quads in registers), else quant_panels.h's.
 void QuantMatmul(const Team& team, const float* xp, int64_t rows, const QuantLayer& w, int bits, float* y,
                  int64_t int8_min_rows = 0) {
   const bool integer = int8_min_rows > 0 && rows >= int8_min_rows && w.k_dim % kQ8Block == 0;
-  if (integer && rows <= kQuantStreamRows && bits == 4 && kQuadsInRegisters) {
-    if (w.mins) return IntStreamPanels<true>(team, xp, rows, w, y);
-    return IntStreamPanels<false>(team, xp, rows, w, y);
+  if (integer && rows <= kQuantStreamRows && kQuadsInRegisters) {
+    if (bits == 8) return IntStreamPanels<8, false>(team, xp, rows, w, y);
+    if (w.mins) return IntStreamPanels<4, true>(team, xp, rows, w, y);
+    return IntStreamPanels<4, false>(team, xp, rows, w, y);
   }
   if (integer && rows > kQuantStreamRows) {
     if (bits == 8) return IntPanels<8, false>(team, xp, rows, w, y);

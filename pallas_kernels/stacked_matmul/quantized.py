@@ -40,8 +40,8 @@ STREAM_ROWS = 4  # quant_panels.h's kQuantStreamRows: up to this many rows, the 
 
 
 def int8_few_rows() -> bool:
-    """Whether the kernel's integer path serves the few-row regime too (4-bit weights; cpu_simd.h's
-    kQuadsInRegisters: AVX512-VBMI, NEON, SSE-only targets); elsewhere those rows keep float activations."""
+    """Whether the kernel's integer path serves the few-row regime too (cpu_simd.h's kQuadsInRegisters:
+    AVX512-VBMI, NEON, SSE-only targets); elsewhere those rows keep float activations."""
     macros = cpu_ffi.target_macros()
     return "__AVX512VBMI__" in macros or "__aarch64__" in macros or ("__SSE2__" in macros and "__AVX__" not in macros)
 

@@ -121,7 +121,7 @@ def as_int8_blocks(x: np.ndarray, keep: np.ndarray) -> np.ndarray:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_the_integer_path_matches_the_oracle_on_x_as_its_int8_blocks(fmt):
     """`int8_min_rows`: from that many rows on x is quantized to int8 blocks of 32 and multiplied by integer dot
-    instructions (in the few-row regime too for 4-bit weights where the target arranges quads in registers).
+    instructions (in the few-row regime too where the target arranges quads in registers).
     Against the float64 oracle on those blocks dequantized, within the float32 accumulation's 1e-5 (x's own
     quantization error is ~100x that, so the float-activation path fails this); a NaN row of x stays in its row,
     other layers' scales are NaN; the grouped call alike."""
@@ -130,7 +130,7 @@ def test_the_integer_path_matches_the_oracle_on_x_as_its_int8_blocks(fmt):
     for shape in (*SHAPES, (2, 1056, 64)):  # K of 33 blocks: int_panels.h's spans of 16 blocks, and a remainder
         qw = qm.random_weight(rng, fmt, shape)
         weight = jax.device_put(qm.pack(poisoned(qw, LAYER)))
-        few = qm.FORMATS[fmt].bits == 4 and qm.int8_few_rows()  # the few-row regime takes the integer path too
+        few = qm.int8_few_rows()  # the few-row regime takes the integer path too
         for rows in (1, 2, 3, 4, 5, 8, 17, 64) if few else (5, 8, 17, 64):
             x, keep = x_rows(rng, rows, shape[1])
             check(matmul(x, weight, LAYER), as_int8_blocks(x, keep), keep, qw, LAYER)
@@ -144,15 +144,17 @@ def test_the_integer_path_matches_the_oracle_on_x_as_its_int8_blocks(fmt):
 
 
 @needs_kernel
-def test_the_integer_path_leaves_8_bit_weights_exact_in_the_few_row_regime():
-    """Up to quant_panels.h's few-row regime (`STREAM_ROWS`) 8-bit weights run the float-activation code whatever
-    `int8_min_rows` says: bit for bit the same outputs."""
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+def test_the_few_row_regime_takes_the_integer_path_only_where_quads_fit_registers(fmt):
+    """Up to quant_panels.h's few-row regime (`STREAM_ROWS`) the integer path runs only where the target arranges
+    quads in registers (`int8_few_rows`: AVX512-VBMI, NEON, SSE); elsewhere (AVX2) those rows keep the
+    float-activation code whatever `int8_min_rows` says, bit for bit."""
     rng = np.random.default_rng(7)
-    packed = jax.device_put(qm.pack(qm.random_weight(rng, "q8_0", (1, 96, 64))))
+    packed = jax.device_put(qm.pack(qm.random_weight(rng, fmt, (1, 96, 64))))
     for rows in range(1, qm.STREAM_ROWS + 1):
         x = rng.standard_normal((rows, 96)).astype(np.float32)
         plain, integer = (np.asarray(qm.quantized_matmul_cpu(x, packed, 0, int8_min_rows=m)) for m in (0, 1))
-        assert np.array_equal(plain, integer)
+        assert np.array_equal(plain, integer) != qm.int8_few_rows()
 
 
 def test_quantize_rows_is_llama_cpps_q8_1():

@@ -272,8 +272,8 @@ void QuantCases(Rng& rng) {
       matmul::QuantMatmul(kTeam, x.data(), rows, layer, c.bits, y.data());
       CheckMatmul(std::string("quantized ") + c.name + " rows=" + std::to_string(rows), x, rows, w, kQN, y, kQK);
       // the integer path: against x as its int8 blocks hold it (the integer sums exact, the scales float32); few
-      // rows take it for 4-bit quants where the target arranges quads in registers
-      if (rows <= matmul::kQuantStreamRows && !(c.bits == 4 && jaxllm_simd::kQuadsInRegisters)) continue;
+      // rows take it where the target arranges quads in registers
+      if (rows <= matmul::kQuantStreamRows && !jaxllm_simd::kQuadsInRegisters) continue;
       std::fill(y.begin(), y.end(), kNaN);
       matmul::QuantMatmul(kTeam, x.data(), rows, layer, c.bits, y.data(), 1);
       const matmul::QuantizedRows xq = matmul::QuantizeRows(kTeam, x.data(), rows, kQK);
