@@ -273,9 +273,9 @@ class CausalLM(nn.Module):
         )
 
     def head_int8_min_rows(self, name: str) -> int:
-        """The LM head's integer path (x in 8 bits) only over 8-bit weights, the default model's Q8_0 and `int8`: at
-        64 rows it halves the head's time, a third of a decode step's matmuls; over a 4-bit head (`int4`) 8-bit x
-        moved the held-out perplexity by 0.5 % (docs/quantization.md)."""
+        """The LM head's integer path (x in 8 bits) only over 8-bit weights (the default model's Q8_0, the int8 head
+        of `int8` and `int4`): at 64 rows it halves the head's time, a third of a decode step's matmuls, within the
+        perplexity gate (docs/quantization.md); a 4-bit head keeps float x, its cost in perplexity not measured."""
         fmt = self.quant.get(name)
         return self.matmul_int8_min_rows if fmt and FORMATS[fmt].bits == 8 else 0
 
