@@ -42,8 +42,9 @@ from pallas_kernels.stacked_matmul import quantized
 logger = logging.getLogger(__name__)
 
 MODES = ("auto", "on", "off")
-FORMAT = 6  # bump when the timed cases or the decision rule change: stored decisions are then retaken
+FORMAT = 7  # bump when the timed cases or the decision rule change: stored decisions are then retaken
 MAX_WEIGHT_ELEMENTS = 8 << 20  # a larger projection is timed on its first columns (the ratio is what counts)
+COLD_BYTES = 64 << 20  # written before each timed call of a few rows: more than a server CPU's last-level cache
 
 
 def mode() -> str:
@@ -100,16 +101,21 @@ class KernelChoice:
         return f"CPU kernels ({self.mode}): matmul {matmul}, attention {attention}; {self.target}"
 
 
-def _best_ms(fns, *args, reps: int = 5) -> tuple[float, ...]:
+def _best_ms(fns, *args, reps: int = 5, cold: bool = False) -> tuple[float, ...]:
     """Each path's best time (ms) over `reps` calls, the paths called in turn. The minimum, because other work on
     the machine only ever adds time; in turn, so that a busy spell slows all alike. (Medians of one's calls, then
     the other's, had recorded XLA as faster for 512-row quantized chunks under a load of 6, a decision then cached
-    for good: B=64 Q4_1 14 % below float32.)"""
+    for good: B=64 Q4_1 14 % below float32.) `cold`: the caches flushed before each call (untimed), as a step's
+    layers find their weights: a few rows are bound by reading them from memory, and timed warm the integer path
+    lost at one row where it wins in the model (the default model's Q4_1 chain, 1 row: 3.9 vs 4.2 ms)."""
     for fn in fns:
         jax.block_until_ready(fn(*args))  # compile and warm
+    flush = np.ones(COLD_BYTES // 8) if cold else None
     best = [float("inf")] * len(fns)
     for _ in range(reps):
         for i, fn in enumerate(fns):
+            if flush is not None:
+                flush += 1.0
             start = time.perf_counter()
             jax.block_until_ready(fn(*args))
             best[i] = min(best[i], time.perf_counter() - start)
@@ -153,7 +159,8 @@ def _time_matmuls(shapes, dtype, row_counts, rng, bar=None, int8=False) -> dict[
     for rows in row_counts:
         xs = [jnp.asarray(rng.standard_normal((rows, shape[0]), np.float32), dtype) for shape in shapes]
         timed = int8 and (rows > quantized.STREAM_ROWS or quantized.int8_few_rows())  # else the same code either way
-        out[rows] = _best_ms(paths if timed else paths[:2], xs, weights)
+        cold = rows <= quantized.STREAM_ROWS
+        out[rows] = _best_ms(paths if timed else paths[:2], xs, weights, cold=cold)
         if bar is not None:
             bar.update()
     return out
@@ -261,9 +268,11 @@ def _choose(
     # decode rows, and prefill chunks densely enough that the hand-over to XLA lands near the real crossover (a
     # quantized layer: XLA dequantizes it whole per step, which pays only for hundreds of rows)
     row_counts = sorted({r for r in (1, 8, 64, 128, 256, max_rows) if r <= max_rows})
+    time_int8 = quantized_shapes and int8_how == "auto"
+    if time_int8 and quantized.int8_few_rows():  # a verification of drafts, a few sequences: the integer
+        row_counts = sorted({*row_counts, min(quantized.STREAM_ROWS, max_rows)})  # path's lead grows with rows
     built = ((stacked_matmul.SOURCE, matmul_ok), (attention_cpu.SOURCE, attention_ok))
     libs = [cpu_ffi.library(source).name if ok else None for source, ok in built]  # each keyed by source and target
-    time_int8 = quantized_shapes and int8_how == "auto"
     parts = [FORMAT, libs, matmul_shapes, dtype, row_counts, dataclasses.astuple(attention) if attention else None]
     parts.append(time_int8)
     parts += [os.environ.get("XLA_FLAGS", ""), jax.__version__, os.cpu_count()]

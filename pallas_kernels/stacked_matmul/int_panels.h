@@ -45,6 +45,12 @@ using jaxllm_simd::RoundToInt;
 using jaxllm_simd::kQuadsInRegisters;
 
 constexpr int64_t kQ8Block = 32;  // x's values per scale
+// Up to this many rows the integer path streams the weights where quads fit registers (IntStreamPanels, in groups
+// of kQuantStreamRows rows against each panel), past it each panel is repacked once for its row tiles (IntPanels).
+// The default model's 30 Q4_1 layers and Q8_0 head, two threads, Zen 4 (median ms, streamed vs repacked): 5 rows
+// 7.3-9.3 vs 12.9-15.9, 8 rows 9.3-9.8 vs 15.7-20.1, 16 rows 12.8-15.6 vs 18.6-21.3, 32 rows 25.5-27.6 vs 30-35.7,
+// 64 rows even (benchmarks/NOTES.md).
+constexpr int64_t kIntStreamRows = 32;
 
 struct QuantizedRows {  // x as llama.cpp's Q8_1 blocks, [rows, K] and [rows, K / 32]
   std::vector<int8_t> q;
@@ -241,13 +247,14 @@ void IntPanels(const Team& team, const float* xp, int64_t rows, const QuantLayer
   });
 }
 
-// The few-row regime (a decode step) on the integer path, where the target arranges quads in registers: bound by
-// reading the weights, so each panel's quants are read once, straight from memory, arranged into quads as they
-// arrive (no buffer) and multiplied by x's int8 blocks, where the float-activation strips widen and convert every
-// quant. 4-bit quants: byte rows 16 b + 4 i .. + 3 hold k = 32 b + 4 i + j (low nibbles) and + 16 (high), split by
-// a mask and a shift; 8-bit ones: byte rows 32 b + 4 i .. + 3, k = 32 b + 4 i + j, biased as StoredQ8 says.
+// The few-row regime (a decode step, a verification of drafts) on the integer path, where the target arranges quads
+// in registers: bound by reading the weights, so each panel's quants are read from memory once, arranged into quads
+// as they arrive (no buffer) and multiplied by x's int8 blocks of up to kQuantStreamRows rows, where the
+// float-activation strips widen and convert every quant; further groups of rows find the panel in L1 / L2. 4-bit
+// quants: byte rows 16 b + 4 i .. + 3 hold k = 32 b + 4 i + j (low nibbles) and + 16 (high), split by a mask and a
+// shift; 8-bit ones: byte rows 32 b + 4 i .. + 3, k = 32 b + 4 i + j, biased as StoredQ8 says.
 template <int ROWS, int BITS, bool MIN>
-void IntStreamPanel(const QuantizedRows& xq, const QuantLayer& w, int64_t p, float* y) {
+void IntStreamPanel(const QuantizedRows& xq, int64_t x_row, const QuantLayer& w, int64_t p, float* y) {
   constexpr int kV = 4 * kPanel / kVecBytes;  // vectors of a panel's quads of 4 k
   constexpr int kSteps = BITS == 4 ? 4 : 8;   // loads of 4 byte rows per block of 32 k
   const int64_t k_dim = w.k_dim, blocks = k_dim / kQ8Block, groups = k_dim / w.group, per_group = w.group / kQ8Block;
@@ -265,11 +272,11 @@ void IntStreamPanel(const QuantizedRows& xq, const QuantLayer& w, int64_t p, flo
 #pragma GCC unroll 4
       for (int r = 0; r < ROWS; ++r) {
         int32_t lo4;
-        std::memcpy(&lo4, xq.q.data() + r * k_dim + b * kQ8Block + 4 * i, sizeof lo4);
+        std::memcpy(&lo4, xq.q.data() + (x_row + r) * k_dim + b * kQ8Block + 4 * i, sizeof lo4);
         const VecI xlo = VecI{} + lo4;
         if constexpr (BITS == 4) {
           int32_t hi4;
-          std::memcpy(&hi4, xq.q.data() + r * k_dim + b * kQ8Block + 16 + 4 * i, sizeof hi4);
+          std::memcpy(&hi4, xq.q.data() + (x_row + r) * k_dim + b * kQ8Block + 16 + 4 * i, sizeof hi4);
           const VecI xhi = VecI{} + hi4;
           for (int v = 0; v < kV; ++v) {
             dots[r][v] = DotNibbles(dots[r][v], quads[v] & 0x0f0f0f0f, xlo);
@@ -290,7 +297,8 @@ void IntStreamPanel(const QuantizedRows& xq, const QuantLayer& w, int64_t p, flo
       VecF m = MIN ? LoadHalf(w.mins + s + v * kLanes) : -8.f * d;
       if constexpr (BITS == 8) m = -static_cast<float>(kQ8Bias) * d;
       for (int r = 0; r < ROWS; ++r)
-        acc[r][v] += __builtin_convertvector(dots[r][v], VecF) * (d * xq.a[r * blocks + b]) + m * xq.s[r * blocks + b];
+        acc[r][v] += __builtin_convertvector(dots[r][v], VecF) * (d * xq.a[(x_row + r) * blocks + b]) +
+                     m * xq.s[(x_row + r) * blocks + b];
     }
   }
   for (int r = 0; r < ROWS; ++r)
@@ -298,10 +306,10 @@ void IntStreamPanel(const QuantizedRows& xq, const QuantLayer& w, int64_t p, flo
 }
 
 template <int ROWS, int BITS, bool MIN>
-void IntStreamRemainder(int rows, const QuantizedRows& xq, const QuantLayer& w, int64_t p, float* y) {
+void IntStreamRemainder(int rows, const QuantizedRows& xq, int64_t x_row, const QuantLayer& w, int64_t p, float* y) {
   if constexpr (ROWS > 0) {
-    if (rows == ROWS) return IntStreamPanel<ROWS, BITS, MIN>(xq, w, p, y);
-    IntStreamRemainder<ROWS - 1, BITS, MIN>(rows, xq, w, p, y);
+    if (rows == ROWS) return IntStreamPanel<ROWS, BITS, MIN>(xq, x_row, w, p, y + x_row * w.n);
+    IntStreamRemainder<ROWS - 1, BITS, MIN>(rows, xq, x_row, w, p, y);
   }
 }
 
@@ -311,7 +319,11 @@ void IntStreamPanels(const Team& team, const float* xp, int64_t rows, const Quan
   const int64_t panels = w.n / kPanel;
   const int threads = TeamSize(team, rows, w.k_dim * w.n * kQuantTeamBytesPerWeight);
   team.ForEach(threads, panels, ChunkFor(panels, threads), [&](int64_t p) {
-    IntStreamRemainder<kQuantStreamRows, BITS, MIN>(static_cast<int>(rows), xq, w, p, y);
+    // groups of kQuantStreamRows rows: the first reads the panel from memory, the others find it in L1 / L2
+    for (int64_t r0 = 0; r0 < rows; r0 += kQuantStreamRows) {
+      const int n_rows = static_cast<int>(std::min(kQuantStreamRows, rows - r0));
+      IntStreamRemainder<kQuantStreamRows, BITS, MIN>(n_rows, xq, r0, w, p, y);
+    }
   });
 }
 
@@ -320,7 +332,7 @@ void IntStreamPanels(const Team& team, const float* xp, int64_t rows, const Quan
 void QuantMatmul(const Team& team, const float* xp, int64_t rows, const QuantLayer& w, int bits, float* y,
                  int64_t int8_min_rows = 0) {
   const bool integer = int8_min_rows > 0 && rows >= int8_min_rows && w.k_dim % kQ8Block == 0;
-  if (integer && rows <= kQuantStreamRows && kQuadsInRegisters) {
+  if (integer && rows <= kIntStreamRows && kQuadsInRegisters) {
     if (bits == 8) return IntStreamPanels<8, false>(team, xp, rows, w, y);
     if (w.mins) return IntStreamPanels<4, true>(team, xp, rows, w, y);
     return IntStreamPanels<4, false>(team, xp, rows, w, y);

@@ -37,6 +37,7 @@ from pallas_kernels import stacked_matmul as sm
 TARGET = "jaxllm_quantized_matmul_cpu"
 PANEL = sm.PANEL
 STREAM_ROWS = 4  # quant_panels.h's kQuantStreamRows: up to this many rows, the kernel's few-row code
+INT_STREAM_ROWS = 32  # int_panels.h's kIntStreamRows: the integer path's few-row code, where quads fit registers
 
 
 def int8_few_rows() -> bool:

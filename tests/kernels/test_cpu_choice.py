@@ -15,6 +15,7 @@ import time
 import pytest
 
 from pallas_kernels import cpu_choice
+from pallas_kernels.stacked_matmul import quantized
 
 SHAPES = ((64, 96), (96, 64))
 ATTENTION = cpu_choice.AttentionShape(q_heads=4, kv_heads=2, head_dim=32, block_size=16, kv_dtype="float32")
@@ -170,7 +171,7 @@ def test_auto_runs_the_integer_path_from_the_rows_where_it_wins_from_there_on(mo
     would not)."""
     monkeypatch.setenv("JAXLLM_CPU_KERNELS", "auto")
     monkeypatch.setenv("JAXLLM_CPU_INT8_DOT", "auto")
-    times = {1: (1, 2), 8: (1, 2, 1.5), 64: (2, 3, 1), 128: (2, 3, 1), 256: (4, 5, 2), 512: (6, 5, 3)}
+    times = {1: (1, 2), 4: (1, 2, 1.5), 8: (1, 2, 1.5), 64: (2, 3, 1), 128: (2, 3, 1), 256: (4, 5, 2), 512: (6, 5, 3)}
     timed(monkeypatch, times, {"decode": (1, 3), "prefill": (1, 3)})
     choice = cpu_choice.choose(QUANT_SHAPES, "float32", 512, ATTENTION)
     assert (choice.matmul, choice.matmul_max_rows, choice.int8_min_rows) == (True, None, 64)
@@ -180,9 +181,24 @@ def test_auto_runs_the_integer_path_from_the_rows_where_it_wins_from_there_on(mo
 def test_auto_keeps_the_float_path_where_the_integer_one_loses_at_the_most_rows(monkeypatch, fresh):
     monkeypatch.setenv("JAXLLM_CPU_KERNELS", "auto")
     monkeypatch.setenv("JAXLLM_CPU_INT8_DOT", "auto")
-    timed(monkeypatch, {1: (1, 2), 8: (1, 2, 0.5), 64: (1, 2, 1.5)}, {"decode": (1, 3), "prefill": (1, 3)})
+    timed(
+        monkeypatch, {1: (1, 2), 4: (1, 2, 0.5), 8: (1, 2, 0.5), 64: (1, 2, 1.5)}, {"decode": (1, 3), "prefill": (1, 3)}
+    )
     choice = cpu_choice.choose(QUANT_SHAPES, "float32", 64, ATTENTION)
     assert choice.int8_min_rows == 0 and "int8" not in choice.describe()
+
+
+def test_where_the_few_rows_have_an_integer_path_four_rows_are_timed_too(monkeypatch, fresh):
+    """A verification of drafts or a few sequences (the integer path's lead over the float one grows with the rows:
+    4 rows of the default model 2.5x, 1 row about even): losing at 1 row no longer sends 2-8 rows to the float
+    path."""
+    monkeypatch.setenv("JAXLLM_CPU_KERNELS", "auto")
+    monkeypatch.setenv("JAXLLM_CPU_INT8_DOT", "auto")
+    monkeypatch.setattr(quantized, "int8_few_rows", lambda: True)
+    times = {1: (1, 9, 1.1), 4: (2, 9, 1), 8: (3, 9, 1.5), 64: (9, 20, 5)}
+    timed(monkeypatch, times, {"decode": (1, 3), "prefill": (1, 3)})
+    choice = cpu_choice.choose(QUANT_SHAPES, "float32", 64, ATTENTION)
+    assert set(choice.timings_ms["matmul"]) == {"1", "4", "8", "64"} and choice.int8_min_rows == 4
 
 
 @pytest.mark.parametrize("kernels", ["auto", "on"])
@@ -221,9 +237,7 @@ def test_the_real_self_check_times_the_integer_path(monkeypatch, fresh):
     monkeypatch.setenv("JAXLLM_CPU_INT8_DOT", "auto")
     choice = cpu_choice.choose(((64, 96, "q4_1"), (96, 64, "q8_0")), "float32", 64, None)
     matmul = choice.timings_ms["matmul"]
-    from pallas_kernels.stacked_matmul import quantized
-
     # one row: timed twice where the few-row regime has an integer path (4-bit on AVX512-VBMI, NEON, SSE)
     assert len(matmul["1"]) == (3 if quantized.int8_few_rows() else 2)
-    assert len(matmul["8"]) == 3 and len(matmul["64"]) == 3
+    assert len(matmul["8"]) == 3 and len(matmul["64"]) == 3 and ("4" in matmul) == quantized.int8_few_rows()
     assert all(ms > 0 for times in matmul.values() for ms in times)

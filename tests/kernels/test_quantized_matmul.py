@@ -131,7 +131,7 @@ def test_the_integer_path_matches_the_oracle_on_x_as_its_int8_blocks(fmt):
         qw = qm.random_weight(rng, fmt, shape)
         weight = jax.device_put(qm.pack(poisoned(qw, LAYER)))
         few = qm.int8_few_rows()  # the few-row regime takes the integer path too
-        for rows in (1, 2, 3, 4, 5, 8, 17, 64) if few else (5, 8, 17, 64):
+        for rows in (1, 2, 3, 4, 5, 8, 17, qm.INT_STREAM_ROWS, qm.INT_STREAM_ROWS + 1, 64) if few else (5, 8, 17, 64):
             x, keep = x_rows(rng, rows, shape[1])
             check(matmul(x, weight, LAYER), as_int8_blocks(x, keep), keep, qw, LAYER)
     grouped = jax.jit(lambda t, w, i: qm.grouped_quantized_matmul(t, w, i, int8_min_rows=5))
