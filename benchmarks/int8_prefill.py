@@ -9,6 +9,7 @@ prompt; llama.cpp (llama-cpp-python, one batch of `--prompt-len`) decodes the sa
 round by round; reported: each one's median TTFT and the median of per-round ratios to the float-activation path.
 
     python benchmarks/int8_prefill.py --rounds 5 --out benchmarks/results/int8_prefill_cpu.json
+    python benchmarks/int8_prefill.py --rounds 5 --peers          # jaxllm alone (llama-cpp-python not installed)
 """
 
 from __future__ import annotations
@@ -39,11 +40,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=1024)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--peers", nargs="*", default=["llama.cpp"], choices=["llama.cpp"], help="(none: jaxllm alone)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-
-    import llama_cpp
-    from llamacpp_generate import BatchedDecoder
 
     from jaxllm import SamplingParams
     from jaxllm.bench import offline
@@ -55,7 +54,6 @@ def main() -> None:
     while len(prompt) < args.prompt_len:
         prompt += prompt
     prompt = prompt[: args.prompt_len]
-    llamacpp = BatchedDecoder(llama_cpp, str(default_model_path()), 1, args.prompt_len + 16, args.threads, 1024)
     once = SamplingParams(temperature=0, max_tokens=1)
 
     def jaxllm_ttft(llm) -> float:
@@ -63,12 +61,18 @@ def main() -> None:
         llm.generate([{"prompt_token_ids": prompt}], once, use_tqdm=False)
         return time.perf_counter() - start
 
-    def llamacpp_ttft() -> float:
-        llamacpp.generate([prompt], 1)
-        return llamacpp.prefill_s
-
     runs = {name: (lambda llm=llm: jaxllm_ttft(llm)) for name, llm in engines.items()}
-    runs["llama.cpp"] = llamacpp_ttft
+    if "llama.cpp" in args.peers:
+        import llama_cpp
+        from llamacpp_generate import BatchedDecoder
+
+        llamacpp = BatchedDecoder(llama_cpp, str(default_model_path()), 1, args.prompt_len + 16, args.threads, 1024)
+
+        def llamacpp_ttft() -> float:
+            llamacpp.generate([prompt], 1)
+            return llamacpp.prefill_s
+
+        runs["llama.cpp"] = llamacpp_ttft
     for run in runs.values():  # warm: compile, caches
         run()
     rounds = []
