@@ -308,6 +308,70 @@ void attend_decode(const float* q_row, const T* k_layer, const T* v_layer, const
   }
 }
 
+// Rows [0, nrows) of one sequence at positions pos0 .. pos0 + nrows - 1 (a prefill chunk's, no sliding window), each
+// over its causal prefix: attend_decode's walk, with the rows innermost so that each group of keys and values is
+// read from memory (or L3) once for the nrows rows and from L1 by the others (one unit per row re-read a 1,024-token
+// prefix per row). `q_rows` [nrows, Hq, D]; `st`: each row's state as attend_decode writes it, rows state_size apart.
+template <typename T>
+void attend_rows(const float* q_rows, int64_t nrows, int64_t pos0, const T* k_layer, const T* v_layer,
+                 const int32_t* table, const Shape& sh, float sm_scale, float soft_cap, float* st,
+                 std::vector<float>& scratch) {
+  const int64_t D = sh.head_dim, Hq = sh.q_heads, Hkv = sh.kv_heads, B = sh.block_size, G = Hq / Hkv;
+  const int64_t state_size = Hq * (D + 2);
+  scratch.resize(nrows * Hq * D);
+  float* qs = scratch.data();  // [nrows, Hq, D], scaled
+  for (int64_t i = 0; i < nrows * Hq * D; ++i) qs[i] = q_rows[i] * sm_scale;
+  for (int64_t r = 0; r < nrows; ++r) {
+    float* acc = st + r * state_size;
+    std::fill(acc, acc + Hq * D, 0.f);
+    std::fill(acc + Hq * D, acc + Hq * D + Hq, kMask);
+    std::fill(acc + Hq * D + Hq, acc + state_size, 0.f);
+  }
+  const int64_t key_hi = pos0 + nrows, blk_hi = std::min<int64_t>((key_hi - 1) / B, sh.max_blocks - 1);
+  const int64_t block_elems = B * Hkv * D, stride = Hkv * D;
+  const int64_t lines = block_elems * sizeof(T) / 64;
+  const int64_t steps = nrows * Hkv * (G + D / kLanes) * ((B + kGroup - 1) / kGroup);
+  Prefetch pf;
+  auto target = [&](int64_t b) {
+    pf.finish();
+    pf = Prefetch{};
+    if (b > blk_hi) return;
+    const int64_t block = table[b];
+    if (block < 0 || block >= sh.num_blocks) return;
+    pf = Prefetch{reinterpret_cast<const char*>(k_layer + block * block_elems),
+                  reinterpret_cast<const char*>(v_layer + block * block_elems), 0, lines, (lines + steps - 1) / steps};
+  };
+  for (int64_t b = 0; b < kPrefetch; ++b) {
+    target(b);
+    pf.finish();
+  }
+  for (int64_t b = 0; b <= blk_hi; ++b) {
+    target(b + kPrefetch);
+    const int64_t block = table[b];
+    if (block < 0 || block >= sh.num_blocks) continue;  // a bad table entry reads nothing
+    const T* kb = k_layer + block * block_elems;
+    const T* vb = v_layer + block * block_elems;
+    const int64_t t_hi = std::min<int64_t>(B, key_hi - b * B);
+    for (int64_t t0 = 0; t0 < t_hi; t0 += kGroup) {
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const T* kr = kb + t0 * stride + h * D;
+        const T* vr = vb + t0 * stride + h * D;
+        for (int64_t r = 0; r < nrows; ++r) {  // row r sees keys up to pos0 + r
+          const int64_t nk = std::min<int64_t>({kGroup, t_hi - t0, pos0 + r + 1 - (b * B + t0)});
+          if (nk <= 0) continue;
+          float* acc = st + r * state_size;
+          const HeadState hs{qs + (r * Hq + h * G) * D, acc + Hq * D + h * G, acc + Hq * D + Hq + h * G,
+                             acc + h * G * D};
+          if (nk == kGroup)
+            attend_group_any<true>(hs, kr, vr, stride, kGroup, G, D, soft_cap, pf);
+          else
+            attend_group_any<false>(hs, kr, vr, stride, static_cast<int>(nk), G, D, soft_cap, pf);
+        }
+      }
+    }
+  }
+}
+
 // out[Hq, D] from the softmax states of the n slices of one row (each as attend_decode writes it); `sinks` (a logit
 // per head, or null) join the denominator.
 inline void merge_states(const float* states, int64_t n, int64_t Hq, int64_t D, const float* sinks, float* out) {

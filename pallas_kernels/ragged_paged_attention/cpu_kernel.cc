@@ -9,9 +9,11 @@
 // - one query row (head_dim a multiple of 16, at most 256; G <= 8): all heads, over its keys
 //   or, for a row long enough to unbalance the cores, over one slice of them (flash-decoding:
 //   the slices' softmax states are merged afterwards). Keys are scored a vector's width at a time with vector
-//   FMAs and a transpose-add reduction (`attend_group`). A prefill chunk's rows are units of
-//   their own too, each over its causal prefix: its sequence's blocks are re-read from cache
-//   (measured 1.5-2x faster than the row-by-row tile, attend.h, on prefill and mixed batches).
+//   FMAs and a transpose-add reduction (`attend_group`). A prefill chunk's rows go up to
+//   kChunkRows to a unit, each over its causal prefix, the rows innermost (`attend_rows`): each
+//   group of keys is read once per unit, from L1 by all but the first row (one unit per row
+//   re-read a long prompt's prefix from L3 row by row; both measured 1.5-2x faster than the
+//   row-by-row tile, attend.h, on prefill and mixed batches).
 // - otherwise, a tile of up to kTileRows query rows of one sequence, all heads, row by row.
 // Either walks its blocks through the table in order, so every K/V byte is read once per unit
 // from its contiguous [B, Hkv, D] block (all heads at once). Softmax is online (running max
@@ -56,6 +58,9 @@ constexpr int64_t kSlicesPerThread = 4;
 // tok/s with it at 128. A batch of one stays one unit below kMinSliceKeys: slices of 64 keys made it 8 %
 // slower in the engine.
 constexpr int64_t kMinTeamCost = 128;
+// A prefill chunk's rows per unit (attend_rows), while each thread still gets kChunkUnitsPerThread units: a unit
+// per row re-read its whole prefix per row (from L3 for a long prompt).
+constexpr int64_t kChunkRows = 8, kChunkUnitsPerThread = 2;
 
 template <typename T>
 void run(const Team& team, const float* q, const T* k, const T* v, const int32_t* kv_lens, const int32_t* tables,
@@ -66,12 +71,24 @@ void run(const Team& team, const float* q, const T* k, const T* v, const int32_t
   const bool decode_path = D % 16 == 0 && D <= kMaxHeadDim && Hq / sh.kv_heads <= 8;
   std::vector<Unit> units;
   std::vector<int64_t> split_rows, split_first;  // per split row: its query row, its first slot
-  int64_t total_keys = 0;
+  int64_t total_keys = 0, chunk_rows = 0;
+  for (int64_t i = 0; i < num_seqs; ++i) {
+    const int64_t q_len = std::max<int64_t>(0, std::min<int64_t>(cu[i + 1], num_tokens) - cu[i]);
+    if (q_len > 1 && q_len <= kv_lens[i]) chunk_rows += q_len;
+  }
+  // rows of a prefill chunk per unit (attend_rows): up to kChunkRows, as long as each thread gets a few units
+  const int64_t rows_per_unit =
+      window > 0 ? 1 : std::clamp<int64_t>(chunk_rows / (kChunkUnitsPerThread * team.max_threads()), 1, kChunkRows);
   for (int64_t i = 0; i < num_seqs; ++i) {
     const int64_t start = cu[i], q_len = std::max<int64_t>(0, std::min<int64_t>(cu[i + 1], num_tokens) - start);
     const int64_t kv_len = kv_lens[i];
     if (q_len <= 0 || kv_len <= 0 || q_len > kv_len) continue;
-    if (decode_path) {  // every row on its own: its keys are the sequence's first pos + 1
+    if (decode_path && q_len > 1 && rows_per_unit > 1) {  // a chunk's rows a few at a time, each over its prefix
+      for (int64_t r = 0; r < q_len; r += rows_per_unit) {
+        const int64_t nrows = std::min(rows_per_unit, q_len - r), pos = kv_len - q_len + r;
+        units.push_back({i, start + r, nrows, pos, 0, pos + nrows, -1, nrows * (pos + nrows)});
+      }
+    } else if (decode_path) {  // every row on its own: its keys are the sequence's first pos + 1
       for (int64_t r = 0; r < q_len; ++r) {
         const int64_t pos = kv_len - q_len + r, key_lo = window > 0 ? std::max<int64_t>(0, pos + 1 - window) : 0;
         units.push_back({i, start + r, 1, pos, key_lo, pos + 1, -1, pos + 1 - key_lo});
@@ -89,7 +106,7 @@ void run(const Team& team, const float* q, const T* k, const T* v, const int32_t
   int64_t slots = 0;
   for (size_t u = 0, n = units.size(); u < n; ++u) {
     const Unit whole = units[u];
-    if (!whole.decode() || threads == 1 || whole.key_hi - whole.key_lo <= slice_keys) continue;
+    if (!whole.decode() || whole.nrows > 1 || threads == 1 || whole.key_hi - whole.key_lo <= slice_keys) continue;
     split_rows.push_back(whole.row);
     split_first.push_back(slots);
     // slices start on block boundaries, so a group of keys never spans two slices' blocks
@@ -118,6 +135,12 @@ void run(const Team& team, const float* q, const T* k, const T* v, const int32_t
     if (!w.decode()) {
       attend_tile(q, k_layer, v_layer, table, sh, w.row, w.nrows, w.pos, sm_scale, window, soft_cap, sinks, out,
                   scratch);
+    } else if (w.nrows > 1) {
+      state.resize(w.nrows * state_size);
+      attend_rows(q + w.row * Hq * D, w.nrows, w.pos, k_layer, v_layer, table, sh, sm_scale, soft_cap, state.data(),
+                  scratch);
+      for (int64_t r = 0; r < w.nrows; ++r)
+        merge_states(state.data() + r * state_size, 1, Hq, D, sinks, out + (w.row + r) * Hq * D);
     } else if (w.slice >= 0) {
       attend_decode(q + w.row * Hq * D, k_layer, v_layer, table, sh, w.key_lo, w.key_hi, sm_scale, soft_cap,
                     states.data() + w.slice * state_size, scratch);
