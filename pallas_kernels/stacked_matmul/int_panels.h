@@ -295,10 +295,15 @@ void IntStreamPanel(const QuantizedRows& xq, int64_t x_row, const QuantLayer& w,
     for (int v = 0; v < kV; ++v) {
       const VecF d = LoadHalf(w.scales + s + v * kLanes);
       VecF m = MIN ? LoadHalf(w.mins + s + v * kLanes) : -8.f * d;
-      if constexpr (BITS == 8) m = -static_cast<float>(kQ8Bias) * d;
-      for (int r = 0; r < ROWS; ++r)
-        acc[r][v] += __builtin_convertvector(dots[r][v], VecF) * (d * xq.a[(x_row + r) * blocks + b]) +
-                     m * xq.s[(x_row + r) * blocks + b];
+      for (int r = 0; r < ROWS; ++r) {
+        const float a = xq.a[(x_row + r) * blocks + b], sum = xq.s[(x_row + r) * blocks + b];
+        // 8-bit: d factored out of the bias's term as written, where -ffast-math did so for one row and not for
+        // more: a row's result must not depend on the rows beside it (drafts verified as one-row steps score)
+        if constexpr (BITS == 8)
+          acc[r][v] += d * (__builtin_convertvector(dots[r][v], VecF) * a - static_cast<float>(kQ8Bias) * sum);
+        else
+          acc[r][v] += __builtin_convertvector(dots[r][v], VecF) * (d * a) + m * sum;
+      }
     }
   }
   for (int r = 0; r < ROWS; ++r)

@@ -157,6 +157,22 @@ def test_the_few_row_regime_takes_the_integer_path_only_where_quads_fit_register
         assert np.array_equal(plain, integer) != qm.int8_few_rows()
 
 
+@needs_kernel
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+def test_the_integer_paths_few_rows_score_a_row_as_it_scores_alone(fmt):
+    """Up to `INT_STREAM_ROWS` rows, where the few rows have an integer path, a row's result is bit for bit the
+    one it gets alone: a step verifying drafts scores its rows as one-row steps do, so greedy speculation does not
+    change the text (-ffast-math had factored an 8-bit term differently for one row than for more)."""
+    if not qm.int8_few_rows():
+        pytest.skip("this target's few rows keep float activations")
+    rng = np.random.default_rng(11)
+    packed = jax.device_put(qm.pack(qm.random_weight(rng, fmt, (1, 576, 256))))
+    x = rng.standard_normal((qm.INT_STREAM_ROWS, 576)).astype(np.float32)
+    alone = np.asarray(qm.quantized_matmul_cpu(x[:1], packed, 0, int8_min_rows=1))
+    for rows in (2, 4, 5, 8, qm.INT_STREAM_ROWS):
+        assert np.array_equal(np.asarray(qm.quantized_matmul_cpu(x[:rows], packed, 0, int8_min_rows=1))[:1], alone)
+
+
 def test_quantize_rows_is_llama_cpps_q8_1():
     """Each block of 32: scale max|x| / 127, q = round-half-to-even(x * 127 / max|x|) in [-127, 127]; a zero
     block stays zero."""
