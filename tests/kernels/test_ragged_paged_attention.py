@@ -222,6 +222,32 @@ def test_cpu_decode_slices_merge_with_sinks():
     assert relative_error(out, ref, batch.q_lens) <= TOL["float32"]
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("context,q_len", [(157, 157), (300, 64), (40, 13)])
+def test_cpu_a_chunks_rows_score_as_they_do_alone(dtype, context, q_len):
+    """A prefill chunk's rows go several to a unit (`attend_rows`); each row's output is bit for bit the one it gets
+    as a one-row sequence over the same blocks (a step verifying drafts then scores its rows as one-row steps do,
+    and greedy speculation keeps the text)."""
+    rng = np.random.default_rng(5)
+    block_size, kv_heads, group, head_dim, num_blocks = 16, 3, 3, 64, 24
+    shape = (num_blocks, block_size, kv_heads, head_dim)
+    k, v = (jnp.asarray(rng.standard_normal(shape, np.float32), dtype) for _ in range(2))
+    table = rng.permutation(num_blocks).astype(np.int32)[: -(-context // block_size)]
+    q = jnp.asarray(rng.standard_normal((q_len, kv_heads * group, head_dim), np.float32))
+    chunk = ragged_paged_attention_cpu(q, k, v, [context], table[None], [0, q_len], 1, sm_scale=0.125)
+    alone = ragged_paged_attention_cpu(
+        q,
+        k,
+        v,
+        np.arange(context - q_len + 1, context + 1),
+        np.tile(table, (q_len, 1)),
+        np.arange(q_len + 1),
+        q_len,
+        sm_scale=0.125,
+    )
+    assert np.array_equal(np.asarray(chunk), np.asarray(alone))
+
+
 @pytest.mark.parametrize("group,head_dim", [(2, 40), (12, 64)])
 def test_cpu_decode_fallback_layouts(group, head_dim):
     """Head dims that are not a multiple of 16 and groups wider than 8 take the row-tile path."""
