@@ -168,6 +168,19 @@ struct Prefetch {
   void finish() { per_step = lines; step(); }
 };
 
+// The prefetches of block b of a walk that ends at block blk_hi, spread over `steps` steps (none past the end or
+// for a bad table entry).
+template <typename T>
+Prefetch BlockPrefetch(const T* k_layer, const T* v_layer, const int32_t* table, const Shape& sh, int64_t b,
+                       int64_t blk_hi, int64_t steps) {
+  const int64_t block_elems = sh.block_size * sh.kv_heads * sh.head_dim, lines = block_elems * sizeof(T) / 64;
+  if (b > blk_hi) return Prefetch{};
+  const int64_t block = table[b];
+  if (block < 0 || block >= sh.num_blocks) return Prefetch{};
+  return Prefetch{reinterpret_cast<const char*>(k_layer + block * block_elems),
+                  reinterpret_cast<const char*>(v_layer + block * block_elems), 0, lines, (lines + steps - 1) / steps};
+}
+
 struct HeadState {  // one KV head's G query heads: scaled queries, running max/sum, accumulators
   const float* q;   // [G, D]
   float* m;         // [G]
@@ -271,16 +284,11 @@ void attend_decode(const float* q_row, const T* k_layer, const T* v_layer, const
   const int64_t blk_lo = key_lo / B, blk_hi = std::min<int64_t>((key_hi - 1) / B, sh.max_blocks - 1);
   const int64_t block_elems = B * Hkv * D, stride = Hkv * D;
   // Prefetch: the block kPrefetch ahead, spread over this block's (Hkv x (G + D / kLanes)) steps
-  const int64_t lines = block_elems * sizeof(T) / 64, steps = Hkv * (G + D / kLanes) * ((B + kGroup - 1) / kGroup);
+  const int64_t steps = Hkv * (G + D / kLanes) * ((B + kGroup - 1) / kGroup);
   Prefetch pf;
   auto target = [&](int64_t b) {
     pf.finish();
-    pf = Prefetch{};
-    if (b > blk_hi) return;
-    const int64_t block = table[b];
-    if (block < 0 || block >= sh.num_blocks) return;
-    pf = Prefetch{reinterpret_cast<const char*>(k_layer + block * block_elems),
-                  reinterpret_cast<const char*>(v_layer + block * block_elems), 0, lines, (lines + steps - 1) / steps};
+    pf = BlockPrefetch(k_layer, v_layer, table, sh, b, blk_hi, steps);
   };
   for (int64_t b = blk_lo; b < blk_lo + kPrefetch; ++b) {
     target(b);
@@ -329,17 +337,11 @@ void attend_rows(const float* q_rows, int64_t nrows, int64_t pos0, const T* k_la
   }
   const int64_t key_hi = pos0 + nrows, blk_hi = std::min<int64_t>((key_hi - 1) / B, sh.max_blocks - 1);
   const int64_t block_elems = B * Hkv * D, stride = Hkv * D;
-  const int64_t lines = block_elems * sizeof(T) / 64;
   const int64_t steps = nrows * Hkv * (G + D / kLanes) * ((B + kGroup - 1) / kGroup);
   Prefetch pf;
   auto target = [&](int64_t b) {
     pf.finish();
-    pf = Prefetch{};
-    if (b > blk_hi) return;
-    const int64_t block = table[b];
-    if (block < 0 || block >= sh.num_blocks) return;
-    pf = Prefetch{reinterpret_cast<const char*>(k_layer + block * block_elems),
-                  reinterpret_cast<const char*>(v_layer + block * block_elems), 0, lines, (lines + steps - 1) / steps};
+    pf = BlockPrefetch(k_layer, v_layer, table, sh, b, blk_hi, steps);
   };
   for (int64_t b = 0; b < kPrefetch; ++b) {
     target(b);
