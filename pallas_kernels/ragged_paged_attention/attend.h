@@ -264,6 +264,13 @@ inline void attend_group_any(const HeadState& st, const uint16_t* k, const uint1
   attend_group_bf16<FULL>(st, k, v, stride, nk, G, D, soft_cap, pf);
 }
 
+// An empty softmax state: [Hq, D] zero accumulators, [Hq] maxima at kMask, [Hq] zero sums.
+inline void reset_state(float* st, int64_t Hq, int64_t D) {
+  std::fill(st, st + Hq * D, 0.f);
+  std::fill(st + Hq * D, st + Hq * D + Hq, kMask);
+  std::fill(st + Hq * D + Hq, st + Hq * (D + 2), 0.f);
+}
+
 // One query row over keys [key_lo, key_hi): the unnormalised softmax state into `st`
 // ([Hq, D] accumulators, then [Hq] running maxima, then [Hq] sums).
 template <typename T>
@@ -274,12 +281,10 @@ void attend_decode(const float* q_row, const T* k_layer, const T* v_layer, const
   scratch.resize(Hq * D);
   float* qs = scratch.data();  // [Hq, D], scaled
   for (int64_t i = 0; i < Hq * D; ++i) qs[i] = q_row[i] * sm_scale;
+  reset_state(st, Hq, D);
   float* acc = st;
   float* m = acc + Hq * D;
   float* l = m + Hq;
-  std::fill(acc, acc + Hq * D, 0.f);
-  std::fill(m, m + Hq, kMask);
-  std::fill(l, l + Hq, 0.f);
 
   const int64_t blk_lo = key_lo / B, blk_hi = std::min<int64_t>((key_hi - 1) / B, sh.max_blocks - 1);
   const int64_t block_elems = B * Hkv * D, stride = Hkv * D;
@@ -329,12 +334,7 @@ void attend_rows(const float* q_rows, int64_t nrows, int64_t pos0, const T* k_la
   scratch.resize(nrows * Hq * D);
   float* qs = scratch.data();  // [nrows, Hq, D], scaled
   for (int64_t i = 0; i < nrows * Hq * D; ++i) qs[i] = q_rows[i] * sm_scale;
-  for (int64_t r = 0; r < nrows; ++r) {
-    float* acc = st + r * state_size;
-    std::fill(acc, acc + Hq * D, 0.f);
-    std::fill(acc + Hq * D, acc + Hq * D + Hq, kMask);
-    std::fill(acc + Hq * D + Hq, acc + state_size, 0.f);
-  }
+  for (int64_t r = 0; r < nrows; ++r) reset_state(st + r * state_size, Hq, D);
   const int64_t key_hi = pos0 + nrows, blk_hi = std::min<int64_t>((key_hi - 1) / B, sh.max_blocks - 1);
   const int64_t block_elems = B * Hkv * D, stride = Hkv * D;
   const int64_t steps = nrows * Hkv * (G + D / kLanes) * ((B + kGroup - 1) / kGroup);

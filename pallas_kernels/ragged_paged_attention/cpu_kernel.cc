@@ -72,15 +72,16 @@ void run(const Team& team, const float* q, const T* k, const T* v, const int32_t
   std::vector<Unit> units;
   std::vector<int64_t> split_rows, split_first;  // per split row: its query row, its first slot
   int64_t total_keys = 0, chunk_rows = 0;
+  const auto q_len_of = [&](int64_t i) { return std::max<int64_t>(0, std::min<int64_t>(cu[i + 1], num_tokens) - cu[i]); };
   for (int64_t i = 0; i < num_seqs; ++i) {
-    const int64_t q_len = std::max<int64_t>(0, std::min<int64_t>(cu[i + 1], num_tokens) - cu[i]);
+    const int64_t q_len = q_len_of(i);
     if (q_len > 1 && q_len <= kv_lens[i]) chunk_rows += q_len;
   }
   // rows of a prefill chunk per unit (attend_rows): up to kChunkRows, as long as each thread gets a few units
   const int64_t rows_per_unit =
       window > 0 ? 1 : std::clamp<int64_t>(chunk_rows / (kChunkUnitsPerThread * team.max_threads()), 1, kChunkRows);
   for (int64_t i = 0; i < num_seqs; ++i) {
-    const int64_t start = cu[i], q_len = std::max<int64_t>(0, std::min<int64_t>(cu[i + 1], num_tokens) - start);
+    const int64_t start = cu[i], q_len = q_len_of(i);
     const int64_t kv_len = kv_lens[i];
     if (q_len <= 0 || kv_len <= 0 || q_len > kv_len) continue;
     if (decode_path && q_len > 1 && rows_per_unit > 1) {  // a chunk's rows a few at a time, each over its prefix

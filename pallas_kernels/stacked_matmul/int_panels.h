@@ -294,7 +294,8 @@ void IntStreamPanel(const QuantizedRows& xq, int64_t x_row, const QuantLayer& w,
 #pragma GCC unroll 8
     for (int v = 0; v < kV; ++v) {
       const VecF d = LoadHalf(w.scales + s + v * kLanes);
-      VecF m = MIN ? LoadHalf(w.mins + s + v * kLanes) : -8.f * d;
+      VecF m{};  // the 4-bit min term's coefficient (8-bit: the bias's, written out below)
+      if constexpr (BITS == 4) m = MIN ? LoadHalf(w.mins + s + v * kLanes) : -8.f * d;
       for (int r = 0; r < ROWS; ++r) {
         const float a = xq.a[(x_row + r) * blocks + b], sum = xq.s[(x_row + r) * blocks + b];
         // 8-bit: d factored out of the bias's term as written, where -ffast-math did so for one row and not for
