@@ -9,6 +9,10 @@ the quantized kernel's integer path (x in int8 blocks, integer dot instructions)
 and Q4_1 weight (`matmul_int8_{format}_gflops`: where `pmaddubsw` is the way, 8-bit quants take the sign trick and
 4-bit ones sum in int16, so Q4_1 runs faster), the compute ceiling of engines that take it (multiply-adds counted
 as 2 operations, as for the floats).
+Instruction peaks (`isa_peak`, benchmarks/isa_peak.cc built with the kernels' compiler and -march, every core at
+once): float32 FMAs and the integer path's int8 dot instruction a second with nothing but registers in the way, the
+integer path's register tile with its per-block scaling in L1 (`isa_int8_tile_gops`), and each kernel ceiling as a
+fraction of them (`matmul_float32_over_isa_peak`, `matmul_int8_over_isa_peak`, `matmul_int8_over_isa_tile`).
 Memory: a jitted sum over a `--mem-mib` float32 array (reads every byte once, writes nothing),
 and numpy's copy of the same array for comparison. Prints one JSON object.
 
@@ -56,6 +60,29 @@ def int8_ceiling(n: int, reps: int) -> dict:
     return out | {"matmul_int8_gflops": max(out.values())}
 
 
+def isa_peak() -> dict:
+    """benchmarks/isa_peak.cc's JSON, keys prefixed `isa_` (empty without a compiler or where it fails)."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from pallas_kernels import cpu_ffi
+
+    if not (compiler := cpu_ffi.find_compiler()):
+        return {}
+    source = Path(__file__).with_name("isa_peak.cc")
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = Path(tmp) / "isa_peak"
+        build = [compiler, "-O2", f"-march={cpu_ffi.march()}", "-pthread", str(source), "-o", str(exe)]
+        try:
+            subprocess.run(build, check=True, capture_output=True)
+            run = subprocess.run([str(exe), str(os.cpu_count())], check=True, capture_output=True, text=True)
+        except (OSError, subprocess.CalledProcessError) as e:
+            print(f"isa_peak skipped: {e}")
+            return {}
+    return {f"isa_{k}": v for k, v in json.loads(run.stdout).items()}
+
+
 def ceilings(n: int = 2048, reps: int = 7, mem_mib: int = 1024) -> dict:
     import jax
     import jax.numpy as jnp
@@ -86,6 +113,13 @@ def ceilings(n: int = 2048, reps: int = 7, mem_mib: int = 1024) -> dict:
                 )
                 out[f"matmul_{dtype}_gflops"] = max(out[f"matmul_{dtype}_gflops"], out[f"matmul_{dtype}_kernel_gflops"])
             out |= int8_ceiling(n, reps)
+            out |= isa_peak()
+            ratios = (
+                ("matmul_float32_over_isa_peak", "matmul_float32_gflops", "isa_fma_float32_gflops"),
+                ("matmul_int8_over_isa_peak", "matmul_int8_gflops", "isa_int8_dot_gops"),
+                ("matmul_int8_over_isa_tile", "matmul_int8_q4_1_gflops", "isa_int8_tile_gops"),
+            )
+            out |= {name: round(out[a] / out[b], 2) for name, a, b in ratios if a in out and b in out}
     host = np.ones(mem_mib * 2**20 // 4, np.float32)
     device = jnp.asarray(host)
     total = jax.jit(jnp.sum)

@@ -53,7 +53,7 @@ def flags() -> list[str]:
 def target_macros() -> frozenset[str]:
     """The compiler's predefined macros for `-march=march()` (empty without a compiler): what the kernels'
     `#if`s see."""
-    compiler = _compiler()
+    compiler = find_compiler()
     if not compiler:
         return frozenset()
     done = subprocess.run(
@@ -67,7 +67,7 @@ def isa() -> str:
     """The vector ISA the kernels are built for (cpu_simd.h's choice), from the compiler's own macros for
     `-march=march()`: "AVX-512+BF16", "AVX-512", "AVX2+FMA", "NEON", "SSE" or "generic", with "+VNNI" or
     "+dotprod" where the target has integer dot instructions (AVX512-VNNI or AVX-VNNI; armv8.2-a's sdot)."""
-    if not _compiler():
+    if not find_compiler():
         return "no compiler"
     macros = target_macros()
     # the integer dot instructions the quantized kernel's integer path takes (cpu_simd.h's kIntDot)
@@ -83,7 +83,8 @@ def isa() -> str:
     return "generic"
 
 
-def _compiler() -> str | None:
+def find_compiler() -> str | None:
+    """The C++ compiler the kernels are built with: $CXX, else c++ or g++ on the PATH (None: none here)."""
     return os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
 
 
@@ -128,7 +129,7 @@ def library(source: Path, compiler: str | None = None) -> Path:
     the compiler."""
     import jaxlib
 
-    compiler = compiler or _compiler() or ""
+    compiler = compiler or find_compiler() or ""
     key = hashlib.sha256(
         b"\0".join(
             [
@@ -150,7 +151,7 @@ _builds: dict[Path, Future[Path]] = {}  # library -> its compiler run in this pr
 def build(source: Path) -> Path:
     """The shared library of `source`, compiled now unless this machine already has it. A build of the same
     library under way in this process (`prebuild`) is waited for rather than started again."""
-    compiler = _compiler()
+    compiler = find_compiler()
     if not compiler:
         raise RuntimeError("no C++ compiler (set CXX)")
     lib = library(source, compiler)

@@ -57,7 +57,7 @@ def test_the_kernels_keys_cover_every_header_of_pallas_kernels():
 
 def test_a_header_change_anywhere_rebuilds(tmp_path, monkeypatch, caplog):
     """A real compiler run per build (a tiny source: a fraction of a second each)."""
-    if not cpu_ffi._compiler():
+    if not cpu_ffi.find_compiler():
         pytest.skip("no C++ compiler")
     source = tree(tmp_path / "src")
     monkeypatch.setenv("JAXLLM_CACHE", str(tmp_path / "cache"))
@@ -84,7 +84,7 @@ def fake_compiler(tmp_path, monkeypatch):
     """cpu_ffi's compiler run replaced by a 0.3 s sleep that writes the library (or fails for `fail.cc`), with each
     run's (source name, start, end) recorded."""
     monkeypatch.setenv("JAXLLM_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(cpu_ffi, "_compiler", lambda: "c++")
+    monkeypatch.setattr(cpu_ffi, "find_compiler", lambda: "c++")
     monkeypatch.setattr(cpu_ffi, "_builds", {})
     runs: list[tuple[str, float, float]] = []
     lock = threading.Lock()
@@ -136,3 +136,25 @@ def test_prebuild_leaves_a_registered_source_be(tmp_path, fake_compiler, monkeyp
     cpu_ffi.prebuild(source)
     time.sleep(0.5)
     assert fake_compiler == []
+
+
+def test_isa_peak_reports_this_cpus_instruction_rates(tmp_path):
+    """benchmarks/isa_peak.cc, machine_ceilings.py's instruction peaks: built as machine_ceilings builds it and run on
+    one thread, and compiled for the x86-64 targets this CPU would not pick (AVX2, SSE: no int8 dot there)."""
+    import json
+    import platform
+    import subprocess
+
+    if not (compiler := cpu_ffi.find_compiler()):
+        pytest.skip("no C++ compiler")
+    source = Path(__file__).parents[2] / "benchmarks" / "isa_peak.cc"
+    exe = tmp_path / "isa_peak"
+    subprocess.run([compiler, "-O2", f"-march={cpu_ffi.march()}", "-pthread", str(source), "-o", str(exe)], check=True)
+    peaks = json.loads(subprocess.run([str(exe), "1"], check=True, capture_output=True, text=True).stdout)
+    assert peaks["threads"] == 1 and peaks["fma_float32_gflops"] > 0
+    if "+VNNI" in cpu_ffi.isa() or cpu_ffi.isa().startswith(("AVX2", "AVX-512")):
+        assert peaks["int8_dot_gops"] > 0 and peaks["int8_tile_gops"] > 0
+    if platform.machine() == "x86_64":
+        for march in ("x86-64-v3", "x86-64-v2"):
+            obj = tmp_path / f"{march}.o"
+            subprocess.run([compiler, "-O2", f"-march={march}", "-c", str(source), "-o", str(obj)], check=True)

@@ -53,7 +53,7 @@ def executable_flags(march: str) -> list[str]:
 def builds(tmp_path_factory):
     """Every build this module checks, started at once (seconds each, all in the compiler); `build` waits for one."""
     out = tmp_path_factory.mktemp("cross")
-    native_cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    native_cxx = cpu_ffi.find_compiler()
     assert native_cxx, "no C++ compiler (a test requirement, as for the kernels themselves)"
     specs = {"native": (native_cxx, [*executable_flags(cpu_ffi.march()), str(HARNESS)], out / "harness")}
     for march in [*X86_TARGETS, *X86_DOT_TARGETS]:
