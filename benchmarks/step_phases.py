@@ -113,14 +113,12 @@ def main() -> None:
             for kind in ("decode", "with_prompt")
             if result[kind]["median_ms"] and base[kind]["median_ms"]
         }
-    from jaxllm.bench.offline import machine_info
+    from jaxllm.bench.offline import machine_info, write_json
 
     report = {"machine": machine_info(), "workload": vars(args), "results": results}
     report["workload"].pop("one")
     print(json.dumps(report, indent=1))
-    if args.output_json:
-        with open(args.output_json, "w") as f:
-            json.dump(report, f, indent=1)
+    write_json(report, args.output_json)
 
 
 if __name__ == "__main__":
