@@ -38,15 +38,22 @@ constexpr int kDotMacs = 64;
 inline VecI Dot(VecI acc, VecI w, VecI x) { return _mm512_dpbusd_epi32(acc, w, x); }
 inline VecI Splat(int v) { return _mm512_set1_epi32(v); }
 inline long Sum(VecI v) { return _mm512_reduce_add_epi32(v); }
-#elif defined(__AVXVNNI__)
-using VecI = __m256i;
-constexpr const char* kDot = "vpdpbusd ymm (AVX-VNNI)";
-constexpr int kDotMacs = 32;
-inline VecI Dot(VecI acc, VecI w, VecI x) { return _mm256_dpbusd_avx_epi32(acc, w, x); }
 #elif defined(__AVX2__)
 using VecI = __m256i;
-constexpr const char* kDot = "pmaddubsw + pmaddwd + paddd ymm (AVX2)";
 constexpr int kDotMacs = 32;
+inline VecI Splat(int v) { return _mm256_set1_epi32(v); }
+inline long Sum(VecI v) {
+  alignas(32) int lanes[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), v);
+  long s = 0;
+  for (int lane : lanes) s += lane;
+  return s;
+}
+#if defined(__AVXVNNI__)
+constexpr const char* kDot = "vpdpbusd ymm (AVX-VNNI)";
+inline VecI Dot(VecI acc, VecI w, VecI x) { return _mm256_dpbusd_avx_epi32(acc, w, x); }
+#else
+constexpr const char* kDot = "pmaddubsw + pmaddwd + paddd ymm (AVX2)";
 inline VecI Dot(VecI acc, VecI w, VecI x) {
   return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 }
@@ -54,6 +61,7 @@ inline VecI Dot(VecI acc, VecI w, VecI x) {
 #define HAS_NIBBLE_DOTS 1
 inline VecI NibbleDot(VecI acc16, VecI w, VecI x) { return _mm256_add_epi16(acc16, _mm256_maddubs_epi16(w, x)); }
 inline VecI FinishNibbles(VecI acc16) { return _mm256_madd_epi16(acc16, _mm256_set1_epi16(1)); }
+#endif
 #elif defined(__ARM_FEATURE_DOTPROD)
 using VecI = int32x4_t;
 constexpr const char* kDot = "sdot (armv8.2-a+dotprod)";
@@ -68,16 +76,6 @@ inline long Sum(VecI v) { return vaddvq_s32(v); }
 #if defined(HAS_DOT) && !defined(HAS_NIBBLE_DOTS)
 inline VecI NibbleDot(VecI acc, VecI w, VecI x) { return Dot(acc, w, x); }
 inline VecI FinishNibbles(VecI acc) { return acc; }
-#endif
-#if !(defined(__AVX512VNNI__) && defined(__AVX512F__)) && defined(__AVX2__)
-inline VecI Splat(int v) { return _mm256_set1_epi32(v); }
-inline long Sum(VecI v) {
-  alignas(32) int lanes[8];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes), v);
-  long s = 0;
-  for (int lane : lanes) s += lane;
-  return s;
-}
 #endif
 
 #if defined(__AVX512F__)

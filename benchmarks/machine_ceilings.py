@@ -60,8 +60,9 @@ def int8_ceiling(n: int, reps: int) -> dict:
     return out | {"matmul_int8_gflops": max(out.values())}
 
 
-def isa_peak() -> dict:
-    """benchmarks/isa_peak.cc's JSON, keys prefixed `isa_` (empty without a compiler or where it fails)."""
+def isa_peak(threads: int | None = None) -> dict:
+    """benchmarks/isa_peak.cc's JSON on `threads` threads (default: every core), keys prefixed `isa_` (empty without
+    a compiler or where it fails)."""
     import subprocess
     import tempfile
     from pathlib import Path
@@ -76,7 +77,8 @@ def isa_peak() -> dict:
         build = [compiler, "-O2", f"-march={cpu_ffi.march()}", "-pthread", str(source), "-o", str(exe)]
         try:
             subprocess.run(build, check=True, capture_output=True)
-            run = subprocess.run([str(exe), str(os.cpu_count())], check=True, capture_output=True, text=True)
+            command = [str(exe), str(threads or os.cpu_count())]
+            run = subprocess.run(command, check=True, capture_output=True, text=True)
         except (OSError, subprocess.CalledProcessError) as e:
             print(f"isa_peak skipped: {e}")
             return {}

@@ -5,8 +5,9 @@ prompt tokens (chunked prefill mixed with decodes), for each setting in turn, as
 `benchmarks/throughput.py` gives one output rate per batch; a ratio between two paths there mixes the prefill's
 ratio with the decode's. This times every engine step of the same greedy run (`--batch` prompts of `--input-len`
 random token ids, `--output-len` tokens each, EOS ignored) and prints per setting the medians and totals of each
-kind, then each kind's ratio to the first setting. Settings: `native` (the model's own quantization, with
-`JAXLLM_CPU_INT8_DOT` from `--int8-dot`) or a `--quantization` name.
+kind, then each kind's ratio to the first setting. A setting is QUANTIZATION[:INT8_DOT], each run in a process of
+its own: `native` (the model's own quantization) or a `--quantization` name, and `JAXLLM_CPU_INT8_DOT` (default
+off).
 
     python benchmarks/step_phases.py --settings native:auto native:off none --rounds 2
 """
